@@ -1,0 +1,122 @@
+"""`PagedBuffer`: how the pages of one pool lie in memory.
+
+A page is the KV of `page_tokens` tokens. Engines lay it out in one of two ways:
+
+- *page-first*: one tensor whose dim 0 is the block id; a page is one contiguous row;
+- *segmented* (layer-first): one tensor per layer (or per layer and K/V); a page is one row in
+  each of them.
+
+Both are described the same way here: a page is the concatenation of row `i` of each *segment*,
+where a segment is a 2-D ``uint8`` view ``[num_pages, seg_bytes]`` whose rows may be strided but
+whose bytes within a row are contiguous. Copies between two buffers (`copy_pages`) work segment by
+segment, so both sides must agree on the segment sizes; `PagedBuffer.resegment` re-views a
+page-first buffer (such as a host pool) with another buffer's segment sizes at no cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PagedBuffer:
+    """Pages addressed by integer id; page `i` is row `i` of every segment, in order.
+
+    Guarantees: every segment is a 2-D uint8 tensor with the same number of rows, on the same
+    device, with contiguous bytes inside a row. The buffer keeps its tensors alive.
+    """
+
+    segments: tuple[torch.Tensor, ...]
+
+    def __post_init__(self) -> None:
+        if not self.segments:
+            raise ValueError("PagedBuffer needs at least one segment")
+        first = self.segments[0]
+        for i, seg in enumerate(self.segments):
+            if seg.dtype != torch.uint8 or seg.dim() != 2:
+                raise ValueError(
+                    f"segment {i} must be a 2-D uint8 view [num_pages, seg_bytes], "
+                    f"got dtype {seg.dtype} with shape {tuple(seg.shape)}"
+                )
+            if seg.shape[1] > 1 and seg.stride(1) != 1:
+                raise ValueError(f"segment {i}: bytes within a page row must be contiguous")
+            if seg.shape[0] != first.shape[0]:
+                raise ValueError(
+                    f"segment {i} has {seg.shape[0]} pages, segment 0 has {first.shape[0]}"
+                )
+            if seg.device != first.device:
+                raise ValueError(f"segment {i} is on {seg.device}, segment 0 on {first.device}")
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def page_first(cls, pool: torch.Tensor) -> PagedBuffer:
+        """A pool whose dim 0 indexes pages and whose pages are contiguous rows."""
+        if pool.dim() < 1 or pool.shape[0] == 0:
+            raise ValueError(f"a page-first pool needs a non-empty dim 0, got {tuple(pool.shape)}")
+        if not _rows_contiguous(pool):
+            raise ValueError("a page-first pool must hold each page contiguously (dim 0 outermost)")
+        rows = pool.shape[0]
+        flat = pool.view(rows, -1) if pool.dim() > 1 else pool.view(rows, 1)
+        return cls((flat.view(torch.uint8),))
+
+    @classmethod
+    def layer_first(cls, tensors: Sequence[torch.Tensor]) -> PagedBuffer:
+        """One tensor per layer (or per layer and K/V), each with dim 0 indexing pages."""
+        if not tensors:
+            raise ValueError("layer_first needs at least one tensor")
+        return cls(tuple(cls.page_first(t).segments[0] for t in tensors))
+
+    # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.segments[0].shape[0])
+
+    @property
+    def seg_bytes(self) -> tuple[int, ...]:
+        return tuple(int(s.shape[1]) for s in self.segments)
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(self.seg_bytes)
+
+    @property
+    def device(self) -> torch.device:
+        return self.segments[0].device
+
+    def resegment(self, seg_bytes: Sequence[int]) -> PagedBuffer:
+        """Re-view a single-segment (page-first) buffer as `seg_bytes` consecutive segments.
+
+        No bytes move: segment `k` is the column range of the page row that starts at the sum of
+        the sizes before it. Used to copy between a page-first host pool and a segmented engine
+        pool with one call.
+        """
+        seg_bytes = tuple(int(b) for b in seg_bytes)
+        if seg_bytes == self.seg_bytes:
+            return self
+        if len(self.segments) != 1:
+            raise ValueError("only a single-segment buffer can be re-segmented")
+        if sum(seg_bytes) != self.page_bytes:
+            raise ValueError(
+                f"segments of {sum(seg_bytes)} bytes in all do not fit pages of "
+                f"{self.page_bytes} bytes"
+            )
+        rows, parts, offset = self.segments[0], [], 0
+        for size in seg_bytes:
+            parts.append(rows[:, offset : offset + size])
+            offset += size
+        return PagedBuffer(tuple(parts))
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """True when every dim-0 row of `t` is one contiguous run of memory."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
