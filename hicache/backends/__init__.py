@@ -1,0 +1,1 @@
+"""Tiers: the interface (`base`), the registry, and one module per backend."""

@@ -1,0 +1,91 @@
+"""The tier interface.
+
+Every tier states what it can do as class attributes, read by the cache instead of checking names:
+
+- `shared`: other processes and instances see what this tier holds (Mooncake: yes; host: no);
+- `persistent`: its contents outlive this process;
+- `addressable`: its pages are memory that the copy kernel can address (GPU pool, pinned host);
+- `blocking`: its calls may wait on I/O, so hicache calls it only from its own worker threads,
+  never from the engine thread.
+
+Two families share that header:
+
+- `PoolTier`: memory that hicache addresses by page id through a `PagedBuffer` — the engine's GPU
+  pool (block ids) and the pinned host pools (slots). Copies between pool tiers go through
+  `hicache.kernels.copy_pages` on the engine's stream.
+- `StoreTier`: a keyed object store below the host tier (Mooncake Store). Objects move between it
+  and host slots in batches: which keys exist, get into host memory, put from host memory.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
+
+from hicache.kernels import PagedBuffer
+
+Piece = tuple[int, int]
+"""(address, size) of a run of bytes inside memory the store has registered."""
+
+
+class Tier(ABC):
+    """Capabilities every tier declares. `type` is set by the registry (or by the class)."""
+
+    type: ClassVar[str]
+    shared: ClassVar[bool]
+    persistent: ClassVar[bool]
+    addressable: ClassVar[bool]
+    blocking: ClassVar[bool]
+
+
+class PoolTier(Tier):
+    """Addressable memory made of pages (and, where the layout has them, state slots)."""
+
+    addressable = True
+    blocking = False
+
+    @property
+    @abstractmethod
+    def pages(self) -> PagedBuffer:
+        """The page memory, page `i` being block/slot id `i`."""
+
+
+class StoreTier(Tier):
+    """A keyed object store. Every call may block: call it from worker threads only.
+
+    Keys are strings built by `hicache.keys.l3_key`. Objects are written from and read into
+    host memory that the store has registered (`register`). A failed call raises
+    `StoreUnavailable`; a per-key failure is a negative code in the returned list.
+    """
+
+    addressable = False
+    blocking = True
+
+    @abstractmethod
+    def start(self) -> None:
+        """Begin connecting in the background and return at once."""
+
+    @abstractmethod
+    def register(self, memory: object) -> None:
+        """Make a host tensor available as the source and target of transfers."""
+
+    @abstractmethod
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Which of `keys` the store holds, in one batched call."""
+
+    @abstractmethod
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Sequence[Piece]]) -> list[int]:
+        """Read each object into its pieces; per key the bytes read or a negative code."""
+
+    @abstractmethod
+    def put_from(self, keys: Sequence[str], buffers: Sequence[Sequence[Piece]]) -> list[int]:
+        """Write each object from its pieces; per key 0 or a negative code."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the connection. Blocks; call at shutdown."""
+
+
+class StoreUnavailable(RuntimeError):
+    """The store could not be reached (not connected yet, master down, breaker open)."""

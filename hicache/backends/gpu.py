@@ -1,0 +1,63 @@
+"""The GPU tier (L1): the engine's own KV pool, addressed by the engine's block ids.
+
+hicache does not index this tier: the engine's prefix cache (if it has one) knows what its pool
+holds and tells `match` through `computed_tokens`. hicache only copies pages into and out of the
+blocks the engine names.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hicache.backends.base import PoolTier
+from hicache.config import Layout
+from hicache.kernels import PagedBuffer
+
+
+class GpuTier(PoolTier):
+    """The engine's pool, page-first (one tensor) or segmented (one tensor per layer)."""
+
+    type = "gpu"
+    shared = False
+    persistent = False
+
+    def __init__(self, pages: PagedBuffer, layout: Layout) -> None:
+        if layout.segments and pages.seg_bytes != layout.segments:
+            raise ValueError(
+                f"the pool's segments {_short(pages.seg_bytes)} disagree with the layout's "
+                f"segments {_short(layout.segments)}"
+            )
+        if pages.page_bytes != layout.page_size:
+            raise ValueError(
+                f"the pool's pages are {pages.page_bytes} bytes but the layout says "
+                f"page_bytes={layout.page_size}"
+            )
+        self._pages = pages
+
+    @property
+    def pages(self) -> PagedBuffer:
+        return self._pages
+
+    @property
+    def device(self) -> torch.device:
+        return self._pages.device
+
+    def block_ids(self, block_ids: object, needed: int, what: str) -> torch.Tensor:
+        """The first `needed` of `block_ids` as int32 CPU tensor; ValueError naming any problem."""
+        if isinstance(block_ids, torch.Tensor) and block_ids.device.type != "cpu":
+            raise ValueError(f"{what}: block_ids must be on the CPU, got {block_ids.device}")
+        ids = torch.as_tensor(block_ids, dtype=torch.int64)
+        if ids.dim() != 1:
+            raise ValueError(f"{what}: block_ids must be 1-D, got shape {tuple(ids.shape)}")
+        if ids.numel() < needed:
+            raise ValueError(f"{what} needs {needed} block ids, got {ids.numel()}")
+        ids = ids[:needed]
+        if needed and (int(ids.min()) < 0 or int(ids.max()) >= self._pages.num_pages):
+            raise ValueError(
+                f"{what}: block id outside the engine's pool of {self._pages.num_pages} blocks"
+            )
+        return ids.to(torch.int32)
+
+
+def _short(sizes: tuple[int, ...]) -> str:
+    return f"({len(sizes)} segments: {list(sizes[:3])}{'...' if len(sizes) > 3 else ''})"

@@ -1,0 +1,375 @@
+"""`HiCache`: the API an engine embeds.
+
+One request, as the engine sees it::
+
+    m = cache.match(rid, prompt)                  # numbers only; nothing is copied yet
+    blocks = engine.allocate(...)                 # the engine allocates, hicache never does
+    cache.load(m, blocks[m.first_page:], slot)    # host -> GPU on the engine's stream
+    engine.prefill(from_token=m.hit_tokens)
+    cache.store(rid, prompt, blocks, slot)        # GPU -> host, new pages and trailing states
+    ...                                           # decode
+    cache.store(rid, prompt + output[:-1], blocks, slot)   # optional: keep the answer too
+    cache.release(rid)
+    cache.poll()                                  # every engine step
+
+All methods are called from the engine thread; none of them blocks or synchronizes the device.
+hicache never calls the engine's scheduler: it returns numbers and takes block ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from hicache.backends.gpu import GpuTier
+from hicache.backends.host import HostTier, HostTierConfig
+from hicache.config import HiCacheConfig, Layout
+from hicache.errors import StateHookError
+from hicache.kernels import PagedBuffer
+from hicache.keys import KeyChain, as_tokens, chain_seed, fingerprint
+from hicache.request import Match, Request
+from hicache.slots import Lease
+from hicache.stats import Stats
+from hicache.transfers import DONE, Completion, Transfers
+
+
+class StateHooks(Protocol):
+    """How hicache reads and writes the engine's per-sequence states (hybrid models only).
+
+    A state is opaque bytes: what the engine needs, beyond the KV pages, to resume a sequence at
+    a page boundary (for sliding-window layers, the window ending there).
+    """
+
+    state_bytes: int
+    """Size of one state; equals the layout's state_bytes."""
+    history_tokens: int
+    """`save_state(slot, b, ...)` works for page boundaries b >= n - history_tokens, where n is
+    the number of tokens the slot has processed."""
+
+    def save_state(self, slot: int, boundary: int, out: torch.Tensor) -> None:
+        """Write the state of `slot` at `boundary` into `out` (1-D uint8 host tensor, pinned on
+        CUDA). Enqueue the copy on the current stream; on the CPU finish before returning."""
+
+    def load_state(self, slot: int, boundary: int, src: torch.Tensor) -> None:
+        """Make `slot` resume at `boundary` from the state in `src` (same rules as save)."""
+
+
+class HiCache:
+    """A tiered KV cache behind match / load / store / poll / release.
+
+    `gpu` is the engine's KV pool (`PagedBuffer.page_first(pool)` or `.layer_first(tensors)`);
+    `layout` describes its pages (defaults to the config's layout section); `states` are the
+    engine's state hooks, required when the layout has state_bytes; `stream` is the CUDA stream
+    of the engine's model kernels (default: the current stream at each call).
+    """
+
+    def __init__(
+        self,
+        config: HiCacheConfig,
+        gpu: PagedBuffer,
+        *,
+        layout: Layout | None = None,
+        states: StateHooks | None = None,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        layout = layout or config.layout
+        if layout is None:
+            raise ValueError("no layout: give layout= or a 'layout' section in the config")
+        if layout.state_bytes and states is None:
+            raise ValueError(f"the layout has state_bytes={layout.state_bytes}: give states=")
+        if states is not None and states.state_bytes != layout.state_bytes:
+            raise ValueError(
+                f"the state hooks' state_bytes={states.state_bytes} disagrees with the "
+                f"layout's state_bytes={layout.state_bytes}"
+            )
+        self.config = config
+        self.layout = layout
+        self.policy = config.policy
+        self.fingerprint = fingerprint(layout)
+        self.gpu = GpuTier(gpu, layout)
+        host_config = config.tier("host")
+        assert isinstance(host_config, HostTierConfig)  # guaranteed by HiCacheConfig's validator
+        self._stats = Stats()
+        self.host = HostTier(host_config, layout, on_evict=self._stats.evicted)
+        self._hooks = states if layout.state_bytes else None
+        self._transfers = Transfers(self.gpu.device, stream)
+        self._requests: dict[str, Request] = {}
+        self._seeds: dict[bytes | str | None, bytes] = {}
+
+    # -- match ----------------------------------------------------------------------------------
+
+    def match(
+        self,
+        request_id: str,
+        tokens: Any,
+        *,
+        salt: str | bytes | None = None,
+        computed_tokens: int = 0,
+    ) -> Match:
+        """How many leading tokens of `tokens` the engine may skip, and what `load` will copy.
+
+        `computed_tokens`: leading tokens whose KV the engine already holds in its own pool
+        (page-aligned; 0 for an engine without a prefix cache). `salt` separates tenants.
+        The prompt is hashed once per request; asking again for the same request (for example
+        after a pending answer) reuses its keys. The pages (and state) of the hit are pinned in
+        the host tier until `load` has copied them or `release` is called.
+        """
+        tokens = as_tokens(tokens)
+        n = tokens.shape[0]
+        if n == 0:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        P = self.layout.page_tokens
+        if computed_tokens < 0 or computed_tokens >= n or computed_tokens % P:
+            raise ValueError(
+                f"request {request_id!r}: computed_tokens={computed_tokens} must be a multiple "
+                f"of page_tokens={P} below the prompt length {n}"
+            )
+        req = self._request(request_id, tokens, salt)
+        req.drop_pins()
+        keys = req.chain.keys[: n // P]
+        first = computed_tokens // P
+        slots = self.host.page_slots.prefix(keys[first:])
+        found = first + len(slots)
+        hit = min(found, max(0, n - self.policy.min_recompute_tokens) // P)
+        state_slot = None
+        if self._hooks is not None and hit > first:
+            hit, state_slot = self._snap_to_state(keys, first, hit)
+        if hit > first:
+            req.pages = self.host.page_slots.lease(slots[: hit - first])
+            if state_slot is not None:
+                req.state = self.host.state_slots.lease([state_slot])
+            hit_tokens = hit * P
+        else:
+            hit, hit_tokens = first, computed_tokens
+        m = Match(
+            request_id=request_id,
+            hit_tokens=hit_tokens,
+            computed_tokens=computed_tokens,
+            first_page=first,
+            load_pages=hit - first,
+            needs_state=state_slot is not None,
+            limited_tokens=(found - hit) * P,
+        )
+        req.match = m
+        self._stats.matched(m, n)
+        return m
+
+    def _snap_to_state(self, keys: list[bytes], first: int, hit: int) -> tuple[int, int | None]:
+        """The deepest page count in (first, hit] whose boundary has a stored state."""
+        index = self.host.state_slots.index
+        for pages in range(hit, first, -1):
+            slot = index.get(keys[pages - 1])
+            if slot is not None:
+                return pages, slot
+        return first, None
+
+    def _request(self, request_id: str, tokens: np.ndarray, salt: str | bytes | None) -> Request:
+        req = self._requests.get(request_id)
+        seed = self._seed(salt)
+        if req is not None and req.chain.seed == seed:
+            held = req.chain.tokens
+            if tokens.shape[0] >= held.shape[0] and np.array_equal(tokens[: held.shape[0]], held):
+                req.chain.extend(tokens)
+                return req
+            req.drop_pins()
+        req = Request(KeyChain(seed, self.layout.page_tokens, tokens))
+        self._requests[request_id] = req
+        return req
+
+    def _seed(self, salt: str | bytes | None) -> bytes:
+        seed = self._seeds.get(salt)
+        if seed is None:
+            seed = self._seeds[salt] = chain_seed(self.fingerprint, salt)
+        return seed
+
+    # -- load -----------------------------------------------------------------------------------
+
+    def load(
+        self, match: Match, block_ids: Sequence[int], state_slot: int | None = None
+    ) -> Completion:
+        """Copy the hit's pages into `block_ids` (and its state into `state_slot`).
+
+        `block_ids[k]` receives page ``match.first_page + k``; at least `match.load_pages` ids
+        are needed. The copies are enqueued on the engine's stream: kernels the engine enqueues
+        afterwards see the pages. The returned completion tells when the copies have finished
+        (the engine need not wait for it). On a bad argument (ValueError) nothing is copied and
+        the match stays loadable; if the state hook raises (StateHookError) the match is dropped
+        and the engine recomputes from `match.computed_tokens`.
+        """
+        req = self._requests.get(match.request_id)
+        if req is None or req.match is not match:
+            raise ValueError(
+                f"request {match.request_id!r}: this match is not the request's current one "
+                "(released, loaded already, or superseded by a newer match)"
+            )
+        if match.pending:
+            raise ValueError(f"request {match.request_id!r}: the match is pending; match again")
+        what = f"load of request {match.request_id!r}"
+        ids = self.gpu.block_ids(block_ids, match.load_pages, what)
+        if match.needs_state and state_slot is None:
+            raise ValueError(f"{what}: the hit includes a state, give state_slot")
+        if match.load_pages == 0:
+            req.drop_pins()
+            return DONE
+        pages, state = req.pages, req.state
+        req.pages = req.state = None
+        req.match = None
+        leases = [lease for lease in (pages, state) if lease is not None]
+        try:
+            if state is not None:
+                self._call_hook("load_state", state_slot, match.hit_tokens, state.slots[0])
+            src = self.host.pages.resegment(self.gpu.pages.seg_bytes)
+            self._transfers.copy(
+                src, torch.tensor(pages.slots, dtype=torch.int32), self.gpu.pages, ids
+            )
+        except BaseException:
+            _release(leases)
+            raise
+        self._stats.loaded(match.load_pages)
+        return self._transfers.then(lambda: _release(leases))
+
+    # -- store ----------------------------------------------------------------------------------
+
+    def store(
+        self,
+        request_id: str,
+        tokens: Any,
+        block_ids: Sequence[int],
+        state_slot: int | None = None,
+        *,
+        salt: str | bytes | None = None,
+    ) -> int:
+        """Write through: copy the full pages of `tokens` that the host tier lacks, GPU -> host.
+
+        `tokens` are the tokens whose KV the engine holds in `block_ids` (page i in
+        ``block_ids[i]``): the prompt after its prefill, or prompt + output[:-1] at the end of a
+        request. They must extend what the request matched. With a state layout, the states at
+        the last `policy.state_boundaries` page boundaries that the engine can still produce are
+        saved from `state_slot` too. Returns the number of pages copied. When the host tier is
+        full of pinned pages, the leading pages that fit are stored and the rest are counted as
+        dropped. `salt` is used only for a request that was never matched.
+        """
+        if self.policy.write_policy == "read_only":
+            return 0
+        tokens = as_tokens(tokens)
+        req = self._requests.get(request_id)
+        if req is None:
+            req = self._request(request_id, tokens, salt)
+        else:
+            req.chain.extend(tokens)
+        P = self.layout.page_tokens
+        n_pages = tokens.shape[0] // P
+        what = f"store of request {request_id!r}"
+        ids = self.gpu.block_ids(block_ids, n_pages, what)
+        if self._hooks is not None and state_slot is None and n_pages:
+            raise ValueError(f"{what}: the layout has states, give state_slot")
+        keys = req.chain.keys[:n_pages]
+        pool = self.host.page_slots
+        found = pool.lookup(keys)
+        present = [s for s in found if s is not None]
+        missing = [i for i, s in enumerate(found) if s is None]
+        keep = pool.lease(present)  # the sequence's own pages must not be evicted for its tail
+        try:
+            copied = self._store_pages(keys, ids, missing)
+        finally:
+            keep.release()
+        if self._hooks is not None and n_pages:
+            self._store_states(keys, tokens.shape[0], state_slot)
+        return copied
+
+    def _store_pages(self, keys: list[bytes], ids: torch.Tensor, missing: list[int]) -> int:
+        if not missing:
+            return 0
+        pool = self.host.page_slots
+        lease = pool.reserve(len(missing))
+        if len(lease) < len(missing):
+            self._stats.dropped(len(missing) - len(lease))
+            missing = missing[: len(lease)]
+        if not missing:
+            lease.release()
+            return 0
+        try:
+            dst = self.host.pages.resegment(self.gpu.pages.seg_bytes)
+            src_ids = ids[torch.tensor(missing, dtype=torch.int64)]
+            self._transfers.copy(
+                self.gpu.pages, src_ids, dst, torch.tensor(lease.slots, dtype=torch.int32)
+            )
+        except BaseException:
+            lease.release()
+            raise
+        pool.publish(lease.slots, [keys[i] for i in missing])
+        self._stats.stored(len(missing))
+        self._transfers.then(lease.release)
+        return len(missing)
+
+    def _store_states(self, keys: list[bytes], n_tokens: int, state_slot: int | None) -> None:
+        hooks, P = self._hooks, self.layout.page_tokens
+        assert hooks is not None and state_slot is not None
+        oldest = n_tokens - hooks.history_tokens
+        wanted = [
+            pages
+            for pages in range(len(keys), 0, -1)[: self.policy.state_boundaries]
+            if pages * P >= oldest and keys[pages - 1] not in self.host.state_slots
+        ]
+        if not wanted:
+            return
+        lease = self.host.state_slots.reserve(len(wanted))
+        wanted = wanted[: len(lease)]
+        try:
+            for pages, slot in zip(wanted, lease.slots):
+                self._call_hook("save_state", state_slot, pages * P, slot)
+        except BaseException:
+            lease.release()
+            raise
+        self.host.state_slots.publish(lease.slots, [keys[p - 1] for p in wanted])
+        self._stats.stored_states(len(wanted))
+        self._transfers.then(lease.release)
+
+    def _call_hook(self, name: str, state_slot: int | None, boundary: int, host_slot: int) -> None:
+        try:
+            getattr(self._hooks, name)(state_slot, boundary, self.host.state(host_slot))
+        except Exception as err:
+            self._stats.hook_failed()
+            raise StateHookError(
+                f"state hook {name}(slot={state_slot}, boundary={boundary}) raised "
+                f"{type(err).__name__}: {err}"
+            ) from err
+
+    # -- housekeeping ---------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Retire finished copies and release what they pinned. Never blocks; call every step."""
+        self._transfers.poll()
+
+    def release(self, request_id: str) -> None:
+        """Forget a request (finished or aborted) and drop what its match pinned. Idempotent."""
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            req.drop_pins()
+
+    def stats(self) -> dict[str, int]:
+        """Counters and gauges as a plain dict (see `hicache.stats.Stats` for their meaning)."""
+        pages, states = self.host.page_slots, self.host.state_slots
+        return self._stats.as_dict(
+            host_slots=pages.capacity,
+            host_used=pages.used,
+            host_pinned=pages.pinned,
+            state_slots=states.capacity,
+            state_used=states.used,
+            requests=len(self._requests),
+            copies_in_flight=self._transfers.in_flight,
+        )
+
+    def close(self) -> None:
+        """Drop every request and free the host pools. Pending copies must have completed."""
+        for rid in list(self._requests):
+            self.release(rid)
+        self.host.close()
+
+
+def _release(leases: list[Lease]) -> None:
+    for lease in leases:
+        lease.release()

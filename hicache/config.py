@@ -1,0 +1,278 @@
+"""hicache's configuration: pydantic models loaded from YAML.
+
+A file has three sections::
+
+    layout:            # what a page is (an engine may instead pass its Layout in code)
+      model: llama-3.1-8b@main
+      kv_dtype: bfloat16
+      page_tokens: 128
+      page_bytes: 16777216
+    tiers:             # fastest first, below the engine's own GPU pool
+      - type: host
+        size: 64GiB
+    policy:
+      min_recompute_tokens: 1
+
+Every field is validated; an unknown key or a bad value is a `ConfigError` whose message names the
+file and the field (``configs/x.yaml: tiers.0.size: ...``). Tier sections are validated by the model
+their backend registered for its ``type`` (see `hicache.backends.registry`).
+
+Environment overrides have one form: ``HICACHE__<SECTION>__<FIELD>=value``, a double underscore
+between path parts, list items by index, the value parsed as a YAML scalar. For example
+``HICACHE__POLICY__MIN_RECOMPUTE_TOKENS=64`` or ``HICACHE__TIERS__0__SIZE=8GiB``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+ENV_PREFIX = "HICACHE__"
+
+_BYTES = TypeAdapter(ByteSize)
+
+
+def _to_bytes(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError("expected a byte size such as 4096, '512MiB' or '64GiB'")
+    return int(_BYTES.validate_python(value))
+
+
+Bytes = Annotated[int, BeforeValidator(_to_bytes), PlainSerializer(int)]
+"""A size in bytes, written as an integer or with a unit: ``4096``, ``512MiB``, ``64GiB``."""
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used. The message names the file (if any) and the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Layout(_Strict):
+    """What one page (and one state) of this engine is. Everything here goes into the fingerprint.
+
+    `page_bytes` is the size of one page of all KV layers; an engine that keeps one tensor per
+    layer (or per layer and K/V) gives `segments` instead, the bytes of a page in each, in the
+    order of its pool tensors. `state_bytes` is non-zero for hybrid models (sliding-window or
+    linear attention) whose sequences also need a state to resume at a page boundary.
+    """
+
+    model: str = Field(min_length=1)
+    kv_dtype: str = Field(min_length=1)
+    page_tokens: int = Field(default=128, gt=0)
+    page_bytes: int = Field(default=0, ge=0)
+    segments: tuple[int, ...] = ()
+    state_bytes: int = Field(default=0, ge=0)
+    tp_rank: int = Field(default=0, ge=0)
+    tp_size: int = Field(default=1, ge=1)
+    kv_head_sharded: bool = True
+
+    @field_validator("segments")
+    @classmethod
+    def _positive_segments(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if any(s <= 0 for s in v):
+            raise ValueError("every segment must be a positive number of bytes")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Layout:
+        if self.segments and self.page_bytes and sum(self.segments) != self.page_bytes:
+            raise ValueError(
+                f"segments add up to {sum(self.segments)} bytes but page_bytes is {self.page_bytes}"
+            )
+        if not self.segments and not self.page_bytes:
+            raise ValueError("give page_bytes (page-first pools) or segments (layer-first pools)")
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} is not below tp_size {self.tp_size}")
+        return self
+
+    @property
+    def page_size(self) -> int:
+        """Bytes of one page, whichever way it was given."""
+        return self.page_bytes or sum(self.segments)
+
+    @property
+    def segment_bytes(self) -> tuple[int, ...]:
+        """Bytes of a page in each segment (one segment for page-first pools)."""
+        return self.segments or (self.page_bytes,)
+
+
+class TierConfig(_Strict):
+    """Base of every tier section. Backends subclass it with ``type: Literal["name"]``."""
+
+    type: str
+
+
+class Policy(_Strict):
+    """How hits are taken and what gets stored."""
+
+    min_recompute_tokens: int = Field(default=1, ge=1)
+    """At least this many prompt tokens are always recomputed (the engine needs logits)."""
+    state_boundaries: int = Field(default=2, ge=1)
+    """States are stored at this many trailing page boundaries of every stored sequence."""
+    write_policy: Literal["write_through", "read_only"] = "write_through"
+    """write_through: `store` copies new pages to the host tier; read_only: `store` does nothing."""
+
+
+class HiCacheConfig(_Strict):
+    """The whole configuration."""
+
+    layout: Layout | None = None
+    tiers: tuple[TierConfig, ...] = Field(min_length=1)
+    policy: Policy = Policy()
+
+    @field_validator("tiers", mode="before")
+    @classmethod
+    def _tier_models(cls, items: Any) -> Any:
+        from hicache.backends.registry import tier_config_model
+
+        if not isinstance(items, list | tuple):
+            return items
+        out = []
+        for i, item in enumerate(items):
+            if isinstance(item, TierConfig):
+                out.append(item)
+                continue
+            if not isinstance(item, Mapping) or "type" not in item:
+                raise ValueError(f"tiers.{i} needs a 'type'")
+            model = tier_config_model(str(item["type"]), where=f"tiers.{i}.type")
+            try:
+                out.append(model.model_validate(item))
+            except ValidationError as err:
+                first = err.errors()[0]
+                loc = ".".join(str(p) for p in ("tiers", i, *first["loc"]))
+                raise ValueError(f"{loc}: {first['msg']}") from None
+        return out
+
+    @model_validator(mode="after")
+    def _tier_order(self) -> HiCacheConfig:
+        types = [t.type for t in self.tiers]
+        if len(set(types)) != len(types):
+            raise ValueError(f"each tier type may appear once, got {types}")
+        if types[0] != "host":
+            raise ValueError("the first tier must be 'host': every other tier moves through it")
+        return self
+
+    def tier(self, type_: str) -> TierConfig | None:
+        """The section of the tier of this type, or None."""
+        return next((t for t in self.tiers if t.type == type_), None)
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+
+def load_config(
+    source: str | os.PathLike[str] | Mapping[str, Any],
+    env: Mapping[str, str] | None = None,
+) -> HiCacheConfig:
+    """Load and validate a configuration from a YAML file or a mapping, with env overrides.
+
+    `env` defaults to ``os.environ``; pass ``{}`` to ignore the environment.
+    Raises ConfigError with one line naming the file and the field.
+    """
+    where = ""
+    if isinstance(source, Mapping):
+        data: Any = dict(source)
+    else:
+        where = str(source)
+        try:
+            text = Path(source).read_text()
+        except OSError as err:
+            raise ConfigError(f"{where}: cannot read: {err.strerror}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{where}: not valid YAML: {_one_line(str(err))}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: the top level must be a mapping of sections")
+    data = apply_env_overrides(data, os.environ if env is None else env, where)
+    try:
+        return HiCacheConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, where)) from None
+
+
+def apply_env_overrides(data: dict[str, Any], env: Mapping[str, str], where: str = "") -> dict:
+    """Return a copy of `data` with every ``HICACHE__A__B=value`` variable applied."""
+    import copy
+
+    out = copy.deepcopy(data)
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        path = [p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p]
+        if not path:
+            continue
+        value = yaml.safe_load(env[name]) if env[name] != "" else None
+        node: Any = out
+        for depth, part in enumerate(path[:-1]):
+            nxt = path[depth + 1]
+            node = _child(node, part, list if nxt.isdigit() else dict, name)
+        _assign(node, path[-1], value, name)
+    return out
+
+
+def _child(node: Any, part: str, kind: type, var: str) -> Any:
+    if isinstance(node, list):
+        index = _index(part, node, var)
+        if node[index] is None:
+            node[index] = kind()
+        return node[index]
+    if not isinstance(node, dict):
+        raise ConfigError(f"environment {var}: '{part}' is not inside a section")
+    if node.get(part) is None:
+        node[part] = kind()
+    return node[part]
+
+
+def _assign(node: Any, part: str, value: Any, var: str) -> None:
+    if isinstance(node, list):
+        node[_index(part, node, var)] = value
+    elif isinstance(node, dict):
+        node[part] = value
+    else:
+        raise ConfigError(f"environment {var}: '{part}' is not inside a section")
+
+
+def _index(part: str, node: list, var: str) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise ConfigError(f"environment {var}: no list item '{part}' (the list has {len(node)})")
+    return int(part)
+
+
+def _describe(err: ValidationError, where: str) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    msg = first["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+        if msg.startswith(loc + "."):  # a nested tier error already names its full path
+            loc, _, msg = msg.partition(": ")
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    text = f"{loc}: {_one_line(msg)}"
+    return f"{where}: {text}" if where else text
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())

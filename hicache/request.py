@@ -1,0 +1,57 @@
+"""What hicache remembers about one request, and the `Match` it answers with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hicache.keys import KeyChain
+from hicache.slots import Lease
+
+
+@dataclass(frozen=True)
+class Match:
+    """The answer of `HiCache.match`: how much of the prompt the engine may skip.
+
+    `hit_tokens` is the number of leading prompt tokens the engine need not compute: what it
+    said it had (`computed_tokens`) plus what hicache will load. `load_pages` pages, starting at
+    page `first_page`, come from hicache's tiers; with a state layout, the state at `hit_tokens`
+    comes too. While `pending` is true, an L3 lookup is still running: ask again later (the hit
+    may grow), or take this answer.
+    """
+
+    request_id: str
+    hit_tokens: int
+    computed_tokens: int
+    first_page: int
+    load_pages: int
+    l3_pages: int = 0
+    needs_state: bool = False
+    pending: bool = False
+    limited_tokens: int = 0
+    """Tokens found in the tiers that the cap (min_recompute_tokens) or the snap to a stored state
+    kept the hit from using."""
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens hicache supplies (hit_tokens less what the engine had)."""
+        return self.hit_tokens - self.computed_tokens if self.load_pages else 0
+
+
+@dataclass
+class Request:
+    """hicache's state of one request between `match` and `release`."""
+
+    chain: KeyChain
+    match: Match | None = None
+    pages: Lease | None = None
+    """Host page slots pinned by `match` for `load`."""
+    state: Lease | None = None
+    """The host state slot pinned by `match` for `load`."""
+
+    def drop_pins(self) -> None:
+        """Release what `match` pinned and forget the match (it can no longer be loaded)."""
+        for lease in (self.pages, self.state):
+            if lease is not None:
+                lease.release()
+        self.pages = self.state = None
+        self.match = None

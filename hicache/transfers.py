@@ -1,0 +1,82 @@
+"""Copies on the engine's stream and their completion.
+
+`Transfers.copy` enqueues a page copy (the CUDA kernel on the engine's stream, or the CPU twin,
+which finishes before it returns). `Transfers.then(callback)` marks everything enqueued so far:
+the callback runs from `poll` once those copies have completed — on CUDA when an event recorded
+after them has fired. Nothing here synchronizes the device or waits.
+
+Copies in both directions go on the same stream, so a load enqueued after a store reads the
+stored bytes, and the engine's kernels enqueued after a load see the loaded pages.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from hicache.kernels import PagedBuffer, copy_pages
+
+
+class Completion:
+    """Tells whether the copies behind it have finished. Never blocks."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, event: torch.cuda.Event | None) -> None:
+        self._event = event
+
+    def done(self) -> bool:
+        return self._event is None or self._event.query()
+
+
+DONE = Completion(None)
+
+
+class Transfers:
+    """Enqueues copies and runs callbacks, in order, once the copies before them are done."""
+
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
+        self.device = device
+        self._stream = stream
+        self._waiting: deque[tuple[Completion, Callable[[], None]]] = deque()
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def stream(self) -> torch.cuda.Stream | None:
+        """The stream copies go on: the one given at construction, else the current one."""
+        if not self.on_cuda:
+            return None
+        return self._stream or torch.cuda.current_stream(self.device)
+
+    def copy(
+        self, src: PagedBuffer, src_ids: torch.Tensor, dst: PagedBuffer, dst_ids: torch.Tensor
+    ) -> None:
+        copy_pages(src, src_ids, dst, dst_ids, stream=self.stream())
+
+    def then(self, callback: Callable[[], None]) -> Completion:
+        """Run `callback` from `poll` once everything enqueued so far has completed."""
+        if not self.on_cuda:
+            callback()
+            return DONE
+        event = torch.cuda.Event()
+        event.record(self.stream())
+        done = Completion(event)
+        self._waiting.append((done, callback))
+        return done
+
+    def poll(self) -> int:
+        """Run the callbacks of finished copies, oldest first. Returns how many ran."""
+        ran = 0
+        while self._waiting and self._waiting[0][0].done():
+            _, callback = self._waiting.popleft()
+            callback()
+            ran += 1
+        return ran
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._waiting)
