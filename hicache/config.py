@@ -37,6 +37,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    SerializeAsAny,
     TypeAdapter,
     ValidationError,
     field_validator,
@@ -136,7 +137,7 @@ class HiCacheConfig(_Strict):
     """The whole configuration."""
 
     layout: Layout | None = None
-    tiers: tuple[TierConfig, ...] = Field(min_length=1)
+    tiers: tuple[SerializeAsAny[TierConfig], ...] = Field(min_length=1)
     policy: Policy = Policy()
 
     @field_validator("tiers", mode="before")
@@ -159,7 +160,7 @@ class HiCacheConfig(_Strict):
             except ValidationError as err:
                 first = err.errors()[0]
                 loc = ".".join(str(p) for p in ("tiers", i, *first["loc"]))
-                raise ValueError(f"{loc}: {first['msg']}") from None
+                raise ValueError(f"{loc}: {_message(first)}") from None
         return out
 
     @model_validator(mode="after")
@@ -263,15 +264,18 @@ def _index(part: str, node: list, var: str) -> int:
 def _describe(err: ValidationError, where: str) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
-    msg = first["msg"]
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, ") :]
-        if msg.startswith(loc + "."):  # a nested tier error already names its full path
-            loc, _, msg = msg.partition(": ")
-    if first["type"] == "extra_forbidden":
-        msg = "unknown key"
+    msg = _message(first)
+    if msg.startswith(loc + "."):  # a nested tier error already names its full path
+        loc, _, msg = msg.partition(": ")
     text = f"{loc}: {_one_line(msg)}"
     return f"{where}: {text}" if where else text
+
+
+def _message(error: Any) -> str:
+    if error["type"] == "extra_forbidden":
+        return "unknown key"
+    msg = str(error["msg"])
+    return msg[len("Value error, ") :] if msg.startswith("Value error, ") else msg
 
 
 def _one_line(text: str) -> str:

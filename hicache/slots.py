@@ -7,7 +7,7 @@ it exactly once. A pinned slot is never evicted or reused.
 
 Invariants (checked by `check`):
 - a slot is in exactly one of: free, reserved (allocated, not yet published), published;
-- a published slot is in the LRU list exactly when nobody pins it;
+- every published slot is in the LRU list (oldest first); eviction passes over pinned ones;
 - the index maps each published key to its slot and nothing else.
 
 The pool is not thread-safe: only the engine thread calls it. Bulk operations run through C-level
@@ -57,7 +57,8 @@ class SlotPool:
         self.index: dict[bytes, int] = {}
         self._key: list[bytes | None] = [None] * capacity
         self._refs = np.zeros(capacity, dtype=np.int32)
-        self._lru: OrderedDict[int, None] = OrderedDict()  # evictable slots, oldest first
+        self._published = np.zeros(capacity, dtype=bool)
+        self._lru: OrderedDict[int, None] = OrderedDict()  # published slots, oldest first
         self._free: list[int] = list(range(capacity - 1, -1, -1))
         self._on_evict = on_evict
         self.evicted = 0
@@ -90,30 +91,23 @@ class SlotPool:
         return Lease(self, slots)
 
     def _pin(self, slots: list[int]) -> None:
-        if not slots:
-            return
-        refs = self._refs
-        refs[slots] += 1
-        lru = self._lru
-        newly = [s for s in slots if refs[s] == 1]
-        deque(map(lru.pop, newly, [None] * len(newly)), maxlen=0)
+        if slots:
+            self._refs[np.asarray(slots, dtype=np.int64)] += 1
 
     def _unpin(self, slots: list[int]) -> None:
         if not slots:
             return
+        idx = np.asarray(slots, dtype=np.int64)
         refs = self._refs
-        refs[slots] -= 1
-        if refs.min(initial=0) < 0:
+        refs[idx] -= 1
+        if refs[idx].min() < 0:
             raise RuntimeError("hicache: a slot was unpinned more often than pinned")
-        key = self._key
-        # Re-enter the LRU from the last slot to the first: a sequence's first pages are the most
-        # recently used, so its tail is evicted before its head.
-        for s in reversed(slots):
-            if refs[s] == 0:
-                if key[s] is None:  # reserved and never published: back to the free list
-                    self._free.append(s)
-                else:
-                    self._lru[s] = None
+        # Idle slots become the most recently used, from the last slot to the first: a sequence's
+        # first pages end up most recent, so its tail is evicted before its head.
+        idle = idx[refs[idx] == 0][::-1]
+        published = self._published[idle]
+        deque(map(self._lru.move_to_end, idle[published].tolist()), maxlen=0)
+        self._free.extend(idle[~published].tolist())  # reserved, never published
 
     # -- allocation -----------------------------------------------------------------------------
 
@@ -127,11 +121,17 @@ class SlotPool:
         take = min(n, len(free))
         slots = [free.pop() for _ in range(take)]
         evicted: list[bytes] = []
-        while len(slots) < n and lru:
+        rotated = 0
+        while len(slots) < n and rotated < len(lru):
             s, _ = lru.popitem(last=False)
+            if self._refs[s]:  # pinned: in use, so recently used; look further
+                lru[s] = None
+                rotated += 1
+                continue
             k = self._key[s]
             del self.index[k]  # type: ignore[arg-type]
             self._key[s] = None
+            self._published[s] = False
             evicted.append(k)  # type: ignore[arg-type]
             slots.append(s)
         if evicted:
@@ -155,7 +155,9 @@ class SlotPool:
                 continue
             index[k] = s
             key_of[s] = k
+            self._lru[s] = None
             fresh.append(s)
+        self._published[fresh] = True
         return fresh
 
     # -- accounting -----------------------------------------------------------------------------
@@ -182,12 +184,14 @@ class SlotPool:
             raise AssertionError("a slot is on the free list twice")
         for s in range(self.capacity):
             published = key[s] is not None
+            if published != self._published[s]:
+                raise AssertionError(f"slot {s}: published flag disagrees with its key")
             if s in free and (published or refs[s]):
                 raise AssertionError(f"free slot {s} is published or pinned")
             if published and self.index.get(key[s]) != s:  # type: ignore[arg-type]
                 raise AssertionError(f"slot {s} is not indexed under its key")
-            if published and (refs[s] == 0) != (s in self._lru):
-                raise AssertionError(f"slot {s}: in LRU is {s in self._lru}, pins {refs[s]}")
+            if published != (s in self._lru):
+                raise AssertionError(f"slot {s}: published is {published}, in LRU is not")
             if not published and s not in free and refs[s] == 0:
                 raise AssertionError(f"slot {s} is lost: not free, not published, not pinned")
         if len(self.index) != sum(k is not None for k in key):

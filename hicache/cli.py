@@ -1,0 +1,62 @@
+"""The `hicache` command.
+
+    hicache config check FILE     validate a configuration and print the effective one
+    hicache trace FILE ...        replay a request trace through the cache (hicache.trace)
+    hicache replay ...            multi-turn replay on the reference engine (refengine)
+
+Subcommands other than `config` are found through the ``hicache.commands`` entry-point group, so
+packages built on hicache (such as the reference engine) add commands without hicache importing
+them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib.metadata import entry_points
+
+import yaml
+
+from hicache.config import ConfigError, load_config
+
+
+def _config_check(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="hicache config check", description="Validate a hicache YAML file."
+    )
+    ap.add_argument("file")
+    args = ap.parse_args(argv)
+    try:
+        config = load_config(args.file)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def _plugins() -> dict[str, object]:
+    return {ep.name: ep for ep in entry_points(group="hicache.commands")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    plugins = _plugins()
+    usage = "usage: hicache config check FILE | hicache {" + ",".join(sorted(plugins)) + "} ..."
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage + "\n\n" + (__doc__ or "").strip().splitlines()[2].strip() + "\n")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "config":
+        if not rest or rest[0] != "check":
+            print("usage: hicache config check FILE", file=sys.stderr)
+            return 2
+        return _config_check(rest[1:])
+    if command in plugins:
+        return int(plugins[command].load()(rest) or 0)  # type: ignore[attr-defined]
+    print(f"hicache: unknown command {command!r}\n{usage}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Configuration: example files load, bad files give one line naming the file and the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hicache.config import ConfigError, load_config
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_example_configs_load(path: Path):
+    cfg = load_config(path, env={})
+    assert cfg.tiers[0].type == "host"
+
+
+def test_host_example_values():
+    cfg = load_config(CONFIGS / "host.yaml", env={})
+    assert cfg.tier("host").size == 64 * 2**30
+    assert cfg.layout.page_size == 16 * 2**20
+    assert cfg.policy.min_recompute_tokens == 1
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+LAYOUT = "layout: {model: m, kv_dtype: bf16, page_bytes: 64}\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("tiers: [{type: host, size: 12XB}]", "tiers.0.size: could not interpret byte unit: XB"),
+        ("tiers: [{type: host, size: 1GiB, colour: red}]", "tiers.0.colour: unknown key"),
+        ("tiers: [{type: disk, size: 1GiB}]", "tiers.0.type: unknown tier type 'disk'"),
+        ("tiers: [{type: host, size: 0}]", "tiers.0.size: Input should be greater than 0"),
+        ("tiers: []", "tiers: Tuple should have at least 1 item"),
+        ("tiers: [{type: host, size: 1GiB}]\npolicy: {min_recompute_tokens: 0}",
+         "policy.min_recompute_tokens: Input should be greater than or equal to 1"),
+        ("tiers: [{type: host, size: 1GiB}]\nmystery: 1", "mystery: unknown key"),
+        (LAYOUT.replace("page_bytes: 64", "page_bytes: 64, segments: [16, 16]")
+         + "tiers: [{type: host, size: 1GiB}]",
+         "layout: segments add up to 32 bytes but page_bytes is 64"),
+        ("tiers: [{type: host, size: 1GiB}\n", "not valid YAML"),
+        ("- 1\n- 2\n", "the top level must be a mapping"),
+    ],
+)
+def test_bad_files_name_the_file_and_the_field(tmp_path: Path, text: str, message: str):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, env={})
+    assert str(err.value).startswith(f"{path}: ")
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_environment_overrides(tmp_path: Path):
+    path = write(tmp_path, LAYOUT + "tiers: [{type: host, size: 1GiB}]\n")
+    env = {
+        "HICACHE__TIERS__0__SIZE": "2GiB",
+        "HICACHE__POLICY__MIN_RECOMPUTE_TOKENS": "64",
+        "HICACHE__LAYOUT__KV_DTYPE": "float8_e4m3fn",
+        "OTHER": "ignored",
+    }
+    cfg = load_config(path, env=env)
+    assert cfg.tier("host").size == 2 * 2**30
+    assert cfg.policy.min_recompute_tokens == 64
+    assert cfg.layout.kv_dtype == "float8_e4m3fn"
+    with pytest.raises(ConfigError, match="HICACHE__TIERS__3__SIZE: no list item '3'"):
+        load_config(path, env={"HICACHE__TIERS__3__SIZE": "1"})
+    with pytest.raises(ConfigError, match="policy.min_recompute_tokens"):
+        load_config(path, env={"HICACHE__POLICY__MIN_RECOMPUTE_TOKENS": "zero"})
+
+
+def test_cli_config_check(tmp_path: Path):
+    good = subprocess.run(
+        [sys.executable, "-m", "hicache.cli", "config", "check", str(CONFIGS / "host.yaml")],
+        capture_output=True, text=True,
+    )
+    assert good.returncode == 0, good.stderr
+    assert "size: 68719476736" in good.stdout
+    bad = write(tmp_path, "tiers: [{type: host, size: 0}]")
+    done = subprocess.run(
+        [sys.executable, "-m", "hicache.cli", "config", "check", str(bad)],
+        capture_output=True, text=True,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"error: {bad}: tiers.0.size: Input should be greater than 0"
+    ]

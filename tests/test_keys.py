@@ -1,0 +1,121 @@
+"""Page keys: deterministic everywhere, chained, namespaced by layout and tenant."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hicache import Layout, native
+from hicache.keys import (
+    KeyChain,
+    _page_keys_python,
+    as_tokens,
+    chain_seed,
+    fingerprint,
+    l3_key,
+    page_keys,
+)
+
+LAYOUT = Layout(model="m", kv_dtype="bfloat16", page_tokens=4, page_bytes=64)
+SEED = chain_seed(fingerprint(LAYOUT))
+TOKENS = np.arange(1000, 1018, dtype=np.int32)  # 4 full pages and 2 tokens
+
+
+def test_keys_follow_the_documented_chain():
+    keys = page_keys(SEED, TOKENS, 4)
+    prev, expected = SEED, []
+    for i in range(4):
+        page = TOKENS[4 * i : 4 * i + 4].astype("<i4").tobytes()
+        prev = hashlib.sha256(prev + page).digest()[:16]
+        expected.append(prev)
+    assert keys == expected
+    assert len(keys) == 4 and all(len(k) == 16 for k in keys)
+
+
+def test_compiled_and_python_chains_agree():
+    assert native.available(), "the C key chain should build here (gcc and OpenSSL are present)"
+    tokens = np.random.default_rng(1).integers(0, 2**31 - 1, 4096, dtype=np.int32)
+    assert page_keys(SEED, tokens, 128) == _page_keys_python(SEED, tokens.reshape(32, 128))
+
+
+def test_keys_are_the_same_in_other_interpreters():
+    code = (
+        "import numpy as np;from hicache import Layout;from hicache.keys import *;"
+        "L=Layout(model='m',kv_dtype='bfloat16',page_tokens=4,page_bytes=64);"
+        "print(page_keys(chain_seed(fingerprint(L),'t'),np.arange(1000,1018,dtype=np.int32),4)[-1].hex())"
+    )
+    outs = set()
+    for hashseed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": hashseed}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        outs.add(done.stdout.strip())
+    assert outs == {page_keys(chain_seed(fingerprint(LAYOUT), "t"), TOKENS, 4)[-1].hex()}
+
+
+def test_a_key_names_its_whole_prefix():
+    other = TOKENS.copy()
+    other[0] += 1  # change only the first page
+    a, b = page_keys(SEED, TOKENS, 4), page_keys(SEED, other, 4)
+    assert all(x != y for x, y in zip(a, b))
+
+
+def test_extending_a_chain_hashes_only_new_pages(monkeypatch):
+    chain = KeyChain(SEED, 4, TOKENS[:6])
+    assert len(chain.keys) == 1
+    hashed = []
+    real = native.chain_keys
+    monkeypatch.setattr(native, "chain_keys", lambda s, p: hashed.append(p.shape[0]) or real(s, p))
+    chain.extend(TOKENS)
+    assert hashed == [3]  # pages 1..3 from key 0; page 0 was not hashed again
+    assert chain.keys == page_keys(SEED, TOKENS, 4)
+    with pytest.raises(ValueError, match="must extend"):
+        chain.extend(TOKENS[::-1].copy())
+
+
+def test_salt_and_every_layout_field_change_the_namespace():
+    base = fingerprint(LAYOUT)
+    for change in (
+        {"model": "m2"},
+        {"kv_dtype": "float8_e4m3fn"},
+        {"page_tokens": 8},
+        {"page_bytes": 128},
+        {"state_bytes": 16},
+        {"tp_size": 2},
+        {"segments": (32, 32)},
+    ):
+        assert fingerprint(LAYOUT.model_copy(update=change)) != base, change
+    # TP rank matters only where KV is sharded by head
+    assert fingerprint(LAYOUT.model_copy(update={"tp_size": 2, "tp_rank": 1})) != fingerprint(
+        LAYOUT.model_copy(update={"tp_size": 2})
+    )
+    replicated = {"tp_size": 2, "kv_head_sharded": False}
+    assert fingerprint(LAYOUT.model_copy(update={**replicated, "tp_rank": 1})) == fingerprint(
+        LAYOUT.model_copy(update=replicated)
+    )
+    assert len({chain_seed(base), chain_seed(base, "a"), chain_seed(base, "b")}) == 3
+    assert chain_seed(base, "a") == chain_seed(base, b"a")
+
+
+def test_token_validation_names_the_problem():
+    assert as_tokens([1, 2, 3]).dtype == np.int32
+    with pytest.raises(ValueError, match="token id 2147483648 is outside int32"):
+        as_tokens(np.array([1, 2**31], dtype=np.int64))
+    with pytest.raises(ValueError, match="token id -2147483649 is outside int32"):
+        as_tokens([-(2**31) - 1])
+    with pytest.raises(ValueError, match="must be integers"):
+        as_tokens([1.5, 2.0])
+    with pytest.raises(ValueError, match="1-D"):
+        as_tokens([[1, 2]])
+
+
+def test_l3_key_format():
+    fp = fingerprint(LAYOUT)
+    key = page_keys(SEED, TOKENS, 4)[3]
+    assert l3_key("hicache", fp, key, 4) == f"hicache/{fp.hex()}/g4/{key.hex()}"
+    assert l3_key("hicache", fp, key, None) == f"hicache/{fp.hex()}/s/{key.hex()}"

@@ -1,0 +1,72 @@
+"""The slot books: LRU order, pins that protect, leases released once."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache.slots import SlotPool
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def fill(pool: SlotPool, keys: list[bytes]) -> list[int]:
+    lease = pool.reserve(len(keys))
+    pool.publish(lease.slots, keys)
+    lease.release()
+    return lease.slots
+
+
+def test_a_sequence_tail_is_evicted_before_its_head():
+    evicted: list[bytes] = []
+    pool = SlotPool(4, on_evict=evicted.extend)
+    fill(pool, [k(0), k(1), k(2), k(3)])  # one sequence of four pages
+    lease = pool.reserve(2)
+    assert evicted == [k(3), k(2)]
+    assert pool.prefix([k(0), k(1), k(2), k(3)]) == pool.lookup([k(0), k(1)])
+    lease.release()
+    pool.check()
+
+
+def test_a_hit_makes_pages_most_recent():
+    evicted: list[bytes] = []
+    pool = SlotPool(4, on_evict=evicted.extend)
+    fill(pool, [k(0), k(1)])
+    fill(pool, [k(2), k(3)])
+    pool.lease(pool.prefix([k(0), k(1)])).release()  # request 1's pages hit again
+    pool.reserve(2).release()
+    assert evicted == [k(3), k(2)]
+    pool.check()
+
+
+def test_pinned_slots_are_never_evicted_and_reserve_returns_fewer():
+    pool = SlotPool(3)
+    fill(pool, [k(0), k(1), k(2)])
+    held = pool.lease(pool.lookup([k(0), k(2)]))
+    got = pool.reserve(3)
+    assert len(got) == 1 and k(1) not in pool and k(0) in pool and k(2) in pool
+    assert pool.reserve(1).slots == []
+    held.release()
+    held.release()  # a second release does nothing
+    got.release()  # never published: back to the free list
+    assert pool.free == 1 and pool.used == 2 and pool.pinned == 0
+    pool.check()
+
+
+def test_publish_skips_keys_held_already():
+    pool = SlotPool(4)
+    fill(pool, [k(0)])
+    lease = pool.reserve(2)
+    fresh = pool.publish(lease.slots, [k(0), k(1)])
+    assert fresh == [lease.slots[1]] and pool.used == 2
+    lease.release()
+    assert pool.free == 2  # the duplicate's slot went back
+    pool.check()
+
+
+def test_unpinning_more_than_pinned_is_an_error():
+    pool = SlotPool(2)
+    slots = fill(pool, [k(0)])
+    with pytest.raises(RuntimeError, match="unpinned more often"):
+        pool._unpin(slots)
