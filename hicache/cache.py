@@ -26,10 +26,12 @@ import torch
 
 from hicache.backends.gpu import GpuTier
 from hicache.backends.host import HostTier, HostTierConfig
-from hicache.config import HiCacheConfig, Layout
+from hicache.backends.registry import tier_class
+from hicache.config import HiCacheConfig, Layout, StoreTierConfig
 from hicache.errors import StateHookError
 from hicache.kernels import PagedBuffer
 from hicache.keys import KeyChain, as_tokens, chain_seed, fingerprint
+from hicache.l3 import L3, L3Settings
 from hicache.request import Match, Request
 from hicache.slots import Lease
 from hicache.stats import Stats
@@ -98,6 +100,27 @@ class HiCache:
         self._transfers = Transfers(self.gpu.device, stream)
         self._requests: dict[str, Request] = {}
         self._seeds: dict[bytes | str | None, bytes] = {}
+        self._l3 = self._build_l3(config)
+
+    def _build_l3(self, config: HiCacheConfig) -> L3 | None:
+        """The store tier below the host tier, if the config has one (at most one for now)."""
+        stores = [t for t in config.tiers[1:] if isinstance(t, StoreTierConfig)]
+        if not stores:
+            return None
+        if len(stores) > 1:
+            raise ValueError("hicache supports one store tier below the host tier")
+        cfg = stores[0]
+        store = tier_class(cfg.type)(cfg)
+        settings = L3Settings(
+            group_pages=cfg.group_pages,
+            key_prefix=cfg.key_prefix,
+            queue_depth=cfg.write_queue_depth,
+            failure_threshold=cfg.failure_threshold,
+            reprobe_s=cfg.reprobe_s,
+        )
+        return L3(
+            store, settings, self.host, self.layout, self.fingerprint, self.policy, self._stats
+        )
 
     # -- match ----------------------------------------------------------------------------------
 
@@ -133,29 +156,47 @@ class HiCache:
         first = computed_tokens // P
         slots = self.host.page_slots.prefix(keys[first:])
         found = first + len(slots)
-        hit = min(found, max(0, n - self.policy.min_recompute_tokens) // P)
+        cap = max(0, n - self.policy.min_recompute_tokens) // P
+        hit = min(found, cap)
+        pending = self._look_ahead(req, keys, found, cap)
         state_slot = None
         if self._hooks is not None and hit > first:
             hit, state_slot = self._snap_to_state(keys, first, hit)
+        l3_tokens = 0
         if hit > first:
             req.pages = self.host.page_slots.lease(slots[: hit - first])
             if state_slot is not None:
                 req.state = self.host.state_slots.lease([state_slot])
             hit_tokens = hit * P
+            if req.fetch is not None and not req.fetch.busy:
+                lo, hi = req.fetch.pages
+                l3_tokens = max(0, min(hit, hi) - max(first, lo)) * P
         else:
             hit, hit_tokens = first, computed_tokens
+        if req.fetch is not None and not req.fetch.busy:
+            req.fetch.release()  # its pages are pinned by this match now, or not needed
         m = Match(
             request_id=request_id,
             hit_tokens=hit_tokens,
             computed_tokens=computed_tokens,
             first_page=first,
             load_pages=hit - first,
+            l3_tokens=l3_tokens,
             needs_state=state_slot is not None,
+            pending=pending,
             limited_tokens=(found - hit) * P,
         )
         req.match = m
         self._stats.matched(m, n)
         return m
+
+    def _look_ahead(self, req: Request, keys: list[bytes], found: int, cap: int) -> bool:
+        """Start an L3 fetch for the pages after the host hit; True while the request waits."""
+        if self._l3 is None:
+            return False
+        if req.fetch is None and found < cap:
+            req.fetch = self._l3.start_fetch(keys, found, cap)
+        return req.fetch is not None and self._l3.waiting(req.fetch)
 
     def _snap_to_state(self, keys: list[bytes], first: int, hit: int) -> tuple[int, int | None]:
         """The deepest page count in (first, hit] whose boundary has a stored state."""
@@ -228,7 +269,7 @@ class HiCache:
         except BaseException:
             _release(leases)
             raise
-        self._stats.loaded(match.load_pages)
+        self._stats.loaded(match)
         return self._transfers.then(lambda: _release(leases))
 
     # -- store ----------------------------------------------------------------------------------
@@ -273,16 +314,23 @@ class HiCache:
         missing = [i for i, s in enumerate(found) if s is None]
         keep = pool.lease(present)  # the sequence's own pages must not be evicted for its tail
         try:
-            copied = self._store_pages(keys, ids, missing)
+            pages = self._store_pages(keys, ids, missing)
         finally:
             keep.release()
-        if self._hooks is not None and n_pages:
-            self._store_states(keys, tokens.shape[0], state_slot)
-        return copied
+        states = None
+        try:
+            if self._hooks is not None and n_pages:
+                states = self._store_states(keys, tokens.shape[0], state_slot)
+        finally:
+            self._after_store(keys, pages, states)
+        return len(pages) if pages is not None else 0
 
-    def _store_pages(self, keys: list[bytes], ids: torch.Tensor, missing: list[int]) -> int:
+    def _store_pages(
+        self, keys: list[bytes], ids: torch.Tensor, missing: list[int]
+    ) -> Lease | None:
+        """Copy the `missing` pages into fresh host slots; the returned lease pins them."""
         if not missing:
-            return 0
+            return None
         pool = self.host.page_slots
         lease = pool.reserve(len(missing))
         if len(lease) < len(missing):
@@ -290,7 +338,7 @@ class HiCache:
             missing = missing[: len(lease)]
         if not missing:
             lease.release()
-            return 0
+            return None
         try:
             dst = self.host.pages.resegment(self.gpu.pages.seg_bytes)
             src_ids = ids[torch.tensor(missing, dtype=torch.int64)]
@@ -302,20 +350,28 @@ class HiCache:
             raise
         pool.publish(lease.slots, [keys[i] for i in missing])
         self._stats.stored(len(missing))
-        self._transfers.then(lease.release)
-        return len(missing)
+        return lease
 
-    def _store_states(self, keys: list[bytes], n_tokens: int, state_slot: int | None) -> None:
+    def _store_states(
+        self, keys: list[bytes], n_tokens: int, state_slot: int | None
+    ) -> Lease | None:
+        """Save the states at the trailing boundaries (and, with L3, the last group end)."""
         hooks, P = self._hooks, self.layout.page_tokens
         assert hooks is not None and state_slot is not None
         oldest = n_tokens - hooks.history_tokens
-        wanted = [
-            pages
-            for pages in range(len(keys), 0, -1)[: self.policy.state_boundaries]
-            if pages * P >= oldest and keys[pages - 1] not in self.host.state_slots
-        ]
+        boundaries = list(range(len(keys), 0, -1)[: self.policy.state_boundaries])
+        if self._l3 is not None:  # L3 keeps whole groups: a state at a group end can be fetched
+            boundaries.append(len(keys) // self._l3.G * self._l3.G)
+        wanted = sorted(
+            {
+                b
+                for b in boundaries
+                if b and b * P >= oldest and keys[b - 1] not in self.host.state_slots
+            },
+            reverse=True,
+        )
         if not wanted:
-            return
+            return None
         lease = self.host.state_slots.reserve(len(wanted))
         wanted = wanted[: len(lease)]
         try:
@@ -326,7 +382,21 @@ class HiCache:
             raise
         self.host.state_slots.publish(lease.slots, [keys[p - 1] for p in wanted])
         self._stats.stored_states(len(wanted))
-        self._transfers.then(lease.release)
+        return lease
+
+    def _after_store(self, keys: list[bytes], *leases: Lease | None) -> None:
+        """Once the store's copies completed: unpin, then hand new groups to write-behind."""
+        held = [lease for lease in leases if lease is not None]
+        l3 = self._l3
+        if not held and l3 is None:
+            return
+
+        def done() -> None:
+            _release(held)
+            if l3 is not None:
+                l3.write_behind(keys, len(keys), list(range(l3.G, len(keys) + 1, l3.G)))
+
+        self._transfers.then(done)
 
     def _call_hook(self, name: str, state_slot: int | None, boundary: int, host_slot: int) -> None:
         try:
@@ -341,14 +411,20 @@ class HiCache:
     # -- housekeeping ---------------------------------------------------------------------------
 
     def poll(self) -> None:
-        """Retire finished copies and release what they pinned. Never blocks; call every step."""
+        """Retire finished copies, release what they pinned, apply L3 results. Never blocks;
+        call it every engine step."""
         self._transfers.poll()
+        if self._l3 is not None:
+            self._l3.poll()
 
     def release(self, request_id: str) -> None:
         """Forget a request (finished or aborted) and drop what its match pinned. Idempotent."""
         req = self._requests.pop(request_id, None)
-        if req is not None:
-            req.drop_pins()
+        if req is None:
+            return
+        req.drop_pins()
+        if req.fetch is not None and self._l3 is not None:
+            self._l3.forget(req.fetch)
 
     def stats(self) -> dict[str, int]:
         """Counters and gauges as a plain dict (see `hicache.stats.Stats` for their meaning)."""
@@ -367,6 +443,8 @@ class HiCache:
         """Drop every request and free the host pools. Pending copies must have completed."""
         for rid in list(self._requests):
             self.release(rid)
+        if self._l3 is not None:
+            self._l3.close()
         self.host.close()
 
 

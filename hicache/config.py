@@ -122,6 +122,20 @@ class TierConfig(_Strict):
     type: str
 
 
+class StoreTierConfig(TierConfig):
+    """Base of the sections of keyed stores below the host tier (L3)."""
+
+    group_pages: int = Field(default=4, ge=1)
+    """G: consecutive pages written to the store as one object."""
+    key_prefix: str = Field(default="hicache", min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
+    write_queue_depth: int = Field(default=256, ge=1)
+    """Put jobs waiting for the write-behind worker; beyond this, work is dropped and counted."""
+    failure_threshold: int = Field(default=3, ge=1)
+    """Consecutive failed calls after which the breaker opens and L3 is skipped."""
+    reprobe_s: float = Field(default=2.0, gt=0)
+    """While the breaker is open, the store is re-probed this often in the background."""
+
+
 class Policy(_Strict):
     """How hits are taken and what gets stored."""
 
@@ -131,6 +145,16 @@ class Policy(_Strict):
     """States are stored at this many trailing page boundaries of every stored sequence."""
     write_policy: Literal["write_through", "read_only"] = "write_through"
     """write_through: `store` copies new pages to the host tier; read_only: `store` does nothing."""
+    l3_pending: Literal["wait", "host_only"] = "wait"
+    """While an L3 lookup runs, `match` answers pending (wait) or takes the host hit now and
+    lets the fetch finish for later requests (host_only)."""
+    l3_max_wait_ms: float = Field(default=200.0, gt=0)
+    """A request waits at most this long for L3, then goes on with its host hit."""
+    l3_read_gbps: float = Field(default=1.2, gt=0)
+    """Expected L3 read bandwidth (GB/s): with prefill_tokens_per_s, decides whether an L3 hit
+    is cheaper than recomputing (1.2 is loopback TCP on a 2-core VM; RDMA is far higher)."""
+    prefill_tokens_per_s: float = Field(default=20000.0, gt=0)
+    """The engine's prefill throughput, for the same decision."""
 
 
 class HiCacheConfig(_Strict):

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hicache.keys import KeyChain
 from hicache.slots import Lease
+
+if TYPE_CHECKING:
+    from hicache.l3 import Fetch
 
 
 @dataclass(frozen=True)
@@ -24,7 +28,8 @@ class Match:
     computed_tokens: int
     first_page: int
     load_pages: int
-    l3_pages: int = 0
+    l3_tokens: int = 0
+    """Of the cached tokens, those whose pages came from L3 (promoted to the host tier)."""
     needs_state: bool = False
     pending: bool = False
     limited_tokens: int = 0
@@ -47,6 +52,8 @@ class Request:
     """Host page slots pinned by `match` for `load`."""
     state: Lease | None = None
     """The host state slot pinned by `match` for `load`."""
+    fetch: Fetch | None = None
+    """The request's look-ahead from L3, if one was started."""
 
     def drop_pins(self) -> None:
         """Release what `match` pinned and forget the match (it can no longer be loaded)."""

@@ -1,0 +1,448 @@
+"""The engine side of L3: look-ahead fetches and write-behind puts, run on worker threads.
+
+The engine thread never calls the store. It hands jobs to two worker threads and applies their
+results in `poll`:
+
+- a *fetch* (for one request whose prompt runs past the host tier's hit): one batched `exists`
+  for the page groups after the host hit (and, for state layouts, the states at the group ends),
+  then — on the engine thread — a choice (the leading run of groups, snapped to a state, and only
+  if fetching is cheaper than recomputing), fresh host slots reserved for it, and one batched
+  `get_into` those slots. Pages become visible in the host index only after their get succeeded:
+  a failed transfer is never a hit. The slots stay pinned by the fetch until the worker has
+  returned, even if the request went away meanwhile, so no transfer writes into a reused slot.
+- a *put* (write-behind, after a host write-through has completed): the full page groups (and
+  group-aligned states) that L3 is not known to hold, sent straight from the pinned host slots,
+  which stay pinned until the put returns. The queue is bounded: when it is full, work is dropped
+  and counted, never queued without bound and never waited for.
+
+A circuit breaker guards the store: after repeated failures L3 is skipped (requests take their
+host-only hit) while the fetch worker re-probes the store in the background, so L3 comes back by
+itself after a master restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hicache.backends.base import Piece, StoreTier, StoreUnavailable
+from hicache.backends.breaker import BreakerState, CircuitBreaker
+from hicache.backends.host import HostTier
+from hicache.config import Layout, Policy
+from hicache.keys import l3_key
+from hicache.slots import Lease
+from hicache.stats import Stats
+
+log = logging.getLogger(__name__)
+
+_HEALTH_KEY = "hicache/health-probe"
+
+
+@dataclass(frozen=True)
+class L3Settings:
+    """What the L3 machinery needs from a store tier's configuration."""
+
+    group_pages: int
+    key_prefix: str
+    queue_depth: int
+    failure_threshold: int
+    reprobe_s: float
+
+
+@dataclass
+class Fetch:
+    """One request's look-ahead from L3. Engine thread only, except `phase` reads."""
+
+    first_group: int
+    keys: list[bytes]
+    """The request's page keys up to the last group the fetch may bring."""
+    deadline: float
+    phase: str = "probe"  # probe -> get -> done
+    abandoned: bool = False
+    lease: Lease | None = None
+    """Fetched page slots (and reserved ones while the get runs); released when consumed."""
+    state_lease: Lease | None = None
+    pages: tuple[int, int] = (0, 0)
+    """[first, end) pages published in the host tier by this fetch."""
+
+    @property
+    def busy(self) -> bool:
+        return self.phase != "done"
+
+    def release(self) -> None:
+        for lease in (self.lease, self.state_lease):
+            if lease is not None:
+                lease.release()
+        self.lease = self.state_lease = None
+
+
+class _Leases:
+    """Two leases released together (a put pins page slots and state slots)."""
+
+    def __init__(self, *leases: Lease) -> None:
+        self._leases = leases
+
+    def release(self) -> None:
+        for lease in self._leases:
+            lease.release()
+
+
+@dataclass
+class _Job:
+    kind: str  # "probe" | "get" | "put"
+    keys: list[str]
+    buffers: list[list[Piece]] = field(default_factory=list)
+    fetch: Fetch | None = None
+    lease: Lease | _Leases | None = None
+    meta: object = None
+    started: float = 0.0
+
+
+class L3:
+    """Fetches and puts between the host tier and a `StoreTier`, off the engine thread."""
+
+    def __init__(
+        self,
+        store: StoreTier,
+        settings: L3Settings,
+        host: HostTier,
+        layout: Layout,
+        fingerprint: bytes,
+        policy: Policy,
+        stats: Stats,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.G = settings.group_pages
+        self.host = host
+        self.layout = layout
+        self.fingerprint = fingerprint
+        self.policy = policy
+        self.stats = stats
+        self.clock = clock
+        self.breaker = CircuitBreaker(settings.failure_threshold, settings.reprobe_s, clock)
+        self._known: OrderedDict[str, None] = OrderedDict()  # objects L3 holds (or is receiving)
+        self._known_cap = 1 << 20
+        self._registered: set[int] = set()
+        self._results: deque[tuple[_Job, object]] = deque()
+        self._fetch_jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._put_jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=settings.queue_depth)
+        self._threads = [
+            threading.Thread(
+                target=self._work,
+                args=(self._fetch_jobs, True),
+                daemon=True,
+                name="hicache-l3-fetch",
+            ),
+            threading.Thread(
+                target=self._work, args=(self._put_jobs, False), daemon=True, name="hicache-l3-put"
+            ),
+        ]
+        store.start()
+        for t in self._threads:
+            t.start()
+
+    # -- engine thread: fetch ---------------------------------------------------------------------
+
+    def usable(self) -> bool:
+        """Whether a new fetch is worth starting now (the breaker is not open)."""
+        return self.breaker.state is not BreakerState.OPEN
+
+    def start_fetch(self, keys: list[bytes], host_pages: int, max_pages: int) -> Fetch | None:
+        """Begin a fetch of the groups after `host_pages`, up to `max_pages` pages in all.
+
+        Returns None when no whole group lies in that range or the breaker is open.
+        """
+        first = host_pages // self.G
+        last = max_pages // self.G  # groups [first, last)
+        if last <= first:
+            return None
+        if not self.usable():
+            self.stats.l3_skipped += 1
+            return None
+        fetch = Fetch(first, keys[: last * self.G], self.clock() + self.policy.l3_max_wait_ms / 1e3)
+        names = [self._group_key(keys, g) for g in range(first, last)]
+        if self.layout.state_bytes:
+            names += [self._state_key(keys, (g + 1) * self.G) for g in range(first, last)]
+        self._fetch_jobs.put(_Job("probe", names, fetch=fetch, started=self.clock()))
+        self.stats.l3_probes += 1
+        return fetch
+
+    def waiting(self, fetch: Fetch) -> bool:
+        """True while the request should wait for `fetch` (policy 'wait', before its deadline)."""
+        if not fetch.busy or self.policy.l3_pending != "wait":
+            return False
+        if self.clock() > fetch.deadline:
+            if not fetch.abandoned:
+                self.stats.l3_timeouts += 1
+            fetch.abandoned = True  # results still arrive and free their slots, but too late
+            return False
+        return True
+
+    def forget(self, fetch: Fetch) -> None:
+        """The request is gone: drop the fetch (a running get still finishes into its slots)."""
+        fetch.abandoned = True
+        if not fetch.busy:
+            fetch.release()
+
+    # -- engine thread: write-behind --------------------------------------------------------------
+
+    def write_behind(self, keys: list[bytes], n_pages: int, state_pages: list[int]) -> None:
+        """Queue puts of the full groups of `keys[:n_pages]` (and states) L3 does not hold."""
+        slots_of = self.host.page_slots.index.get
+        names: list[str] = []
+        buffers: list[list[Piece]] = []
+        pin: list[int] = []
+        for g in range(n_pages // self.G):
+            name = self._group_key(keys, g)
+            if name in self._known:
+                continue
+            slots = [slots_of(k) for k in keys[g * self.G : (g + 1) * self.G]]
+            if None in slots:  # a page was evicted meanwhile: this group can't be put
+                continue
+            names.append(name)
+            buffers.append([self._page_piece(s) for s in slots])  # type: ignore[arg-type]
+            pin.extend(slots)  # type: ignore[arg-type]
+        state_pins: list[int] = []
+        for pages in state_pages:
+            name = self._state_key(keys, pages)
+            slot = self.host.state_slots.index.get(keys[pages - 1])
+            if name in self._known or slot is None or pages % self.G:
+                continue
+            names.append(name)
+            buffers.append([self._state_piece(slot)])
+            state_pins.append(slot)
+        if not names:
+            return
+        self._register()
+        lease = _Leases(self.host.page_slots.lease(pin), self.host.state_slots.lease(state_pins))
+        job = _Job("put", names, buffers, lease=lease, started=self.clock())
+        try:
+            self._put_jobs.put_nowait(job)
+        except queue.Full:
+            lease.release()
+            self.stats.l3_puts_dropped += len(names)
+            return
+        for name in names:
+            self._remember(name)
+
+    # -- engine thread: results -------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Apply the results the workers have posted. Never blocks."""
+        while self._results:
+            job, outcome = self._results.popleft()
+            failed = isinstance(outcome, BaseException)
+            if failed:
+                self.stats.l3_errors += 1
+            if job.kind == "probe":
+                self._on_probe(job, None if failed else outcome)  # type: ignore[arg-type]
+            elif job.kind == "get":
+                self._on_get(job, None if failed else outcome)  # type: ignore[arg-type]
+            else:
+                self._on_put(job, None if failed else outcome)  # type: ignore[arg-type]
+
+    def _on_probe(self, job: _Job, present: list[bool] | None) -> None:
+        fetch = job.fetch
+        assert fetch is not None
+        n_groups = len(fetch.keys) // self.G - fetch.first_group
+        if present is None or fetch.abandoned:
+            fetch.phase = "done"
+            return
+        run = 0
+        while run < n_groups and present[run]:
+            run += 1
+        state_slot_key: bytes | None = None
+        if self.layout.state_bytes:  # snap to the deepest group end with a state somewhere
+            states = self.host.state_slots.index
+            while run > 0:
+                pages = (fetch.first_group + run) * self.G
+                if fetch.keys[pages - 1] in states:
+                    break
+                if present[n_groups + run - 1]:
+                    state_slot_key = fetch.keys[pages - 1]
+                    break
+                run -= 1
+        if run == 0 or not self._worth_fetching(run * self.G):
+            fetch.phase = "done"
+            return
+        first_page = fetch.first_group * self.G
+        self.host.pages  # noqa: B018  (allocates the host pools on first use)
+        lease = self.host.page_slots.reserve(run * self.G)
+        run = len(lease) // self.G
+        state_lease = None
+        if state_slot_key is not None and run:
+            state_lease = self.host.state_slots.reserve(1)
+            if not len(state_lease):
+                run = 0
+        if run == 0:
+            lease.release()
+            if state_lease is not None:
+                state_lease.release()
+            fetch.phase = "done"
+            self.stats.l3_no_space += 1
+            return
+        self._register()
+        names = [self._group_key(fetch.keys, fetch.first_group + g) for g in range(run)]
+        buffers = [
+            [self._page_piece(s) for s in lease.slots[g * self.G : (g + 1) * self.G]]
+            for g in range(run)
+        ]
+        if state_lease is not None:
+            names.append(self._state_key(fetch.keys, first_page + run * self.G))
+            buffers.append([self._state_piece(state_lease.slots[0])])
+        fetch.lease, fetch.state_lease, fetch.phase = lease, state_lease, "get"
+        self._fetch_jobs.put(
+            _Job("get", names, buffers, fetch=fetch, meta=run, started=self.clock())
+        )
+
+    def _on_get(self, job: _Job, codes: list[int] | None) -> None:
+        fetch = job.fetch
+        assert fetch is not None and fetch.lease is not None
+        run: int = job.meta  # type: ignore[assignment]
+        ok = 0
+        if codes is not None:
+            while ok < run and codes[ok] >= 0:
+                ok += 1
+            if ok < run:
+                self.stats.l3_get_failed += run - ok
+        state_ok = fetch.state_lease is not None and codes is not None and codes[-1] >= 0
+        if fetch.state_lease is not None and not state_ok:
+            ok = 0  # without its state the run can't be resumed from
+        first_page = fetch.first_group * self.G
+        if ok:
+            got = fetch.keys[first_page : first_page + ok * self.G]
+            self.host.page_slots.publish(fetch.lease.slots[: ok * self.G], got)
+            for g in range(ok):
+                self._remember(self._group_key(fetch.keys, fetch.first_group + g))
+            if fetch.state_lease is not None:
+                boundary_key = fetch.keys[first_page + ok * self.G - 1]
+                self.host.state_slots.publish(fetch.state_lease.slots, [boundary_key])
+            fetch.pages = (first_page, first_page + ok * self.G)
+            self.stats.l3_pages_fetched += ok * self.G
+            self.stats.l3_get_bytes += ok * self.G * self.layout.page_size
+        fetch.phase = "done"
+        if fetch.abandoned or not ok:
+            fetch.release()
+
+    def _on_put(self, job: _Job, codes: list[int] | None) -> None:
+        assert job.lease is not None
+        job.lease.release()
+        for name, pieces, code in zip(job.keys, job.buffers, codes or [-1] * len(job.keys)):
+            if code >= 0:
+                self.stats.l3_objects_put += 1
+                self.stats.l3_put_bytes += sum(size for _, size in pieces)
+            else:
+                self._known.pop(name, None)
+                self.stats.l3_put_failed += 1
+
+    # -- worker threads ---------------------------------------------------------------------------
+
+    def _work(self, jobs: queue.Queue[_Job | None], reprobes: bool) -> None:
+        while True:
+            try:
+                job = jobs.get(timeout=self.settings.reprobe_s if reprobes else None)
+            except queue.Empty:
+                self._reprobe()
+                continue
+            if job is None:
+                return
+            try:
+                outcome: object = self._call(job)
+            except Exception as err:  # reported to the engine thread as a failed job
+                outcome = err
+            self._results.append((job, outcome))
+
+    def _call(self, job: _Job) -> object:
+        if not self.breaker.allow():
+            raise StoreUnavailable("L3 circuit breaker is open")
+        try:
+            if job.kind == "probe":
+                out: object = self.store.exists(job.keys)
+            elif job.kind == "get":
+                out = self.store.get_into(job.keys, job.buffers)
+            else:
+                out = self._put(job)
+        except StoreUnavailable:
+            self.breaker.record_failure()
+            raise
+        self.breaker.record_success()
+        return out
+
+    def _put(self, job: _Job) -> list[int]:
+        """Put what the store lacks; objects it holds already count as written."""
+        held = self.store.exists(job.keys)
+        codes = [0] * len(job.keys)
+        todo = [i for i, h in enumerate(held) if not h]
+        if todo:
+            put = self.store.put_from([job.keys[i] for i in todo], [job.buffers[i] for i in todo])
+            for i, code in zip(todo, put):
+                codes[i] = code
+        return codes
+
+    def _reprobe(self) -> None:
+        """While the breaker is open, try the store now and then so that L3 comes back."""
+        if self.breaker.state is BreakerState.CLOSED or not self.breaker.allow():
+            return
+        try:
+            self.store.exists([_HEALTH_KEY])
+        except Exception:
+            self.breaker.record_failure()
+        else:
+            self.breaker.record_success()
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _worth_fetching(self, pages: int) -> bool:
+        """Loading `pages` from L3 must be cheaper than recomputing their tokens."""
+        fetch_s = pages * self.layout.page_size / (self.policy.l3_read_gbps * 1e9)
+        recompute_s = pages * self.layout.page_tokens / self.policy.prefill_tokens_per_s
+        if fetch_s < recompute_s:
+            return True
+        self.stats.l3_skipped_slow += 1
+        return False
+
+    def _group_key(self, keys: list[bytes], group: int) -> str:
+        return l3_key(
+            self.settings.key_prefix, self.fingerprint, keys[(group + 1) * self.G - 1], self.G
+        )
+
+    def _state_key(self, keys: list[bytes], pages: int) -> str:
+        return l3_key(self.settings.key_prefix, self.fingerprint, keys[pages - 1], None)
+
+    def _page_piece(self, slot: int) -> Piece:
+        row = self.host.pages.segments[0][slot]
+        return row.data_ptr(), row.numel()
+
+    def _state_piece(self, slot: int) -> Piece:
+        row = self.host.state(slot)
+        return row.data_ptr(), row.numel()
+
+    def _register(self) -> None:
+        for tensor in self.host.memory():
+            if tensor.data_ptr() not in self._registered:
+                self.store.register(tensor)
+                self._registered.add(tensor.data_ptr())
+
+    def _remember(self, name: str) -> None:
+        self._known[name] = None
+        self._known.move_to_end(name)
+        if len(self._known) > self._known_cap:
+            self._known.popitem(last=False)
+
+    def close(self) -> None:
+        """Stop the workers (after their current job) and close the store. Blocks."""
+        self._fetch_jobs.put(None)
+        with contextlib.suppress(queue.Full):
+            self._put_jobs.put(None, timeout=5)
+        for t in self._threads:
+            t.join(timeout=30)
+        self.poll()
+        self.store.close()
