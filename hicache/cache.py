@@ -29,6 +29,7 @@ from hicache.backends.host import HostTier, HostTierConfig
 from hicache.backends.registry import tier_class
 from hicache.config import HiCacheConfig, Layout, StoreTierConfig
 from hicache.errors import StateHookError
+from hicache.events import EventSink, emit
 from hicache.kernels import PagedBuffer
 from hicache.keys import KeyChain, as_tokens, chain_seed, fingerprint
 from hicache.l3 import L3, L3Settings
@@ -65,7 +66,8 @@ class HiCache:
     `gpu` is the engine's KV pool (`PagedBuffer.page_first(pool)` or `.layer_first(tensors)`);
     `layout` describes its pages (defaults to the config's layout section); `states` are the
     engine's state hooks, required when the layout has state_bytes; `stream` is the CUDA stream
-    of the engine's model kernels (default: the current stream at each call).
+    of the engine's model kernels (default: the current stream at each call); `events` receives
+    a `KVEvent` whenever a tier stores or removes pages (see `hicache.events`).
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class HiCache:
         layout: Layout | None = None,
         states: StateHooks | None = None,
         stream: torch.cuda.Stream | None = None,
+        events: EventSink | None = None,
     ) -> None:
         layout = layout or config.layout
         if layout is None:
@@ -95,7 +98,8 @@ class HiCache:
         host_config = config.tier("host")
         assert isinstance(host_config, HostTierConfig)  # guaranteed by HiCacheConfig's validator
         self._stats = Stats()
-        self.host = HostTier(host_config, layout, on_evict=self._stats.evicted)
+        self._events = events
+        self.host = HostTier(host_config, layout, on_evict=self._evicted)
         self._hooks = states if layout.state_bytes else None
         self._transfers = Transfers(self.gpu.device, stream)
         self._requests: dict[str, Request] = {}
@@ -119,8 +123,19 @@ class HiCache:
             reprobe_s=cfg.reprobe_s,
         )
         return L3(
-            store, settings, self.host, self.layout, self.fingerprint, self.policy, self._stats
+            store,
+            settings,
+            self.host,
+            self.layout,
+            self.fingerprint,
+            self.policy,
+            self._stats,
+            events=self._events,
         )
+
+    def _evicted(self, keys: list[bytes]) -> None:
+        self._stats.evicted(keys)
+        emit(self._events, "removed", "host", keys)
 
     # -- match ----------------------------------------------------------------------------------
 
@@ -348,7 +363,8 @@ class HiCache:
         except BaseException:
             lease.release()
             raise
-        pool.publish(lease.slots, [keys[i] for i in missing])
+        fresh = pool.publish(lease.slots, [keys[i] for i in missing])
+        emit(self._events, "stored", "host", [pool.key_of(s) for s in fresh])
         self._stats.stored(len(missing))
         return lease
 

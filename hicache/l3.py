@@ -35,6 +35,7 @@ from hicache.backends.base import Piece, StoreTier, StoreUnavailable
 from hicache.backends.breaker import BreakerState, CircuitBreaker
 from hicache.backends.host import HostTier
 from hicache.config import Layout, Policy
+from hicache.events import EventSink, emit
 from hicache.keys import l3_key
 from hicache.slots import Lease
 from hicache.stats import Stats
@@ -117,6 +118,7 @@ class L3:
         policy: Policy,
         stats: Stats,
         clock: Callable[[], float] = time.monotonic,
+        events: EventSink | None = None,
     ) -> None:
         self.store = store
         self.settings = settings
@@ -127,6 +129,7 @@ class L3:
         self.policy = policy
         self.stats = stats
         self.clock = clock
+        self.events = events
         self.breaker = CircuitBreaker(settings.failure_threshold, settings.reprobe_s, clock)
         self._known: OrderedDict[str, None] = OrderedDict()  # objects L3 holds (or is receiving)
         self._known_cap = 1 << 20
@@ -319,7 +322,8 @@ class L3:
         first_page = fetch.first_group * self.G
         if ok:
             got = fetch.keys[first_page : first_page + ok * self.G]
-            self.host.page_slots.publish(fetch.lease.slots[: ok * self.G], got)
+            fresh = self.host.page_slots.publish(fetch.lease.slots[: ok * self.G], got)
+            emit(self.events, "stored", "host", [self.host.page_slots.key_of(s) for s in fresh])
             for g in range(ok):
                 self._remember(self._group_key(fetch.keys, fetch.first_group + g))
             if fetch.state_lease is not None:
@@ -335,13 +339,17 @@ class L3:
     def _on_put(self, job: _Job, codes: list[int] | None) -> None:
         assert job.lease is not None
         job.lease.release()
+        stored: list[bytes] = []
         for name, pieces, code in zip(job.keys, job.buffers, codes or [-1] * len(job.keys)):
             if code >= 0:
                 self.stats.l3_objects_put += 1
                 self.stats.l3_put_bytes += sum(size for _, size in pieces)
+                if "/g" in name:
+                    stored.append(bytes.fromhex(name.rsplit("/", 1)[1]))
             else:
                 self._known.pop(name, None)
                 self.stats.l3_put_failed += 1
+        emit(self.events, "stored", "l3", stored)
 
     # -- worker threads ---------------------------------------------------------------------------
 

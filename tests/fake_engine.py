@@ -66,7 +66,9 @@ class FakeEngine:
         size = self.layout.page_size
         if layer_first:
             seg = size // layer_first
-            self.layers = [torch.zeros(num_blocks, seg, dtype=torch.uint8) for _ in range(layer_first)]
+            self.layers = [
+                torch.zeros(num_blocks, seg, dtype=torch.uint8) for _ in range(layer_first)
+            ]
             buffer = PagedBuffer.layer_first(self.layers)
             self.layout = self.layout.model_copy(update={"segments": (seg,) * layer_first})
         else:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from fake_engine import FakeEngine, FakeStates, config, kv_bytes
+
 from hicache import HiCache, Layout, PagedBuffer, StateHookError, load_config
 
 P = 4  # tokens per page in these tests
@@ -168,10 +168,17 @@ def test_a_raising_save_hook_stores_pages_but_no_state():
     e = hybrid()
     e.states.fail = "save_state"
     prompt = toks((0, 22))
-    with pytest.raises(StateHookError, match=r"save_state\(slot=0, boundary=20\) raised RuntimeError"):
+    with pytest.raises(
+        StateHookError, match=r"save_state\(slot=0, boundary=20\) raised RuntimeError"
+    ):
         e.run("a", prompt)
     s = e.cache.stats()
-    assert (s["pages_stored"], s["states_stored"], s["state_used"], s["hook_errors"]) == (5, 0, 0, 1)
+    assert (s["pages_stored"], s["states_stored"], s["state_used"], s["hook_errors"]) == (
+        5,
+        0,
+        0,
+        1,
+    )
     e.states.fail = None
     assert e.run("b", prompt).hit_tokens == 0  # pages are there, but no state to resume from
     books_are_clean(e)
@@ -279,8 +286,10 @@ def test_a_pool_that_disagrees_with_the_layout_is_refused():
     with pytest.raises(ValueError, match="segments"):
         HiCache(cfg, pool, layout=layout)
     with pytest.raises(ValueError, match="give states="):
-        HiCache(load_config(config(state_bytes=8), env={}),
-                PagedBuffer.page_first(torch.zeros(8, 64, dtype=torch.uint8)))
+        HiCache(
+            load_config(config(state_bytes=8), env={}),
+            PagedBuffer.page_first(torch.zeros(8, 64, dtype=torch.uint8)),
+        )
 
 
 def test_read_only_policy_never_stores():
@@ -288,3 +297,23 @@ def test_read_only_policy_never_stores():
     e.run("a", toks((0, 20)))
     assert e.run("b", toks((0, 20))).hit_tokens == 0
     assert e.cache.stats()["pages_stored"] == 0
+
+
+def test_kv_events_report_stored_and_evicted_pages():
+    from hicache.events import EventQueue, KVEvent
+    from hicache.keys import chain_seed, page_keys
+
+    sink = EventQueue()
+    cfg = load_config(config(host_pages=4), env={})
+    cache = HiCache(cfg, PagedBuffer.page_first(torch.zeros(8, 64, dtype=torch.uint8)), events=sink)
+    seed = chain_seed(cache.fingerprint)
+    a, b = toks((0, 12)), toks((100, 108))
+    cache.store("a", a, [0, 1, 2])
+    cache.store("b", b, [3, 4])  # needs one slot more than is free: a's tail page goes
+    ka, kb = page_keys(seed, a, P), page_keys(seed, b, P)
+    assert sink.drain() == [
+        KVEvent("stored", "host", tuple(ka)),
+        KVEvent("removed", "host", (ka[2],)),
+        KVEvent("stored", "host", tuple(kb)),
+    ]
+    assert sink.dropped == 0

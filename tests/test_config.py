@@ -43,12 +43,16 @@ LAYOUT = "layout: {model: m, kv_dtype: bf16, page_bytes: 64}\n"
         ("tiers: [{type: disk, size: 1GiB}]", "tiers.0.type: unknown tier type 'disk'"),
         ("tiers: [{type: host, size: 0}]", "tiers.0.size: Input should be greater than 0"),
         ("tiers: []", "tiers: Tuple should have at least 1 item"),
-        ("tiers: [{type: host, size: 1GiB}]\npolicy: {min_recompute_tokens: 0}",
-         "policy.min_recompute_tokens: Input should be greater than or equal to 1"),
+        (
+            "tiers: [{type: host, size: 1GiB}]\npolicy: {min_recompute_tokens: 0}",
+            "policy.min_recompute_tokens: Input should be greater than or equal to 1",
+        ),
         ("tiers: [{type: host, size: 1GiB}]\nmystery: 1", "mystery: unknown key"),
-        (LAYOUT.replace("page_bytes: 64", "page_bytes: 64, segments: [16, 16]")
-         + "tiers: [{type: host, size: 1GiB}]",
-         "layout: segments add up to 32 bytes but page_bytes is 64"),
+        (
+            LAYOUT.replace("page_bytes: 64", "page_bytes: 64, segments: [16, 16]")
+            + "tiers: [{type: host, size: 1GiB}]",
+            "layout: segments add up to 32 bytes but page_bytes is 64",
+        ),
         ("tiers: [{type: host, size: 1GiB}\n", "not valid YAML"),
         ("- 1\n- 2\n", "the top level must be a mapping"),
     ],
@@ -76,21 +80,23 @@ def test_environment_overrides(tmp_path: Path):
     assert cfg.layout.kv_dtype == "float8_e4m3fn"
     with pytest.raises(ConfigError, match="HICACHE__TIERS__3__SIZE: no list item '3'"):
         load_config(path, env={"HICACHE__TIERS__3__SIZE": "1"})
-    with pytest.raises(ConfigError, match="policy.min_recompute_tokens"):
+    with pytest.raises(ConfigError, match=r"policy\.min_recompute_tokens"):
         load_config(path, env={"HICACHE__POLICY__MIN_RECOMPUTE_TOKENS": "zero"})
 
 
 def test_cli_config_check(tmp_path: Path):
     good = subprocess.run(
         [sys.executable, "-m", "hicache.cli", "config", "check", str(CONFIGS / "host.yaml")],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert good.returncode == 0, good.stderr
     assert "size: 68719476736" in good.stdout
     bad = write(tmp_path, "tiers: [{type: host, size: 0}]")
     done = subprocess.run(
         [sys.executable, "-m", "hicache.cli", "config", "check", str(bad)],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [

@@ -5,7 +5,6 @@ runs, and at the end no pin, slot or request may be left behind."""
 from __future__ import annotations
 
 import numpy as np
-
 from fake_engine import FakeEngine, FakeStates, config, kv_bytes
 
 P = 4
@@ -20,7 +19,9 @@ def test_soak_keeps_books_exact_and_leaks_nothing():
         states=states,
     )
     cache = e.cache
-    prefixes = [rng.integers(0, 50, size=int(rng.integers(4, 40)), dtype=np.int32) for _ in range(12)]
+    prefixes = [
+        rng.integers(0, 50, size=int(rng.integers(4, 40)), dtype=np.int32) for _ in range(12)
+    ]
     waiting: dict[str, tuple[np.ndarray, object, int]] = {}
     free_slots = list(range(64))
     ops = hits = checked = 0
