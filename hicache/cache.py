@@ -119,8 +119,6 @@ class HiCache:
             group_pages=cfg.group_pages,
             key_prefix=cfg.key_prefix,
             queue_depth=cfg.write_queue_depth,
-            failure_threshold=cfg.failure_threshold,
-            reprobe_s=cfg.reprobe_s,
         )
         return L3(
             store,
@@ -330,14 +328,17 @@ class HiCache:
         keep = pool.lease(present)  # the sequence's own pages must not be evicted for its tail
         try:
             pages = self._store_pages(keys, ids, missing)
-        finally:
+        except BaseException:
             keep.release()
+            raise
         states = None
         try:
             if self._hooks is not None and n_pages:
                 states = self._store_states(keys, tokens.shape[0], state_slot)
         finally:
-            self._after_store(keys, pages, states)
+            # New pages are unpinned before the held ones, once the copies are done: the
+            # sequence's head ends up most recent, so its tail is evicted first.
+            self._after_store(keys, pages, keep, states)
         return len(pages) if pages is not None else 0
 
     def _store_pages(

@@ -127,13 +127,10 @@ class StoreTierConfig(TierConfig):
 
     group_pages: int = Field(default=4, ge=1)
     """G: consecutive pages written to the store as one object."""
-    key_prefix: str = Field(default="hicache", min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
+    key_prefix: str = Field(default="hicache", min_length=1, max_length=64, pattern=r"^[\w.\-]+$")
+    """First part of every object name (separates hicache from other users of the store)."""
     write_queue_depth: int = Field(default=256, ge=1)
-    """Put jobs waiting for the write-behind worker; beyond this, work is dropped and counted."""
-    failure_threshold: int = Field(default=3, ge=1)
-    """Consecutive failed calls after which the breaker opens and L3 is skipped."""
-    reprobe_s: float = Field(default=2.0, gt=0)
-    """While the breaker is open, the store is re-probed this often in the background."""
+    """Put batches waiting for the write-behind worker; beyond this, work is dropped and counted."""
 
 
 class Policy(_Strict):

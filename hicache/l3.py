@@ -15,9 +15,10 @@ results in `poll`:
   which stay pinned until the put returns. The queue is bounded: when it is full, work is dropped
   and counted, never queued without bound and never waited for.
 
-A circuit breaker guards the store: after repeated failures L3 is skipped (requests take their
-host-only hit) while the fetch worker re-probes the store in the background, so L3 comes back by
-itself after a master restart.
+While the store is not `available` (not connected yet, or its breaker opened after repeated
+failures) no fetch starts: requests take their host hit at once. The store re-probes itself in
+the background, so L3 comes back by itself after a master restart. A call that timed out may still
+be using its buffers; its slots stay pinned until the store says the call has really ended.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hicache.backends.base import Piece, StoreTier, StoreUnavailable
-from hicache.backends.breaker import BreakerState, CircuitBreaker
 from hicache.backends.host import HostTier
 from hicache.config import Layout, Policy
 from hicache.events import EventSink, emit
@@ -42,8 +42,6 @@ from hicache.stats import Stats
 
 log = logging.getLogger(__name__)
 
-_HEALTH_KEY = "hicache/health-probe"
-
 
 @dataclass(frozen=True)
 class L3Settings:
@@ -52,8 +50,6 @@ class L3Settings:
     group_pages: int
     key_prefix: str
     queue_depth: int
-    failure_threshold: int
-    reprobe_s: float
 
 
 @dataclass
@@ -104,6 +100,10 @@ class _Job:
     meta: object = None
     started: float = 0.0
 
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+
 
 class L3:
     """Fetches and puts between the host tier and a `StoreTier`, off the engine thread."""
@@ -130,22 +130,24 @@ class L3:
         self.stats = stats
         self.clock = clock
         self.events = events
-        self.breaker = CircuitBreaker(settings.failure_threshold, settings.reprobe_s, clock)
         self._known: OrderedDict[str, None] = OrderedDict()  # objects L3 holds (or is receiving)
         self._known_cap = 1 << 20
         self._registered: set[int] = set()
         self._results: deque[tuple[_Job, object]] = deque()
+        self._parked: list[tuple[threading.Event, Fetch | _Job]] = []  # timed-out transfers
+        self.jobs_in_flight = 0
+        """Jobs handed to the workers whose results `poll` has not applied yet."""
         self._fetch_jobs: queue.Queue[_Job | None] = queue.Queue()
         self._put_jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=settings.queue_depth)
         self._threads = [
             threading.Thread(
                 target=self._work,
-                args=(self._fetch_jobs, True),
+                args=(self._fetch_jobs,),
                 daemon=True,
                 name="hicache-l3-fetch",
             ),
             threading.Thread(
-                target=self._work, args=(self._put_jobs, False), daemon=True, name="hicache-l3-put"
+                target=self._work, args=(self._put_jobs,), daemon=True, name="hicache-l3-put"
             ),
         ]
         store.start()
@@ -155,16 +157,18 @@ class L3:
     # -- engine thread: fetch ---------------------------------------------------------------------
 
     def usable(self) -> bool:
-        """Whether a new fetch is worth starting now (the breaker is not open)."""
-        return self.breaker.state is not BreakerState.OPEN
+        """Whether a new fetch is worth starting now (the store is available)."""
+        return self.store.available
 
     def start_fetch(self, keys: list[bytes], host_pages: int, max_pages: int) -> Fetch | None:
         """Begin a fetch of the groups after `host_pages`, up to `max_pages` pages in all.
 
-        Returns None when no whole group lies in that range or the breaker is open.
+        Returns None when no whole group lies in that range or the store is not available.
         """
         first = host_pages // self.G
-        last = max_pages // self.G  # groups [first, last)
+        # groups [first, last): every whole group that starts below max_pages (the hit is capped
+        # at max_pages afterwards, so a group may be fetched for only part of its pages)
+        last = min(-(-max_pages // self.G), len(keys) // self.G)
         if last <= first:
             return None
         if not self.usable():
@@ -174,7 +178,7 @@ class L3:
         names = [self._group_key(keys, g) for g in range(first, last)]
         if self.layout.state_bytes:
             names += [self._state_key(keys, (g + 1) * self.G) for g in range(first, last)]
-        self._fetch_jobs.put(_Job("probe", names, fetch=fetch, started=self.clock()))
+        self._submit(self._fetch_jobs, _Job("probe", names, fetch=fetch, started=self.clock()))
         self.stats.l3_probes += 1
         return fetch
 
@@ -228,7 +232,7 @@ class L3:
         lease = _Leases(self.host.page_slots.lease(pin), self.host.state_slots.lease(state_pins))
         job = _Job("put", names, buffers, lease=lease, started=self.clock())
         try:
-            self._put_jobs.put_nowait(job)
+            self._submit(self._put_jobs, job)
         except queue.Full:
             lease.release()
             self.stats.l3_puts_dropped += len(names)
@@ -240,17 +244,26 @@ class L3:
 
     def poll(self) -> None:
         """Apply the results the workers have posted. Never blocks."""
+        if self._parked:
+            still = []
+            for finished, holder in self._parked:
+                if finished.is_set():
+                    holder.release()
+                else:
+                    still.append((finished, holder))
+            self._parked = still
         while self._results:
             job, outcome = self._results.popleft()
+            self.jobs_in_flight -= 1
             failed = isinstance(outcome, BaseException)
             if failed:
                 self.stats.l3_errors += 1
             if job.kind == "probe":
                 self._on_probe(job, None if failed else outcome)  # type: ignore[arg-type]
             elif job.kind == "get":
-                self._on_get(job, None if failed else outcome)  # type: ignore[arg-type]
+                self._on_get(job, None if failed else outcome, outcome)  # type: ignore[arg-type]
             else:
-                self._on_put(job, None if failed else outcome)  # type: ignore[arg-type]
+                self._on_put(job, None if failed else outcome, outcome)  # type: ignore[arg-type]
 
     def _on_probe(self, job: _Job, present: list[bool] | None) -> None:
         fetch = job.fetch
@@ -302,11 +315,20 @@ class L3:
             names.append(self._state_key(fetch.keys, first_page + run * self.G))
             buffers.append([self._state_piece(state_lease.slots[0])])
         fetch.lease, fetch.state_lease, fetch.phase = lease, state_lease, "get"
-        self._fetch_jobs.put(
-            _Job("get", names, buffers, fetch=fetch, meta=run, started=self.clock())
+        self._submit(
+            self._fetch_jobs,
+            _Job("get", names, buffers, fetch=fetch, meta=run, started=self.clock()),
         )
 
-    def _on_get(self, job: _Job, codes: list[int] | None) -> None:
+    def _release(self, holder: Fetch | _Job, outcome: object) -> None:
+        """Release `holder`'s pins now, or once a timed-out call has really ended."""
+        finished = getattr(outcome, "finished", None)
+        if finished is not None and not finished.is_set():
+            self._parked.append((finished, holder))
+        else:
+            holder.release()
+
+    def _on_get(self, job: _Job, codes: list[int] | None, outcome: object = None) -> None:
         fetch = job.fetch
         assert fetch is not None and fetch.lease is not None
         run: int = job.meta  # type: ignore[assignment]
@@ -334,11 +356,10 @@ class L3:
             self.stats.l3_get_bytes += ok * self.G * self.layout.page_size
         fetch.phase = "done"
         if fetch.abandoned or not ok:
-            fetch.release()
+            self._release(fetch, outcome)
 
-    def _on_put(self, job: _Job, codes: list[int] | None) -> None:
-        assert job.lease is not None
-        job.lease.release()
+    def _on_put(self, job: _Job, codes: list[int] | None, outcome: object = None) -> None:
+        self._release(job, outcome)
         stored: list[bytes] = []
         for name, pieces, code in zip(job.keys, job.buffers, codes or [-1] * len(job.keys)):
             if code >= 0:
@@ -351,38 +372,34 @@ class L3:
                 self.stats.l3_put_failed += 1
         emit(self.events, "stored", "l3", stored)
 
+    @property
+    def idle(self) -> bool:
+        """No job is queued or running and no timed-out transfer holds slots."""
+        return self.jobs_in_flight == 0 and not self._parked
+
+    def _submit(self, jobs: queue.Queue[_Job | None], job: _Job) -> None:
+        jobs.put_nowait(job)  # raises queue.Full only for the bounded put queue
+        self.jobs_in_flight += 1
+
     # -- worker threads ---------------------------------------------------------------------------
 
-    def _work(self, jobs: queue.Queue[_Job | None], reprobes: bool) -> None:
+    def _work(self, jobs: queue.Queue[_Job | None]) -> None:
         while True:
-            try:
-                job = jobs.get(timeout=self.settings.reprobe_s if reprobes else None)
-            except queue.Empty:
-                self._reprobe()
-                continue
+            job = jobs.get()
             if job is None:
                 return
             try:
-                outcome: object = self._call(job)
+                if job.kind == "probe":
+                    outcome: object = self.store.exists(job.keys)
+                elif job.kind == "get":
+                    outcome = self.store.get_into(job.keys, job.buffers)
+                else:
+                    outcome = self._put(job)
             except Exception as err:  # reported to the engine thread as a failed job
+                if not isinstance(err, StoreUnavailable):
+                    log.warning("hicache L3 %s failed: %r", job.kind, err)
                 outcome = err
             self._results.append((job, outcome))
-
-    def _call(self, job: _Job) -> object:
-        if not self.breaker.allow():
-            raise StoreUnavailable("L3 circuit breaker is open")
-        try:
-            if job.kind == "probe":
-                out: object = self.store.exists(job.keys)
-            elif job.kind == "get":
-                out = self.store.get_into(job.keys, job.buffers)
-            else:
-                out = self._put(job)
-        except StoreUnavailable:
-            self.breaker.record_failure()
-            raise
-        self.breaker.record_success()
-        return out
 
     def _put(self, job: _Job) -> list[int]:
         """Put what the store lacks; objects it holds already count as written."""
@@ -394,17 +411,6 @@ class L3:
             for i, code in zip(todo, put):
                 codes[i] = code
         return codes
-
-    def _reprobe(self) -> None:
-        """While the breaker is open, try the store now and then so that L3 comes back."""
-        if self.breaker.state is BreakerState.CLOSED or not self.breaker.allow():
-            return
-        try:
-            self.store.exists([_HEALTH_KEY])
-        except Exception:
-            self.breaker.record_failure()
-        else:
-            self.breaker.record_success()
 
     # -- helpers ----------------------------------------------------------------------------------
 

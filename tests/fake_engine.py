@@ -8,6 +8,7 @@ States (for hybrid layouts) are likewise a function of the tokens before their b
 from __future__ import annotations
 
 import hashlib
+import time
 
 import numpy as np
 import torch
@@ -102,9 +103,21 @@ class FakeEngine:
                 seg[blocks[i]].copy_(torch.from_numpy(data[offset : offset + width].copy()))
                 offset += width
 
+    def match(self, rid: str, tokens: np.ndarray, salt: str | None = None) -> Match:
+        """Match, asking again (one engine step apart) while an L3 lookup is pending."""
+        m = self.cache.match(rid, tokens, salt=salt)
+        deadline = time.monotonic() + 30
+        while m.pending:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"request {rid}: still pending after 30 s")
+            time.sleep(0.002)
+            self.cache.poll()
+            m = self.cache.match(rid, tokens, salt=salt)
+        return m
+
     def run(self, rid: str, tokens: np.ndarray, salt: str | None = None, slot: int = 0) -> Match:
         """One request: match, allocate, load, check the loaded bytes, prefill, store, release."""
-        m = self.cache.match(rid, tokens, salt=salt)
+        m = self.match(rid, tokens, salt=salt)
         blocks = self.allocate(-(-len(tokens) // self.P))
         try:
             self.cache.load(m, blocks, state_slot=slot if m.needs_state else None)

@@ -19,6 +19,7 @@ Two families share that header:
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
@@ -56,7 +57,9 @@ class StoreTier(Tier):
 
     Keys are strings built by `hicache.keys.l3_key`. Objects are written from and read into
     host memory that the store has registered (`register`). A failed call raises
-    `StoreUnavailable`; a per-key failure is a negative code in the returned list.
+    `StoreUnavailable`; a per-key failure is a negative code in the returned list. A call that
+    timed out may still be using its buffers: `StoreUnavailable.finished`, when not None, is an
+    event set once it has really ended, and the caller keeps the buffers until then.
     """
 
     addressable = False
@@ -65,6 +68,13 @@ class StoreTier(Tier):
     @abstractmethod
     def start(self) -> None:
         """Begin connecting in the background and return at once."""
+
+    @property
+    @abstractmethod
+    def available(self) -> bool:
+        """Whether calls are expected to be answered now (connected; not failing repeatedly).
+        Never blocks: the engine thread reads it to decide whether to start an L3 fetch. A
+        store that is down re-probes itself in the background and becomes available again."""
 
     @abstractmethod
     def register(self, memory: object) -> None:
@@ -89,3 +99,6 @@ class StoreTier(Tier):
 
 class StoreUnavailable(RuntimeError):
     """The store could not be reached (not connected yet, master down, breaker open)."""
+
+    finished: threading.Event | None = None
+    """For a call that timed out: set once the abandoned call has really returned."""

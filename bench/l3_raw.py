@@ -1,0 +1,197 @@
+"""Raw Mooncake Store throughput on this machine: batched put/get of registered host memory.
+
+Measures Mooncake's own batch calls (``batch_put_from_multi_buffers``,
+``batch_get_into_multi_buffers``), no hicache code in the path, for two placements:
+
+- ``same_process``: the measuring client owns the only segment, so objects land in its own memory;
+- ``other_process``: another process owns the only segment (the measuring client contributes none),
+  so every byte crosses the transport (loopback TCP here).
+
+Usage::
+
+    python bench/l3_raw.py --out bench/results/l3_raw_loopback.json [--master HOST:PORT]
+
+Without ``--master`` a master is started on loopback (tests/mooncake_master.py) and stopped after.
+Importable: `measure` runs one (object size, batch) point on a raw client that the caller set up,
+so another bench can put hicache's own L3 path next to the raw calls in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "2")
+
+
+def raw_client(master: str, segment_bytes: int, local_hostname: str = "127.0.0.1") -> Any:
+    """A Mooncake client on TCP with `segment_bytes` contributed (0: none)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    rc = client.setup(local_hostname, "P2PHANDSHAKE", segment_bytes, 16 * MiB, "tcp", "", master)
+    if rc != 0:
+        raise RuntimeError(f"mooncake setup with master {master} failed: {rc}")
+    return client
+
+
+def measure(
+    client: Any, base_ptr: int, obj_bytes: int, batch: int, rounds: int, warmup: int = 1
+) -> dict[str, Any]:
+    """Batched put then get of `batch` objects of `obj_bytes`, `rounds` times (after `warmup`).
+
+    `base_ptr` must point at ``2 * batch * obj_bytes`` bytes registered with `client`: objects are
+    put from the first half and read into the second. Every round uses fresh keys and removes
+    them afterwards (force), so the store never fills. Returns GB/s (1e9 bytes per second) of the
+    aggregate and of the median round, for put and get.
+    """
+    from mooncake.store import ReplicateConfig
+
+    rep = ReplicateConfig()
+    rep.replica_num = 1
+    src = [[base_ptr + i * obj_bytes] for i in range(batch)]
+    dst = [[base_ptr + (batch + i) * obj_bytes] for i in range(batch)]
+    sizes = [[obj_bytes] for _ in range(batch)]
+    times: dict[str, list[float]] = {"put": [], "get": []}
+    run = uuid.uuid4().hex[:8]
+    for r in range(warmup + rounds):
+        keys = [f"bench/{run}/{r}/{i}" for i in range(batch)]
+        t0 = time.perf_counter()
+        put = client.batch_put_from_multi_buffers(keys, src, sizes, rep)
+        t1 = time.perf_counter()
+        got = client.batch_get_into_multi_buffers(keys, dst, sizes)
+        t2 = time.perf_counter()
+        client.batch_remove(keys, True)
+        if any(c != 0 for c in put) or any(c != obj_bytes for c in got):
+            raise RuntimeError(f"round {r}: put codes {set(put)}, get codes {set(got)}")
+        if r >= warmup:
+            times["put"].append(t1 - t0)
+            times["get"].append(t2 - t1)
+    nbytes = batch * obj_bytes
+    out: dict[str, Any] = {"object_bytes": obj_bytes, "batch": batch, "rounds": rounds}
+    for op, ts in times.items():
+        out[f"{op}_gbps"] = round(nbytes * len(ts) / sum(ts) / 1e9, 3)
+        out[f"{op}_gbps_median_round"] = round(nbytes / statistics.median(ts) / 1e9, 3)
+        out[f"{op}_ms_median_round"] = round(statistics.median(ts) * 1e3, 2)
+    return out
+
+
+def _serve_segment(master: str, segment_bytes: int) -> None:
+    """Child process: contribute a segment and keep it until stdin closes."""
+    client = raw_client(master, segment_bytes)
+    print("ready", flush=True)
+    sys.stdin.read()
+    client.close()
+
+
+def run(
+    master: str,
+    sizes: tuple[int, ...] = (512 * KiB, 4 * MiB),
+    batch: int = 32,
+    rounds: int = 8,
+) -> dict[str, Any]:
+    """Both placements for every object size; returns the JSON-ready result."""
+    import torch
+
+    span = 2 * batch * max(sizes)
+    segment = max(256 * MiB, 2 * batch * max(sizes))
+    mem = torch.empty(span, dtype=torch.uint8)
+    mem.random_(0, 256)
+    results: dict[str, Any] = {}
+
+    client = raw_client(master, segment)
+    try:
+        if client.register_buffer(mem.data_ptr(), span) != 0:
+            raise RuntimeError("register_buffer failed")
+        results["same_process"] = [measure(client, mem.data_ptr(), s, batch, rounds) for s in sizes]
+    finally:
+        client.close()
+
+    server = subprocess.Popen(
+        [sys.executable, __file__, "--serve-segment", master, str(segment)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = server.stdout.readline() if server.stdout else ""
+        if line.strip() != "ready":
+            raise RuntimeError("segment server did not start")
+        client = raw_client(master, 0)
+        try:
+            if client.register_buffer(mem.data_ptr(), span) != 0:
+                raise RuntimeError("register_buffer failed")
+            results["other_process"] = [
+                measure(client, mem.data_ptr(), s, batch, rounds) for s in sizes
+            ]
+        finally:
+            client.close()
+    finally:
+        if server.stdin:
+            server.stdin.close()
+        server.wait(60)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--master", help="host:port of a running mooncake_master (default: start one)")
+    ap.add_argument("--out", help="write the JSON here as well as to stdout")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--machine", default="2-core CPU VM, loopback TCP")
+    ap.add_argument("--serve-segment", nargs=2, metavar=("MASTER", "BYTES"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_segment:
+        _serve_segment(args.serve_segment[0], int(args.serve_segment[1]))
+        return
+
+    master_proc = None
+    address = args.master
+    if address is None:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from mooncake_master import MooncakeMaster
+
+        master_proc = MooncakeMaster().start()
+        address = master_proc.address
+    try:
+        results = run(address, batch=args.batch, rounds=args.rounds)
+    finally:
+        if master_proc is not None:
+            master_proc.stop()
+
+    from importlib.metadata import version
+
+    doc = {
+        "bench": "l3_raw",
+        "what": "raw Mooncake Store batch put/get (batch_put_from_multi_buffers / "
+        "batch_get_into_multi_buffers) of registered host memory, 1 replica, protocol tcp",
+        "machine": args.machine,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "mooncake": version("mooncake-transfer-engine-non-cuda"),
+        "units": "GB/s = 1e9 bytes/s; *_gbps is bytes of all rounds over their summed time",
+        "results": results,
+    }
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,689 @@
+"""The L3 tier: a blocking, batched client of Mooncake Store.
+
+`MooncakeStore` is called by hicache's L3 worker threads only, never by the engine thread. Every
+call is one batched Mooncake call; the caller never waits longer than `call_timeout_s` for it.
+
+What happens when things fail (the contract the L3 worker relies on):
+
+- `start()` returns at once. A background thread runs Mooncake's ``setup()`` and retries it with
+  exponential backoff while the master is absent; until it succeeds `state` is ``connecting``
+  (first attempt) or ``down`` (after a failed attempt), and every call raises `StoreUnavailable`.
+- Per-key outcomes are integers in the returned list (`StoreCode`): a missing key, a full store or
+  a failed transfer of one object is never an exception.
+- A call that gets no answer from the master raises `StoreUnavailable`: the master is unreachable
+  (every key came back ``RPC_FAIL``/``RPC_TIMEOUT``), the breaker is open, or the call took longer
+  than `call_timeout_s` (`StoreTimeout`, a subclass). Such calls count as breaker failures; after
+  `breaker_failures` in a row the breaker opens and calls are refused at once. While it is open a
+  background monitor probes the master every `breaker_reprobe_s` (a caller may also be the probe),
+  and the first answered call closes it again.
+- A `StoreTimeout` from `get_into`/`put_from` may leave Mooncake still reading or writing the
+  caller's buffers: the caller must keep them pinned until ``err.finished`` (an Event) is set.
+  Mooncake itself ends such a call within its own bounds (about 4.3 s when the master's port
+  refuses connections, ``MC_RPC_TIMEOUT_MS`` when the master stalls; see docs/mooncake.md).
+- A master restarted on the same address is found again by Mooncake's own client (it remounts
+  this client's segment); the objects the old master knew are gone.
+
+Bad arguments (pieces outside registered memory, mismatched lengths) raise ValueError/TypeError.
+Mooncake is imported in `start()`, so this module (and its config) loads without it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures
+import contextlib
+import enum
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import torch
+from pydantic import Field, field_validator
+
+from hicache.backends.base import Piece, StoreTier, StoreUnavailable
+from hicache.backends.breaker import BreakerState, BreakerStats, CircuitBreaker
+from hicache.backends.registry import register_tier
+from hicache.config import Bytes, Layout, StoreTierConfig
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_MIN_SEGMENT = 16 << 20  # Mooncake 0.3.13 fails setup (INVALID_PARAMS) below this
+
+# -- configuration -------------------------------------------------------------------------------
+
+
+class MooncakeConfig(StoreTierConfig):
+    """``- type: mooncake``: the Mooncake Store below the host tier (L3).
+
+    The defaults reach a master on this host over TCP (``mooncake_master --rpc_port=50051``).
+    Across hosts set `master_address` to the master and `local_hostname` to this host's address
+    that the other clients can reach.
+    """
+
+    type: Literal["mooncake"] = "mooncake"
+    master_address: str = "127.0.0.1:50051"
+    """``host:port`` of mooncake_master (or an ``etcd://...`` list for an HA master set)."""
+    metadata_server: str = "P2PHANDSHAKE"
+    """Transfer-engine metadata service: ``P2PHANDSHAKE`` (none needed), ``etcd://…``,
+    ``http://…``."""
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    """Transfer protocol between clients."""
+    device_names: str = ""
+    """RDMA devices, comma separated (``mlx5_0,mlx5_1``); empty lets Mooncake choose."""
+    local_hostname: str = "127.0.0.1"
+    """This client's address as the other clients reach it (host or host:port)."""
+    global_segment_size: Bytes = Field(default=4 << 30, ge=0)
+    """Memory this process contributes to the store (``4GiB``); 0 contributes none, otherwise at
+    least 16 MiB (Mooncake refuses smaller segments)."""
+    local_buffer_size: Bytes = Field(default=16 << 20, ge=0)
+    """Mooncake's own staging buffer; hicache's transfers are zero-copy and do not use it."""
+    replicas: int = Field(default=1, ge=1, le=16)
+    """Copies of each object (Mooncake ``replica_num``)."""
+    call_timeout_s: float = Field(default=2.0, gt=0, le=600)
+    """The longest a caller waits for one batched call. Mooncake's own master-RPC timeout
+    (MC_RPC_TIMEOUT_MS) is set to 80 % of it."""
+    setup_retries: int = Field(default=1, ge=1, le=100)
+    """Mooncake's attempts inside one setup (MC_STORE_CLIENT_SETUP_RETRIES); each attempt
+    against an absent master takes about 4.4 s."""
+    reconnect_backoff_s: float = Field(default=1.0, gt=0, le=3600)
+    """Wait after the first failed setup; doubles after each failure."""
+    reconnect_backoff_max_s: float = Field(default=30.0, gt=0, le=3600)
+    """Upper bound of the wait between setups."""
+    breaker_failures: int = Field(default=3, ge=1, le=1000)
+    """Consecutive failed calls (unreachable master, timeout) that open the breaker."""
+    breaker_reprobe_s: float = Field(default=5.0, gt=0, le=3600)
+    """How long an open breaker refuses calls before one probe is let through."""
+    io_threads: int = Field(default=4, ge=1, le=64)
+    """Threads that run the Mooncake calls (a timed-out call keeps its thread until it ends)."""
+
+    @field_validator("master_address")
+    @classmethod
+    def _check_master(cls, v: str) -> str:
+        if "://" in v:
+            if v.split("://", 1)[1] == "":
+                raise ValueError(f"master_address {v!r} names no endpoint after the scheme")
+            return v
+        _split_host_port(v, "master_address", need_port=True)
+        return v
+
+    @field_validator("global_segment_size")
+    @classmethod
+    def _check_segment(cls, v: int) -> int:
+        if 0 < v < _MIN_SEGMENT:
+            raise ValueError(
+                f"global_segment_size must be 0 or at least 16MiB ({_MIN_SEGMENT}), got {v}"
+            )
+        return v
+
+    @field_validator("local_hostname")
+    @classmethod
+    def _check_local(cls, v: str) -> str:
+        _split_host_port(v, "local_hostname", need_port=False)
+        return v
+
+    @field_validator("metadata_server")
+    @classmethod
+    def _check_metadata(cls, v: str) -> str:
+        if not v or v != v.strip():
+            raise ValueError(f"metadata_server must be a non-empty string without spaces: {v!r}")
+        return v
+
+    @field_validator("device_names")
+    @classmethod
+    def _check_devices(cls, v: str) -> str:
+        if v and any(not d or d != d.strip() for d in v.split(",")):
+            raise ValueError(f"device_names must be comma-separated names without spaces: {v!r}")
+        return v
+
+    @field_validator("reconnect_backoff_max_s")
+    @classmethod
+    def _check_backoff(cls, v: float, info: Any) -> float:
+        first = info.data.get("reconnect_backoff_s")
+        if first is not None and v < first:
+            raise ValueError(
+                f"reconnect_backoff_max_s ({v}) is below reconnect_backoff_s ({first})"
+            )
+        return v
+
+
+def _split_host_port(v: str, field: str, need_port: bool) -> None:
+    if not v or v != v.strip() or " " in v:
+        raise ValueError(f"{field} must be a host or host:port without spaces: {v!r}")
+    host, sep, port = v.rpartition(":") if v.count(":") == 1 else (v, "", "")
+    if need_port and not sep:
+        raise ValueError(f"{field} must be host:port, got {v!r}")
+    if sep and (not host or not port.isdigit() or not 0 < int(port) < 65536):
+        raise ValueError(f"{field} has no valid host:port (port 1-65535): {v!r}")
+
+
+# -- return codes --------------------------------------------------------------------------------
+
+
+class StoreCode(enum.IntEnum):
+    """Mooncake Store's return codes that hicache meets (0.3.13; negative = failure).
+
+    `get_into` returns bytes read (>= 0) or one of the negative codes; `put_from` and `remove`
+    return OK or a negative code. Codes not listed here are passed through as plain ints.
+    """
+
+    OK = 0
+    INTERNAL_ERROR = -1
+    BUFFER_OVERFLOW = -10
+    SEGMENT_NOT_FOUND = -101
+    NO_SPACE = -200
+    """NO_AVAILABLE_HANDLE: no segment has room (the store is full, or the object is larger
+    than any segment). The master evicts in the background; a later put may succeed."""
+    INVALID_KEY = -400
+    INVALID_PARAMS = -600
+    """Also: the buffers of a get are smaller than the object."""
+    OBJECT_NOT_FOUND = -704
+    OBJECT_ALREADY_EXISTS = -705
+    OBJECT_HAS_LEASE = -706
+    """remove: someone read the object within the lease time (default 10 s)."""
+    LEASE_EXPIRED = -707
+    """get: the transfer outlasted the lease; the data must not be used."""
+    TRANSFER_FAIL = -800
+    """Also: the buffers of a get are larger than the object."""
+    RPC_FAIL = -900
+    """The master is unreachable."""
+    RPC_TIMEOUT = -901
+    """The master did not answer within MC_RPC_TIMEOUT_MS."""
+
+
+_UNREACHABLE = frozenset({StoreCode.RPC_FAIL, StoreCode.RPC_TIMEOUT})
+
+
+def code_name(code: int) -> str:
+    """``NAME`` of a known code, else the number (for logs and stats)."""
+    try:
+        return StoreCode(code).name
+    except ValueError:
+        return str(code)
+
+
+class StoreState(str, enum.Enum):
+    """Where the client stands."""
+
+    CONNECTING = "connecting"
+    READY = "ready"
+    DOWN = "down"
+    CLOSED = "closed"
+
+
+class StoreTimeout(StoreUnavailable):
+    """A call did not return within `call_timeout_s`.
+
+    The Mooncake call may still be running and using the caller's buffers: `finished` is set once
+    it has returned (at once if it never started). Keep buffers pinned until then.
+    """
+
+    def __init__(self, op: str, timeout_s: float, finished: threading.Event) -> None:
+        super().__init__(f"mooncake {op} did not return within {timeout_s:g} s")
+        self.op = op
+        self.finished = finished
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Counters of one `MooncakeStore`."""
+
+    state: StoreState
+    setups: int
+    setup_failures: int
+    calls: int
+    timeouts: int
+    unreachable: int
+    refused: int
+    keys_put: int
+    keys_got: int
+    bytes_put: int
+    bytes_got: int
+    breaker: BreakerStats
+
+
+# -- environment ---------------------------------------------------------------------------------
+
+_ENV_LOCK = threading.Lock()
+_ENV_OURS: set[str] = set()
+
+
+def _apply_env(values: dict[str, str]) -> None:
+    """Set Mooncake's MC_* variables for the next setup, unless the operator set them.
+
+    The variables are process-wide; a variable found in the environment before hicache first
+    touched it is the operator's and is left as it is. Call with _ENV_LOCK held.
+    """
+    for name, value in values.items():
+        if name in os.environ and name not in _ENV_OURS:
+            continue
+        os.environ[name] = value
+        _ENV_OURS.add(name)
+
+
+# -- the client ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Region:
+    start: int
+    size: int
+    owner: torch.Tensor
+
+
+@register_tier("mooncake", MooncakeConfig)
+class MooncakeStore(StoreTier):
+    """Batched, blocking client of one Mooncake Store. Thread-safe; call from worker threads.
+
+    `layout` is accepted for the same constructor as the other tiers and is not used.
+    """
+
+    shared = True
+    persistent = True
+
+    def __init__(
+        self,
+        config: MooncakeConfig,
+        layout: Layout | None = None,
+        *,
+        client_factory: Callable[[], Any] | None = None,
+    ) -> None:
+        """`client_factory` makes the raw client (default: Mooncake's MooncakeDistributedStore);
+        tests pass a stand-in with the same methods."""
+        if not isinstance(config, MooncakeConfig):
+            raise TypeError(f"config must be a MooncakeConfig, got {type(config).__name__}")
+        self.config = config
+        self.layout = layout
+        self._client_factory = client_factory
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._client: Any = None
+        self._closing = False
+        self._started = False
+        self._failed_setups = 0
+        self._setups = 0
+        self._regions: list[_Region] = []  # sorted by start
+        self._starts: list[int] = []
+        self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_reprobe_s)
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=config.io_threads, thread_name_prefix="hicache-l3-io"
+        )
+        self._thread: threading.Thread | None = None
+        self._replicate: Any = None
+        self._counts = dict.fromkeys(
+            (
+                "calls",
+                "timeouts",
+                "unreachable",
+                "refused",
+                "keys_put",
+                "keys_got",
+                "bytes_put",
+                "bytes_got",
+            ),
+            0,
+        )
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Begin connecting on a background thread and return at once (idempotent)."""
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("MooncakeStore.start after close")
+            if self._started:
+                return
+            self._started = True
+            self._thread = threading.Thread(
+                target=self._run, name="hicache-l3-connect", daemon=True
+            )
+            self._thread.start()
+
+    @property
+    def available(self) -> bool:
+        """Connected and the breaker closed: calls are expected to be answered now."""
+        return self.state is StoreState.READY
+
+    @property
+    def state(self) -> StoreState:
+        """connecting / ready / down / closed (see the module docstring)."""
+        with self._lock:
+            if self._closing:
+                return StoreState.CLOSED
+            if self._client is None:
+                return StoreState.DOWN if self._failed_setups else StoreState.CONNECTING
+        if self._breaker.state is BreakerState.CLOSED:
+            return StoreState.READY
+        return StoreState.DOWN
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Block until the first setup has succeeded or `timeout_s` passed; True if connected.
+
+        For tools and tests; the cache itself never waits for the store.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._wake:
+            while self._client is None and not self._closing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._wake.wait(left)
+            return self._client is not None and not self._closing
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Stop reconnecting, wait for calls in flight, close the Mooncake client.
+
+        Blocks up to about `timeout_s` (Mooncake's close takes 1-2.5 s with the master up and
+        10-15 s with it gone). Returns True if everything ended within it; otherwise the rest
+        ends on a daemon thread that keeps the registered memory alive until then.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._wake:
+            if self._closing:
+                return True
+            self._closing = True
+            client, self._client = self._client, None
+            regions = list(self._regions)
+            self._wake.notify_all()
+        thread = self._thread
+
+        def finish() -> None:
+            if thread is not None:
+                thread.join()
+            self._pool.shutdown(wait=True)
+            if client is not None:
+                rc = client.close()
+                if rc != 0:
+                    log.warning("mooncake close returned %s", code_name(rc))
+            del regions[:]
+
+        closer = threading.Thread(target=finish, name="hicache-l3-close", daemon=True)
+        closer.start()
+        closer.join(max(0.0, deadline - time.monotonic()))
+        return not closer.is_alive()
+
+    def _run(self) -> None:
+        """Background thread: connect with backoff, then probe while the breaker is open."""
+        delay = self.config.reconnect_backoff_s
+        while True:
+            with self._lock:
+                if self._closing:
+                    return
+            client = self._setup_once()
+            with self._wake:
+                if client is not None and not self._closing:
+                    self._client = client
+                    self._breaker.reset()
+                    self._wake.notify_all()
+                    break
+                if client is None:
+                    self._failed_setups += 1
+                    self._wake.wait(delay)
+                    delay = min(delay * 2, self.config.reconnect_backoff_max_s)
+                    continue
+            client.close()  # closed while connecting
+            return
+        while True:
+            with self._wake:
+                self._wake.wait(self.config.breaker_reprobe_s)
+                if self._closing:
+                    return
+            if self._breaker.state is not BreakerState.CLOSED:
+                with contextlib.suppress(StoreUnavailable):
+                    self.exists([f"{self.config.key_prefix}/probe"])
+
+    def _setup_once(self) -> Any:
+        """One Mooncake setup with all registered memory; the client, or None on failure."""
+        cfg = self.config
+        env = {
+            "MC_STORE_CLIENT_SETUP_RETRIES": str(cfg.setup_retries),
+            # Mooncake ends a stalled master RPC a little before hicache stops waiting, so
+            # that the usual stall ends cleanly (no call left running on the caller's buffers).
+            "MC_RPC_TIMEOUT_MS": str(max(1, math.floor(cfg.call_timeout_s * 800))),
+            "MC_RPC_CONNECT_TIMEOUT_MS": str(max(1, math.floor(cfg.call_timeout_s * 800))),
+        }
+        if cfg.protocol == "tcp":
+            env["MC_TCP_BIND_ADDRESS"] = cfg.local_hostname.rsplit(":", 1)[0]
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+        if self._client_factory is None:
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+            if self._replicate is None:
+                rep = ReplicateConfig()
+                rep.replica_num = cfg.replicas
+                self._replicate = rep
+            client = MooncakeDistributedStore()
+        else:
+            client = self._client_factory()
+        with _ENV_LOCK:
+            _apply_env(env)
+            self._setups += 1
+            rc = client.setup(
+                cfg.local_hostname,
+                cfg.metadata_server,
+                cfg.global_segment_size,
+                cfg.local_buffer_size,
+                cfg.protocol,
+                cfg.device_names,
+                cfg.master_address,
+            )
+        if rc != 0:
+            # A client whose setup failed must not be used again (calls on it crash); close
+            # is safe and frees its ports.
+            log.warning("mooncake setup with master %s failed: %s", cfg.master_address, rc)
+            client.close()
+            return None
+        with self._lock:
+            regions = list(self._regions)
+        for r in regions:
+            self._register_raw(client, r)
+        return client
+
+    # -- memory ------------------------------------------------------------------------------
+
+    def register(self, memory: object) -> None:
+        """Register a contiguous CPU tensor (a pinned host pool) for zero-copy transfers.
+
+        The store keeps a reference to it until `close`; it is registered again with every new
+        connection. Registering the same tensor twice is a no-op; overlapping regions are refused.
+        """
+        if not isinstance(memory, torch.Tensor):
+            raise TypeError(f"register needs a torch.Tensor, got {type(memory).__name__}")
+        if memory.device.type != "cpu" or not memory.is_contiguous():
+            raise ValueError("register needs a contiguous CPU tensor")
+        size = memory.numel() * memory.element_size()
+        if size == 0:
+            raise ValueError("register needs a non-empty tensor")
+        region = _Region(memory.data_ptr(), size, memory)
+        with self._lock:
+            i = bisect.bisect_right(self._starts, region.start)
+            if (
+                i
+                and self._regions[i - 1].start == region.start
+                and self._regions[i - 1].size == size
+            ):
+                return
+            prev_end = self._regions[i - 1].start + self._regions[i - 1].size if i else 0
+            next_start = self._starts[i] if i < len(self._starts) else None
+            if prev_end > region.start or (
+                next_start is not None and region.start + size > next_start
+            ):
+                raise ValueError("register: the tensor overlaps memory registered already")
+            self._regions.insert(i, region)
+            self._starts.insert(i, region.start)
+            client = self._client
+        if client is not None:
+            self._register_raw(client, region)
+
+    @staticmethod
+    def _register_raw(client: Any, region: _Region) -> None:
+        rc = client.register_buffer(region.start, region.size)
+        if rc != 0:
+            raise RuntimeError(f"mooncake register_buffer of {region.size} bytes failed: {rc}")
+
+    def _check_pieces(self, keys: Sequence[str], buffers: Sequence[Sequence[Piece]]) -> tuple:
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffer lists")
+        ptrs: list[list[int]] = []
+        sizes: list[list[int]] = []
+        with self._lock:
+            starts, regions = self._starts, self._regions
+            for key, pieces in zip(keys, buffers, strict=True):
+                if not pieces:
+                    raise ValueError(f"key {key!r} has no pieces")
+                kp, ks = [], []
+                for ptr, size in pieces:
+                    if size <= 0:
+                        raise ValueError(f"key {key!r}: piece size must be > 0, got {size}")
+                    i = bisect.bisect_right(starts, ptr) - 1
+                    if i < 0 or ptr + size > regions[i].start + regions[i].size:
+                        raise ValueError(
+                            f"key {key!r}: piece ({ptr:#x}, {size}) is outside registered memory"
+                        )
+                    kp.append(int(ptr))
+                    ks.append(int(size))
+                ptrs.append(kp)
+                sizes.append(ks)
+        return ptrs, sizes
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Which keys the store holds, in one batched call. A key whose own query failed reads
+        as absent. Reading a key gives it a lease (10 s by default) that protects it from
+        eviction and removal, so a get right after this finds it."""
+        keys = _check_keys(keys)
+        if not keys:
+            return []
+        codes = self._call("exists", lambda c: c.batch_is_exist(keys), len(keys))
+        return [c == 1 for c in codes]
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Sequence[Piece]]) -> list[int]:
+        """Read each object into its pieces; per key the bytes read or a negative `StoreCode`.
+
+        The pieces of a key must add up to the object's exact size (larger: TRANSFER_FAIL,
+        smaller: INVALID_PARAMS); a missing key is OBJECT_NOT_FOUND.
+        """
+        keys = _check_keys(keys)
+        ptrs, sizes = self._check_pieces(keys, buffers)
+        if not keys:
+            return []
+        codes = self._call(
+            "get_into", lambda c: c.batch_get_into_multi_buffers(keys, ptrs, sizes), len(keys)
+        )
+        got = [c for c in codes if c > 0]
+        with self._lock:
+            self._counts["keys_got"] += len(got)
+            self._counts["bytes_got"] += sum(got)
+        return codes
+
+    def put_from(self, keys: Sequence[str], buffers: Sequence[Sequence[Piece]]) -> list[int]:
+        """Write each object from its pieces; per key OK or a negative `StoreCode`.
+
+        A key that exists already is left as it is and reads OK (objects are named by content).
+        NO_SPACE means no segment had room now; the object is simply not stored.
+        """
+        keys = _check_keys(keys)
+        ptrs, sizes = self._check_pieces(keys, buffers)
+        if not keys:
+            return []
+        rep = self._replicate
+        codes = self._call(
+            "put_from",
+            lambda c: c.batch_put_from_multi_buffers(keys, ptrs, sizes, rep),
+            len(keys),
+        )
+        done = [sum(s) for c, s in zip(codes, sizes, strict=True) if c == 0]
+        with self._lock:
+            self._counts["keys_put"] += len(done)
+            self._counts["bytes_put"] += sum(done)
+        return codes
+
+    def remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
+        """Remove objects; per key OK, OBJECT_NOT_FOUND, OBJECT_HAS_LEASE (read recently; pass
+        `force` to remove anyway) or another negative code."""
+        keys = _check_keys(keys)
+        if not keys:
+            return []
+        return self._call("remove", lambda c: c.batch_remove(keys, force), len(keys))
+
+    def _call(self, op: str, fn: Callable[[Any], list[int]], n: int) -> list[int]:
+        """Run one batched Mooncake call on an I/O thread, bounded by call_timeout_s."""
+        client = self._client
+        if client is None:
+            raise StoreUnavailable(f"mooncake {op}: not connected (state {self.state.value})")
+        if not self._breaker.allow():
+            with self._lock:
+                self._counts["refused"] += 1
+            raise StoreUnavailable(f"mooncake {op}: breaker open after repeated failures")
+        finished = threading.Event()
+        try:
+            future = self._pool.submit(fn, client)
+        except RuntimeError:  # the pool is shut down: close() is running
+            self._breaker.record_success()  # not the master's fault; free the probe slot
+            raise StoreUnavailable(f"mooncake {op}: store is closing") from None
+        future.add_done_callback(lambda _f: finished.set())
+        with self._lock:
+            self._counts["calls"] += 1
+        try:
+            codes = future.result(timeout=self.config.call_timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()  # succeeds only if it never started; then `finished` is set
+            self._breaker.record_failure()
+            with self._lock:
+                self._counts["timeouts"] += 1
+            raise StoreTimeout(op, self.config.call_timeout_s, finished) from None
+        except BaseException:
+            self._breaker.record_failure()
+            raise
+        codes = [int(c) for c in codes]
+        if len(codes) != n:
+            self._breaker.record_failure()
+            raise StoreUnavailable(f"mooncake {op}: {len(codes)} results for {n} keys")
+        unreachable = sum(1 for c in codes if c in _UNREACHABLE)
+        if unreachable:
+            self._breaker.record_failure()
+            with self._lock:
+                self._counts["unreachable"] += 1
+            if unreachable == n:
+                raise StoreUnavailable(f"mooncake {op}: master unreachable ({code_name(codes[0])})")
+        else:
+            self._breaker.record_success()
+        return codes
+
+    # -- stats -------------------------------------------------------------------------------
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        """The breaker guarding the calls (read its state and counters)."""
+        return self._breaker
+
+    def stats(self) -> StoreStats:
+        """A snapshot of the counters."""
+        state = self.state
+        with self._lock:
+            c = dict(self._counts)
+            setups, failed = self._setups, self._failed_setups
+        return StoreStats(
+            state=state,
+            setups=setups,
+            setup_failures=failed,
+            breaker=self._breaker.stats(),
+            **c,
+        )
+
+
+def _check_keys(keys: Sequence[str]) -> list[str]:
+    if isinstance(keys, str):
+        raise TypeError("keys must be a sequence of str, not one str")
+    out = list(keys)
+    for k in out:
+        if not isinstance(k, str) or not k:
+            raise ValueError(f"every key must be a non-empty str, got {k!r}")
+    return out

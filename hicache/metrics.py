@@ -1,0 +1,253 @@
+"""Prometheus metrics of a `HiCache`, read from `cache.stats()` at scrape time.
+
+There is one set of books: the cache's own counters. `HiCacheCollector` turns a stats dict into
+``hicache_*`` metric families whenever the registry is collected, so a scrape costs one
+`stats()` call and nothing is counted twice. The mapping is the table `METRICS`: one line per
+stats key, naming the family and its labels; `FAMILIES` gives each family's type and help.
+A new stats key is one new line (`unmapped` lists keys without one; they are not exported).
+
+Latency histograms come from `cache.histograms()` when the cache provides it: a dict from
+family name (``hicache_copy_seconds``) to a `HistogramSnapshot`-like mapping (see
+`HistogramSnapshot`). Without it no histogram is exported.
+
+Usage::
+
+    registry = CollectorRegistry()
+    register(cache, registry)                      # never the global registry unless asked
+    server = serve(registry, port=9400)            # optional; off unless called
+    ...
+    server.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypedDict
+
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["counter", "gauge"]
+
+
+@dataclass(frozen=True)
+class Family:
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+
+
+FAMILIES: dict[str, Family] = {
+    # counters (exported with the _total suffix)
+    "hicache_lookups": Family("counter", "Answers of match that were not pending."),
+    "hicache_pending_answers": Family("counter", "Answers of match that said pending (L3)."),
+    "hicache_prompt_tokens": Family("counter", "Prompt tokens of the lookups."),
+    "hicache_hit_tokens": Family("counter", "Prompt tokens served from cache.", ("tier",)),
+    "hicache_limited_tokens": Family(
+        "counter", "Tokens held but not usable (min_recompute_tokens cap, no state to snap to)."
+    ),
+    "hicache_pages_loaded": Family("counter", "Pages loaded from a tier.", ("tier",)),
+    "hicache_pages_stored": Family("counter", "Pages written to a tier.", ("tier",)),
+    "hicache_pages_evicted": Family("counter", "Pages evicted from a tier.", ("tier",)),
+    "hicache_pages_dropped": Family(
+        "counter", "Pages not stored because every slot was pinned.", ("tier",)
+    ),
+    "hicache_states_stored": Family("counter", "States written to the host tier."),
+    "hicache_l3_probes": Family("counter", "L3 fetches started (one batched exists each)."),
+    "hicache_l3_objects_put": Family("counter", "Objects (page groups, states) put to L3."),
+    "hicache_l3_bytes": Family("counter", "Bytes moved to or from L3.", ("op",)),
+    "hicache_errors": Family("counter", "Failures; none of them ever counts as a hit.", ("kind",)),
+    "hicache_fallbacks": Family(
+        "counter", "Times L3 was skipped and the request went on without it.", ("reason",)
+    ),
+    # gauges
+    "hicache_pool_slots": Family("gauge", "Slots of a pool.", ("tier", "pool")),
+    "hicache_pool_used_slots": Family("gauge", "Slots that hold a key.", ("tier", "pool")),
+    "hicache_pool_pinned_slots": Family("gauge", "Slots somebody pins.", ("tier", "pool")),
+    "hicache_requests": Family("gauge", "Requests hicache holds state for."),
+    "hicache_copies_in_flight": Family("gauge", "Copies enqueued and not yet retired."),
+    "hicache_l3_breaker_state": Family(
+        "gauge", "L3 circuit breaker: 0 closed, 1 half-open, 2 open."
+    ),
+    "hicache_l3_queue_depth": Family("gauge", "Puts waiting in the write-behind queue."),
+}
+
+METRICS: dict[str, tuple[str, dict[str, str]]] = {
+    # stats key               family                        labels
+    "lookups": ("hicache_lookups", {}),
+    "pending_answers": ("hicache_pending_answers", {}),
+    "prompt_tokens": ("hicache_prompt_tokens", {}),
+    "hit_tokens_host": ("hicache_hit_tokens", {"tier": "host"}),
+    "hit_tokens_l3": ("hicache_hit_tokens", {"tier": "l3"}),
+    "limited_tokens": ("hicache_limited_tokens", {}),
+    "pages_loaded": ("hicache_pages_loaded", {"tier": "host"}),
+    "pages_stored": ("hicache_pages_stored", {"tier": "host"}),
+    "pages_evicted": ("hicache_pages_evicted", {"tier": "host"}),
+    "pages_dropped": ("hicache_pages_dropped", {"tier": "host"}),
+    "states_stored": ("hicache_states_stored", {}),
+    "hook_errors": ("hicache_errors", {"kind": "state_hook"}),
+    "l3_probes": ("hicache_l3_probes", {}),
+    "l3_pages_fetched": ("hicache_pages_loaded", {"tier": "l3"}),
+    "l3_get_bytes": ("hicache_l3_bytes", {"op": "get"}),
+    "l3_get_failed": ("hicache_errors", {"kind": "l3_get"}),
+    "l3_objects_put": ("hicache_l3_objects_put", {}),
+    "l3_put_bytes": ("hicache_l3_bytes", {"op": "put"}),
+    "l3_put_failed": ("hicache_errors", {"kind": "l3_put"}),
+    "l3_puts_dropped": ("hicache_fallbacks", {"reason": "put_queue_full"}),
+    "l3_errors": ("hicache_errors", {"kind": "l3_call"}),
+    "l3_skipped": ("hicache_fallbacks", {"reason": "breaker_open"}),
+    "l3_skipped_slow": ("hicache_fallbacks", {"reason": "slower_than_recompute"}),
+    "l3_timeouts": ("hicache_fallbacks", {"reason": "timeout"}),
+    "l3_no_space": ("hicache_fallbacks", {"reason": "no_host_space"}),
+    "host_slots": ("hicache_pool_slots", {"tier": "host", "pool": "page"}),
+    "host_used": ("hicache_pool_used_slots", {"tier": "host", "pool": "page"}),
+    "host_pinned": ("hicache_pool_pinned_slots", {"tier": "host", "pool": "page"}),
+    "state_slots": ("hicache_pool_slots", {"tier": "host", "pool": "state"}),
+    "state_used": ("hicache_pool_used_slots", {"tier": "host", "pool": "state"}),
+    "requests": ("hicache_requests", {}),
+    "copies_in_flight": ("hicache_copies_in_flight", {}),
+    "l3_breaker_state": ("hicache_l3_breaker_state", {}),
+    "l3_queue_depth": ("hicache_l3_queue_depth", {}),
+}
+"""Stats key -> (family, labels). Keys absent from a cache's stats are simply not exported."""
+
+
+class HistogramSnapshot(TypedDict):
+    """One latency histogram as the cache reports it.
+
+    `buckets`: (upper bound in seconds, observations <= bound), cumulative, ascending, the last
+    bound ``float("inf")``; `sum`: total seconds observed; `help`: one line for the scrape.
+    """
+
+    buckets: list[tuple[float, int]]
+    sum: float
+    help: str
+
+
+class StatsSource(Protocol):
+    def stats(self) -> Mapping[str, int]: ...
+
+
+def unmapped(stats: Mapping[str, Any]) -> list[str]:
+    """Stats keys that `METRICS` has no line for (they are not exported)."""
+    return sorted(k for k in stats if k not in METRICS)
+
+
+def families(
+    stats: Mapping[str, int | float],
+    histograms: Mapping[str, HistogramSnapshot] | None = None,
+) -> list[Metric]:
+    """The metric families for one stats dict (and optional histogram snapshots)."""
+    built: dict[str, Metric] = {}
+    for key, value in stats.items():
+        entry = METRICS.get(key)
+        if entry is None:
+            continue
+        name, labels = entry
+        fam = FAMILIES[name]
+        metric = built.get(name)
+        if metric is None:
+            cls = CounterMetricFamily if fam.kind == "counter" else GaugeMetricFamily
+            metric = built[name] = cls(name, fam.help, labels=list(fam.labels))
+        metric.add_metric([labels[label] for label in fam.labels], float(value))
+    out = list(built.values())
+    for name, snap in (histograms or {}).items():
+        h = HistogramMetricFamily(name, snap.get("help", name))
+        buckets = [(_bound(b), float(c)) for b, c in snap["buckets"]]
+        h.add_metric([], buckets, float(snap["sum"]))
+        out.append(h)
+    return out
+
+
+def _bound(b: float) -> str:
+    return "+Inf" if b == float("inf") else repr(float(b))
+
+
+class HiCacheCollector(Collector):
+    """Collects `source.stats()` (and `source.histograms()` if it exists) at every scrape.
+
+    `source` is a HiCache or anything with a `stats()` method; or give `stats` as a callable.
+    """
+
+    def __init__(
+        self,
+        source: StatsSource | None = None,
+        *,
+        stats: Callable[[], Mapping[str, int]] | None = None,
+        histograms: Callable[[], Mapping[str, HistogramSnapshot]] | None = None,
+    ) -> None:
+        if (source is None) == (stats is None):
+            raise TypeError("give either a source with stats() or stats=, not both or neither")
+        self._stats = stats if stats is not None else source.stats  # type: ignore[union-attr]
+        self._histograms = histograms or getattr(source, "histograms", None)
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:  # one scrape at a time reads the cache
+            stats = self._stats()
+            hists = self._histograms() if self._histograms is not None else None
+        missing = set(unmapped(stats)) - self._warned
+        if missing:
+            self._warned |= missing
+            log.warning("hicache metrics: stats keys without a metric: %s", sorted(missing))
+        yield from families(stats, hists)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # families depend on the stats present; describe nothing up front
+
+
+def register(
+    source: StatsSource,
+    registry: CollectorRegistry | None = None,
+    *,
+    use_global: bool = False,
+) -> tuple[CollectorRegistry, HiCacheCollector]:
+    """Register a collector for `source` on `registry` (default: a fresh one).
+
+    The process-wide `prometheus_client.REGISTRY` is used only with ``use_global=True``.
+    Returns the registry and the collector (unregister it with ``registry.unregister``).
+    """
+    if registry is not None and use_global:
+        raise ValueError("give a registry or use_global=True, not both")
+    reg = REGISTRY if use_global else (registry or CollectorRegistry(auto_describe=False))
+    collector = HiCacheCollector(source)
+    reg.register(collector)
+    return reg, collector
+
+
+class MetricsServer:
+    """An HTTP endpoint serving one registry in the Prometheus text format."""
+
+    def __init__(self, registry: CollectorRegistry, port: int, addr: str) -> None:
+        self._server, self._thread = start_http_server(port, addr=addr, registry=registry)
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_port)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def serve(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1") -> MetricsServer:
+    """Serve `registry` at http://addr:port/metrics (port 0: any free port; see `.port`).
+
+    Off unless called. Binds to loopback by default; pass ``addr="0.0.0.0"`` to expose it.
+    """
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be in [0, 65535], got {port}")
+    return MetricsServer(registry, port, addr)

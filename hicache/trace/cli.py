@@ -1,0 +1,140 @@
+"""`hicache trace FILE`: replay a Mooncake-format trace through hicache and report hit shares.
+
+Exit status: 0 when every loaded page had the right bytes, 1 when some did not, 2 on a usage or
+input error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pydantic import TypeAdapter, ValidationError
+
+from hicache.config import Bytes, ConfigError, HiCacheConfig, load_config
+from hicache.trace.replay import DEFAULT_FRACTIONS, ReplaySetup, Workload, replay
+from hicache.trace.report import plot, table, write_json
+from hicache.trace.workload import BLOCK_TOKENS, read_trace
+
+DEFAULT_HOST_SIZE = "50%"
+
+
+def parse_host_size(spec: str, unique_pages: int, model_page_bytes: int | None) -> int:
+    """Host capacity in pages from ``50%`` (of the distinct pages), ``20000`` (pages) or a byte
+    size such as ``64GiB`` (divided by the configured layout's page size)."""
+    text = spec.strip()
+    if text.endswith("%"):
+        try:
+            frac = float(text[:-1]) / 100
+        except ValueError:
+            raise ValueError(f"--host-size {spec!r}: not a percentage") from None
+        if frac <= 0:
+            raise ValueError(f"--host-size {spec!r} must be positive")
+        return max(1, round(frac * unique_pages))
+    if text.isdigit():
+        if int(text) <= 0:
+            raise ValueError(f"--host-size {spec!r} must be positive")
+        return int(text)
+    if model_page_bytes is None:
+        raise ValueError(
+            f"--host-size {spec!r}: a byte size needs --config with a layout (its page size "
+            "turns bytes into pages); give a percentage or a page count instead"
+        )
+    try:
+        size = TypeAdapter(Bytes).validate_python(text)
+    except ValidationError:
+        raise ValueError(
+            f"--host-size {spec!r}: not a percentage, page count or byte size"
+        ) from None
+    pages = size // model_page_bytes
+    if pages <= 0:
+        raise ValueError(f"--host-size {spec!r} is smaller than one page ({model_page_bytes} B)")
+    return pages
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of fractions: {text!r}") from None
+    if not values or any(not 0 < v <= 10 for v in values):
+        raise argparse.ArgumentTypeError("fractions must be in (0, 10]")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hicache trace",
+        description="Replay a Mooncake-format trace (JSONL with hash_ids per 512-token block) "
+        "through hicache with a model-less engine; compare with an exact LRU and an infinite "
+        "cache; check every loaded byte.",
+    )
+    p.add_argument("trace", type=Path, help="the trace file (JSON Lines)")
+    p.add_argument("--config", type=Path, help="a hicache YAML: its tiers and policy are used")
+    p.add_argument(
+        "--host-size",
+        help="host capacity: '50%%' of the distinct pages (default without --config), a page "
+        "count, or a byte size with --config (e.g. 64GiB over the config's page size)",
+    )
+    p.add_argument(
+        "--page-tokens", type=int, help="tokens per page (default: the config's, else 128)"
+    )
+    p.add_argument(
+        "--kv-bytes", type=int, default=128, help="synthetic bytes per page (multiple of 16)"
+    )
+    p.add_argument("--limit", type=int, help="replay only the first N requests")
+    p.add_argument("--json", type=Path, dest="json_out", help="write the report as JSON here")
+    p.add_argument("--plot", type=Path, help="write the capacity sweep as a PNG here")
+    p.add_argument(
+        "--sim-sweep",
+        action="store_true",
+        help="sweep with the simulations only (hicache runs at --host-size alone)",
+    )
+    p.add_argument(
+        "--fractions",
+        type=_fractions,
+        default=DEFAULT_FRACTIONS,
+        help="sweep capacities as fractions of the distinct pages, comma-separated",
+    )
+    p.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        base: HiCacheConfig | None = load_config(args.config) if args.config else None
+        layout = base.layout if base else None
+        page_tokens = args.page_tokens or (layout.page_tokens if layout else 128)
+        setup = ReplaySetup(
+            page_tokens=page_tokens,
+            kv_bytes=args.kv_bytes,
+            base=base,
+            block_tokens=args.block_tokens,
+        )
+        requests = read_trace(args.trace, args.limit, args.block_tokens)
+        if not requests:
+            raise ValueError(f"{args.trace}: no requests")
+        workload = Workload(requests, page_tokens, args.block_tokens)
+        model_page = layout.page_size if layout else None
+        spec = args.host_size
+        if spec is None:
+            host = base.tier("host") if base else None
+            spec = str(host.size) if host is not None and model_page else DEFAULT_HOST_SIZE
+        pages = parse_host_size(spec, workload.unique_pages, model_page)
+        result = replay(workload, setup, pages, args.fractions, not args.sim_sweep)
+    except (ConfigError, ValueError, OSError) as err:
+        print(f"hicache trace: {err}", file=sys.stderr)
+        return 2
+    result["trace"] = str(args.trace)
+    print(table(result))
+    if args.json_out:
+        write_json(result, args.json_out)
+    if args.plot:
+        plot(result, args.plot, title=f"{args.trace.name}: hit share vs host capacity")
+    return 1 if result["wrong_bytes"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

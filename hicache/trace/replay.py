@@ -1,0 +1,234 @@
+"""Replay a trace through hicache and the reference caches; sweep the host capacity.
+
+`replay` runs one capacity through a real `HiCache` (via `ReplayEngine`) and through the exact
+LRU simulation and the infinite cache; `sweep` runs the simulation (and, if asked, hicache) at
+several capacities. Shares are hit tokens over prompt tokens.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hicache import HiCacheConfig, Layout, load_config
+from hicache.backends.host import HostTierConfig
+from hicache.trace.engine import ReplayEngine, Timings
+from hicache.trace.simulate import LruSim, OracleSim, SimResult, block_ceiling
+from hicache.trace.workload import BLOCK_TOKENS, TraceRequest, page_ids, prompt_tokens
+
+DEFAULT_FRACTIONS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)
+"""Host capacities of the sweep, as fractions of the trace's distinct pages."""
+
+
+@dataclass(frozen=True)
+class ReplaySetup:
+    """What the replayed cache looks like: its layout, tiers below host, and policy."""
+
+    page_tokens: int = 128
+    kv_bytes: int = 128
+    """Synthetic bytes per page (a multiple of 16): small, so checking every load is cheap."""
+    base: HiCacheConfig | None = None
+    """Tiers and policy to replay (the host tier's size is replaced); None: a host tier alone."""
+    block_tokens: int = BLOCK_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.page_tokens <= 0:
+            raise ValueError(f"page_tokens must be positive, got {self.page_tokens}")
+        if self.kv_bytes <= 0 or self.kv_bytes % 16:
+            raise ValueError(f"kv_bytes must be a positive multiple of 16, got {self.kv_bytes}")
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(
+            model="trace-replay",
+            kv_dtype="synthetic-uint8",
+            page_tokens=self.page_tokens,
+            page_bytes=self.kv_bytes,
+        )
+
+    @property
+    def min_recompute_tokens(self) -> int:
+        return self.base.policy.min_recompute_tokens if self.base else 1
+
+    def config(self, host_pages: int) -> HiCacheConfig:
+        """The replay's configuration with a host tier of `host_pages` synthetic pages."""
+        if host_pages <= 0:
+            raise ValueError(f"the host tier needs at least one page, got {host_pages}")
+        size = host_pages * self.kv_bytes
+        if self.base is None:
+            return load_config({"tiers": [{"type": "host", "size": size}]}, env={})
+        tiers = [
+            t.model_copy(update={"size": size}) if isinstance(t, HostTierConfig) else t
+            for t in self.base.tiers
+        ]
+        return HiCacheConfig(tiers=tuple(tiers), policy=self.base.policy)
+
+
+@dataclass
+class Workload:
+    """A trace prepared once: its requests and the page ids of every prompt."""
+
+    requests: list[TraceRequest]
+    page_tokens: int
+    block_tokens: int = BLOCK_TOKENS
+    pages: list[list[int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pages = [page_ids(r, self.page_tokens, self.block_tokens) for r in self.requests]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(r.input_length for r in self.requests)
+
+    @property
+    def unique_pages(self) -> int:
+        return len({p for ids in self.pages for p in ids})
+
+    @property
+    def max_blocks(self) -> int:
+        return max((-(-r.input_length // self.page_tokens) for r in self.requests), default=1)
+
+    def simulate(self, sim: LruSim | OracleSim) -> SimResult:
+        for req, ids in zip(self.requests, self.pages):
+            sim.request(ids, req.input_length)
+        return sim.result
+
+
+@dataclass
+class HiCacheRun:
+    """What hicache served over a trace at one host capacity."""
+
+    host_pages: int
+    prompt_tokens: int = 0
+    hit_tokens: dict[str, int] = field(default_factory=dict)
+    """Tokens skipped, per tier they came from ("host", "l3")."""
+    limited_tokens: int = 0
+    wrong_bytes: int = 0
+    timeouts: int = 0
+    stats: dict[str, int] = field(default_factory=dict)
+    timings: Timings = field(default_factory=Timings)
+    seconds: float = 0.0
+
+    @property
+    def share(self) -> float:
+        return sum(self.hit_tokens.values()) / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def run_hicache(
+    workload: Workload,
+    setup: ReplaySetup,
+    host_pages: int,
+    progress: Callable[[int], None] | None = None,
+) -> HiCacheRun:
+    """Replay every request of `workload` through a fresh HiCache with `host_pages` slots."""
+    engine = ReplayEngine(setup.config(host_pages), setup.layout, workload.max_blocks)
+    run = HiCacheRun(host_pages=host_pages, hit_tokens={"host": 0, "l3": 0})
+    start = time.perf_counter()
+    try:
+        for i, req in enumerate(workload.requests):
+            out = engine.run(prompt_tokens(req, setup.block_tokens))
+            run.prompt_tokens += out.prompt_tokens
+            l3 = out.match.l3_tokens if out.hit_tokens else 0
+            run.hit_tokens["l3"] += l3
+            run.hit_tokens["host"] += out.hit_tokens - l3
+            run.limited_tokens += out.match.limited_tokens
+            if progress is not None:
+                progress(i)
+        run.stats = engine.cache.stats()
+    finally:
+        engine.close()
+    run.seconds = time.perf_counter() - start
+    run.wrong_bytes = engine.wrong_bytes
+    run.timeouts = engine.timeouts
+    run.timings = engine.timings
+    return run
+
+
+def per_page(ns: Sequence[int], pages: Sequence[int]) -> dict[str, float]:
+    """µs per page over calls: the total (all time / all pages) and the median of calls."""
+    total_pages = sum(pages)
+    ratios = [n / p / 1000 for n, p in zip(ns, pages) if p]
+    return {
+        "total": sum(ns) / total_pages / 1000 if total_pages else 0.0,
+        "median": statistics.median(ratios) if ratios else 0.0,
+        "calls": len(ns),
+        "pages": total_pages,
+    }
+
+
+def sweep(
+    workload: Workload,
+    setup: ReplaySetup,
+    fractions: Sequence[float] = DEFAULT_FRACTIONS,
+    with_hicache: bool = False,
+) -> list[dict[str, Any]]:
+    """Hit share at several host capacities (fractions of the distinct pages)."""
+    unique = workload.unique_pages
+    points = []
+    for frac in fractions:
+        pages = max(1, round(frac * unique))
+        lru = workload.simulate(LruSim(pages, setup.page_tokens, setup.min_recompute_tokens))
+        point: dict[str, Any] = {"fraction": frac, "host_pages": pages, "lru_share": lru.share}
+        if with_hicache:
+            run = run_hicache(workload, setup, pages)
+            point["hicache_share"] = run.share
+            point["wrong_bytes"] = run.wrong_bytes
+        points.append(point)
+    return points
+
+
+def replay(
+    workload: Workload,
+    setup: ReplaySetup,
+    host_pages: int,
+    fractions: Sequence[float] = DEFAULT_FRACTIONS,
+    sweep_hicache: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """The whole report as a JSON-ready dict (see docs/trace.md for the fields)."""
+    P, floor = setup.page_tokens, setup.min_recompute_tokens
+    run = run_hicache(workload, setup, host_pages, progress)
+    lru = workload.simulate(LruSim(host_pages, P, floor))
+    oracle = workload.simulate(OracleSim(P, floor))
+    total = workload.prompt_tokens
+    t = run.timings
+    match, store, load = (
+        per_page(t.match_ns, t.match_pages),
+        per_page(t.store_ns, t.store_pages),
+        per_page(t.load_ns, t.load_pages),
+    )
+    unique = workload.unique_pages
+    return {
+        "requests": len(workload.requests),
+        "prompt_tokens": total,
+        "page_tokens": P,
+        "kv_bytes": setup.kv_bytes,
+        "min_recompute_tokens": floor,
+        "unique_pages": unique,
+        "host_pages": host_pages,
+        "host_fraction": host_pages / unique if unique else 0.0,
+        "hit_share": run.share,
+        "hit_share_by_tier": {k: v / total for k, v in run.hit_tokens.items()},
+        "lru_share": lru.share,
+        "oracle_share": oracle.share,
+        "block_ceiling": block_ceiling(workload.requests, setup.block_tokens),
+        "limited_share": run.limited_tokens / total,
+        "lru_limited_share": lru.limited_tokens / total,
+        "oracle_limited_share": oracle.limited_tokens / total,
+        "lru_evicted_pages": lru.evicted_pages,
+        "wrong_bytes": run.wrong_bytes,
+        "pending_timeouts": run.timeouts,
+        "match_us_per_page": match["total"],
+        "match_us_per_page_median": match["median"],
+        "store_us_per_page": store["total"],
+        "store_us_per_page_median": store["median"],
+        "load_us_per_page": load["total"],
+        "load_us_per_page_median": load["median"],
+        "calls": {"match": match, "store": store, "load": load},
+        "replay_seconds": run.seconds,
+        "stats": run.stats,
+        "sweep": sweep(workload, setup, fractions, sweep_hicache),
+    }

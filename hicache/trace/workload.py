@@ -1,0 +1,123 @@
+"""A Mooncake-format request trace and the prompts it stands for.
+
+A trace is JSON Lines, one request a line::
+
+    {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, 2353]}
+
+`hash_ids` name the prompt's blocks of `block_tokens` (512) tokens, each id standing for the
+whole prefix up to the end of its block: equal ids mean equal prefixes. The last block may be
+partial. Requests are replayed in timestamp order (ties keep file order); only the order matters.
+
+`prompt_tokens` turns a request into token ids: every id becomes `block_tokens` pseudo-random
+token ids that depend on the id alone, and the prompt is cut at `input_length`. `page_ids` names
+each full page of a prompt by the trace's own ids (no hashing), for the simulators.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+BLOCK_TOKENS = 512
+"""Tokens per hash id in the Mooncake traces."""
+
+VOCAB = 128_000
+"""Token ids are drawn from [0, VOCAB)."""
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One line of a trace."""
+
+    timestamp: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def read_trace(
+    path: str | Path, limit: int | None = None, block_tokens: int = BLOCK_TOKENS
+) -> list[TraceRequest]:
+    """The requests of a trace file in replay order (by timestamp, ties in file order).
+
+    `limit` keeps the first `limit` requests of that order. Raises ValueError naming the line of
+    any malformed request: a missing field, a negative length, or hash_ids that do not cover
+    input_length in blocks of `block_tokens` tokens.
+    """
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    out: list[TraceRequest] = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            out.append(_parse(line, f"{path}:{lineno}", block_tokens))
+    out.sort(key=lambda r: r.timestamp)  # stable: ties keep file order
+    return out if limit is None else out[:limit]
+
+
+def _parse(line: str, where: str, block_tokens: int) -> TraceRequest:
+    try:
+        obj = json.loads(line)
+        req = TraceRequest(
+            timestamp=float(obj["timestamp"]),
+            input_length=int(obj["input_length"]),
+            output_length=int(obj.get("output_length", 0)),
+            hash_ids=tuple(int(h) for h in obj["hash_ids"]),
+        )
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{where}: not a trace request ({type(err).__name__}: {err})") from None
+    if req.input_length <= 0:
+        raise ValueError(f"{where}: input_length must be positive, got {req.input_length}")
+    blocks = -(-req.input_length // block_tokens)
+    if len(req.hash_ids) != blocks:
+        raise ValueError(
+            f"{where}: input_length {req.input_length} needs {blocks} hash ids of "
+            f"{block_tokens} tokens, got {len(req.hash_ids)}"
+        )
+    if any(h < 0 for h in req.hash_ids):
+        raise ValueError(f"{where}: hash ids must be >= 0")
+    return req
+
+
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def block_tokens_of(hash_ids: np.ndarray, block_tokens: int = BLOCK_TOKENS) -> np.ndarray:
+    """[len(hash_ids), block_tokens] int32 token ids: a fixed function of (id, position)."""
+    ids = np.asarray(hash_ids, dtype=np.uint64)[:, None]
+    pos = np.arange(block_tokens, dtype=np.uint64)[None, :]
+    x = ids * np.uint64(block_tokens) + pos + _GOLDEN  # splitmix64 of (id, position)
+    x = (x ^ (x >> np.uint64(30))) * _MIX1
+    x = (x ^ (x >> np.uint64(27))) * _MIX2
+    x = x ^ (x >> np.uint64(31))
+    return (x % np.uint64(VOCAB)).astype(np.int32)
+
+
+def prompt_tokens(req: TraceRequest, block_tokens: int = BLOCK_TOKENS) -> np.ndarray:
+    """The request's prompt as int32 token ids, `input_length` long."""
+    ids = np.asarray(req.hash_ids, dtype=np.uint64)
+    return block_tokens_of(ids, block_tokens).reshape(-1)[: req.input_length]
+
+
+def page_ids(req: TraceRequest, page_tokens: int, block_tokens: int = BLOCK_TOKENS) -> list[int]:
+    """One integer per full page of the prompt that names the page's whole prefix.
+
+    Page i ends at token e = (i + 1) * page_tokens, inside block b = (e - 1) // block_tokens.
+    Block b's hash id names the prefix up to the block's end, so (hash id of b, e - b *
+    block_tokens) names the prefix up to e: two pages get the same id exactly when their
+    prefixes are equal. Works for any page_tokens, shorter or longer than a block.
+    """
+    n = req.input_length // page_tokens
+    if n == 0:
+        return []
+    ends = np.arange(1, n + 1, dtype=np.int64) * page_tokens
+    blocks = (ends - 1) // block_tokens
+    offsets = ends - blocks * block_tokens  # 1 .. block_tokens
+    ids = np.asarray(req.hash_ids, dtype=np.int64)[blocks]
+    return (ids * (block_tokens + 1) + offsets).tolist()

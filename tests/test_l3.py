@@ -1,0 +1,235 @@
+"""L3 through the cache, against a real mooncake_master on loopback.
+
+Every engine here is a fresh `FakeEngine` with its own host tier, so a hit it gets on a prompt it
+never saw can only have come from the store; every loaded byte is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fake_engine import FakeEngine, config, kv_bytes
+
+pytestmark = pytest.mark.mooncake
+
+P = 4
+HERE = Path(__file__).resolve().parent
+
+
+def l3_config(master, *, group_pages: int = 2, **policy) -> dict:
+    cfg = config(host_pages=64, **policy)
+    cfg["tiers"].append({"type": "mooncake", **master.tier_config, "group_pages": group_pages})
+    return cfg
+
+
+def wait_until(cond: Callable[[], bool], engine: FakeEngine | None = None, timeout: float = 15):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        if engine is not None:
+            engine.cache.poll()
+        time.sleep(0.01)
+
+
+def settled(engine: FakeEngine) -> None:
+    """Wait until the write-behind queue has drained and its results are applied."""
+    wait_until(lambda: engine.cache._l3.idle, engine)
+
+
+@pytest.fixture
+def engines(mooncake_master) -> Iterator[Callable[..., FakeEngine]]:
+    made: list[FakeEngine] = []
+
+    def make(cfg: dict | None = None, **kw) -> FakeEngine:
+        e = FakeEngine(cfg or l3_config(mooncake_master), **kw)
+        made.append(e)
+        wait_until(lambda: e.cache._l3.store.available)
+        return e
+
+    yield make
+    for e in made:
+        e.cache.close()
+
+
+def prompt(seed: int, n: int = 42) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 30_000, n, dtype=np.int32)
+
+
+def test_a_fresh_process_hits_from_l3_with_exact_bytes_and_puts_nothing_again(
+    mooncake_master, engines
+):
+    writer = engines()
+    p = prompt(1)
+    writer.run("w", p)
+    settled(writer)
+    assert writer.cache.stats()["l3_objects_put"] == 5  # 10 full pages in groups of 2
+
+    script = f"""
+import json, sys
+sys.path.insert(0, {str(HERE)!r})
+import numpy as np
+from test_l3 import l3_config, settled, wait_until
+from fake_engine import FakeEngine
+class M: tier_config = json.loads(sys.argv[1])
+e = FakeEngine(l3_config(M))
+wait_until(lambda: e.cache._l3.store.available)
+p = np.array(json.loads(sys.argv[2]), dtype=np.int32)
+m = e.run("r", p)          # checks every loaded byte against a recompute
+settled(e)
+print(json.dumps({{"hit": m.hit_tokens, "l3": m.l3_tokens, **e.cache.stats()}}))
+e.cache.close()
+"""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            script,
+            json.dumps(mooncake_master.tier_config),
+            json.dumps(p.tolist()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONHASHSEED": "7"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    # 42 tokens: 10 pages, capped at 41 tokens -> 10 pages usable, all from L3
+    assert (got["hit"], got["l3"], got["hit_tokens_host"]) == (40, 40, 0)
+    assert got["l3_pages_fetched"] == 10
+    assert got["l3_objects_put"] == 0 and got["l3_put_failed"] == 0
+
+
+def test_other_fingerprints_and_salts_never_share(mooncake_master, engines):
+    writer = engines()
+    p = prompt(2)
+    writer.run("w", p, salt="tenant-a")
+    settled(writer)
+    other_tenant = engines()
+    assert other_tenant.run("r", p, salt="tenant-b").hit_tokens == 0
+    no_tenant = engines()
+    assert no_tenant.run("r", p).hit_tokens == 0
+    cfg = l3_config(mooncake_master)
+    cfg["layout"]["kv_dtype"] = "float8_e4m3fn"
+    other_dtype = engines(cfg)
+    assert other_dtype.run("r", p, salt="tenant-a").hit_tokens == 0
+    same = engines()
+    m = same.run("r", p, salt="tenant-a")
+    assert (m.hit_tokens, m.l3_tokens) == (40, 40)
+
+
+def test_an_object_removed_between_exists_and_get_is_never_a_hit(mooncake_master, engines):
+    writer = engines()
+    p = prompt(3)
+    writer.run("w", p)
+    settled(writer)
+    reader = engines()
+    cache, l3 = reader.cache, reader.cache._l3
+    m = cache.match("r", p)
+    assert m.pending
+    wait_until(lambda: len(l3._results) == 1)  # the probe answered; the get is not asked yet
+    # another client removes the third group (pages 4, 5) before the get
+    from hicache.keys import chain_seed, l3_key, page_keys
+
+    keys = page_keys(chain_seed(cache.fingerprint), p, P)
+    victim = l3_key("hicache", cache.fingerprint, keys[5], 2)
+    assert writer.cache._l3.store.remove([victim], force=True) == [0]
+    m = reader.match("r", p)
+    # groups 0 and 1 arrived; group 2 failed, and groups after it are not used
+    assert (m.hit_tokens, m.l3_tokens) == (16, 16)
+    s = cache.stats()
+    assert s["l3_get_failed"] == 3 and s["l3_pages_fetched"] == 4
+    blocks = reader.allocate(11)
+    cache.load(m, blocks)
+    for i in range(4):
+        assert np.array_equal(reader.page(blocks[i]), kv_bytes(p, (i + 1) * P, 64))
+    cache.release("r")
+
+
+def test_a_hit_is_not_taken_from_l3_when_recomputing_is_cheaper(mooncake_master, engines):
+    writer = engines()
+    p = prompt(4)
+    writer.run("w", p)
+    settled(writer)
+    # 64-byte pages of 4 tokens: at 1e-9 GB/s a page takes 64 s, recomputing it 4e-4 s
+    slow = engines(l3_config(mooncake_master, l3_read_gbps=1e-9))
+    m = slow.run("r", p)
+    assert m.hit_tokens == 0
+    assert slow.cache.stats()["l3_skipped_slow"] == 1
+
+
+def test_a_full_store_and_an_oversized_put_never_reach_the_engine(mooncake_master, engines):
+    # one 160 MiB page per object: larger than the 128 MiB segment that holds the objects
+    big = config(page_tokens=4, page_bytes=160 << 20, host_pages=3)
+    big["tiers"].append({"type": "mooncake", **mooncake_master.tier_config, "group_pages": 1})
+    e = engines(big, num_blocks=3)
+    e.run("big", np.arange(9, dtype=np.int32))
+    settled(e)
+    s = e.cache.stats()
+    assert (s["l3_objects_put"], s["l3_put_failed"]) == (0, 2)
+    # many 1 MiB objects: twice what the segment holds; eviction or refusals, no exception
+    small = config(page_tokens=4, page_bytes=1 << 20, host_pages=80)
+    small["tiers"].append({"type": "mooncake", **mooncake_master.tier_config, "group_pages": 1})
+    e = engines(small, num_blocks=80)
+    for i in range(4):
+        e.run(f"fill{i}", prompt(100 + i, 4 * 64 + 1))
+        settled(e)
+    s = e.cache.stats()
+    assert s["l3_objects_put"] + s["l3_put_failed"] == 4 * 64
+    assert s["l3_objects_put"] >= 64 and s["l3_errors"] == 0
+
+
+def test_a_killed_master_never_stalls_the_engine_and_l3_comes_back(start_mooncake_master):
+    master = start_mooncake_master()
+    cfg = l3_config(master)
+    made = [FakeEngine(cfg)]
+    try:
+        e = made[0]
+        wait_until(lambda: e.cache._l3.store.available)
+        slowest = 0.0
+        real = {name: getattr(e.cache, name) for name in ("match", "load", "store", "poll")}
+
+        def timed(name):
+            def call(*a, **kw):
+                nonlocal slowest
+                t0 = time.perf_counter()
+                try:
+                    return real[name](*a, **kw)
+                finally:
+                    slowest = max(slowest, time.perf_counter() - t0)
+
+            return call
+
+        for name in real:
+            setattr(e.cache, name, timed(name))
+        e.run("before", prompt(10))
+        master.kill()
+        for i in range(20):  # requests go on, uncached beyond the host tier
+            m = e.run(f"down{i}", prompt(20 + i))
+            assert m.hit_tokens == 0
+        s = e.cache.stats()
+        assert s["l3_errors"] + s["l3_skipped"] + s["l3_timeouts"] > 0
+        # no engine-thread call waited on the dead master (a store call takes seconds)
+        assert slowest < 0.5, f"an engine-thread call took {slowest * 1000:.0f} ms"
+        master.restart()
+        wait_until(lambda: e.cache._l3.store.available, e, timeout=60)
+        p = prompt(99)
+        e.run("after", p)
+        settled(e)
+        fresh = FakeEngine(cfg)
+        made.append(fresh)
+        wait_until(lambda: fresh.cache._l3.store.available)
+        m = fresh.run("again", p)
+        assert (m.hit_tokens, m.l3_tokens) == (40, 40)
+    finally:
+        for engine in made:
+            engine.cache.close()
