@@ -20,8 +20,7 @@ import time
 import numpy as np
 import torch
 
-from hicache import HiCache, PagedBuffer, load_config
-from hicache import native
+from hicache import HiCache, PagedBuffer, load_config, native
 from hicache.keys import _page_keys_python, chain_seed
 
 
@@ -49,14 +48,19 @@ def main() -> None:
     page_bytes = 64  # match never touches page bytes; keep the pool small
     cfg = load_config(
         {
-            "layout": {"model": "bench", "kv_dtype": "bfloat16", "page_tokens": P,
-                       "page_bytes": page_bytes},
+            "layout": {
+                "model": "bench",
+                "kv_dtype": "bfloat16",
+                "page_tokens": P,
+                "page_bytes": page_bytes,
+            },
             "tiers": [{"type": "host", "size": (n_pages + 8) * page_bytes}],
         },
         env={},
     )
     pool = torch.zeros(n_pages + 8, page_bytes, dtype=torch.uint8)
     cache = HiCache(cfg, PagedBuffer.page_first(pool))
+    cache.wait_ready()
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 150_000, size=args.tokens + 1, dtype=np.int32)
     cache.store("warm", tokens, list(range(n_pages)))
@@ -78,7 +82,9 @@ def main() -> None:
     def straightforward() -> None:
         prev, data = seed, tokens.tobytes()
         for i in range(n_pages):
-            prev = hashlib.blake2b(prev + data[i * P * 4 : (i + 1) * P * 4], digest_size=16).digest()
+            prev = hashlib.blake2b(
+                prev + data[i * P * 4 : (i + 1) * P * 4], digest_size=16
+            ).digest()
             if prev not in index:
                 index.get(prev)
 
@@ -95,20 +101,33 @@ def main() -> None:
         if after is not None:
             after()
         med, p90 = _median_us(fn, args.runs, after)
-        rows[name] = {"median_us": round(med, 1), "p90_us": round(p90, 1),
-                      "us_per_page": round(med / n_pages, 3)}
-    print(json.dumps({
-        "bench": "match_latency",
-        "machine": f"{platform.machine()} {platform.processor() or ''} "
-                   f"({torch.get_num_threads()} threads), CPU only",
-        "tokens": args.tokens, "page_tokens": P, "pages": n_pages, "runs": args.runs,
-        "native_hash": native.available(),
-        "target_us": 500,
-        "results": rows,
-        "ratio_straightforward_over_match": round(
-            rows["straightforward_blake2b_loop"]["median_us"]
-            / rows["match_int32_array"]["median_us"], 2),
-    }, indent=2))
+        rows[name] = {
+            "median_us": round(med, 1),
+            "p90_us": round(p90, 1),
+            "us_per_page": round(med / n_pages, 3),
+        }
+    print(
+        json.dumps(
+            {
+                "bench": "match_latency",
+                "machine": f"{platform.machine()} {platform.processor() or ''} "
+                f"({torch.get_num_threads()} threads), CPU only",
+                "tokens": args.tokens,
+                "page_tokens": P,
+                "pages": n_pages,
+                "runs": args.runs,
+                "native_hash": native.available(),
+                "target_us": 500,
+                "results": rows,
+                "ratio_straightforward_over_match": round(
+                    rows["straightforward_blake2b_loop"]["median_us"]
+                    / rows["match_int32_array"]["median_us"],
+                    2,
+                ),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -309,6 +309,9 @@ class HiCache:
         if self.policy.write_policy == "read_only":
             return 0
         tokens = as_tokens(tokens)
+        if not self.host.ready:  # the pools are still being allocated: nothing to store into
+            self._stats.dropped(tokens.shape[0] // self.layout.page_tokens)
+            return 0
         req = self._requests.get(request_id)
         if req is None:
             req = self._request(request_id, tokens, salt)
@@ -455,6 +458,11 @@ class HiCache:
             requests=len(self._requests),
             copies_in_flight=self._transfers.in_flight,
         )
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until the host pools are allocated (tools and tests; engines need not call it:
+        until then `store` skips its pages and counts them as dropped)."""
+        return self.host.wait_ready(timeout_s)
 
     def close(self) -> None:
         """Drop every request and free the host pools. Pending copies must have completed."""

@@ -286,11 +286,10 @@ class L3:
                     state_slot_key = fetch.keys[pages - 1]
                     break
                 run -= 1
-        if run == 0 or not self._worth_fetching(run * self.G):
+        if run == 0 or not self.host.ready or not self._worth_fetching(run * self.G):
             fetch.phase = "done"
             return
         first_page = fetch.first_group * self.G
-        self.host.pages  # noqa: B018  (allocates the host pools on first use)
         lease = self.host.page_slots.reserve(run * self.G)
         run = len(lease) // self.G
         state_lease = None
@@ -393,24 +392,13 @@ class L3:
                     outcome: object = self.store.exists(job.keys)
                 elif job.kind == "get":
                     outcome = self.store.get_into(job.keys, job.buffers)
-                else:
-                    outcome = self._put(job)
+                else:  # an object the store holds already is not sent again: it answers 0
+                    outcome = self.store.put_from(job.keys, job.buffers)
             except Exception as err:  # reported to the engine thread as a failed job
                 if not isinstance(err, StoreUnavailable):
                     log.warning("hicache L3 %s failed: %r", job.kind, err)
                 outcome = err
             self._results.append((job, outcome))
-
-    def _put(self, job: _Job) -> list[int]:
-        """Put what the store lacks; objects it holds already count as written."""
-        held = self.store.exists(job.keys)
-        codes = [0] * len(job.keys)
-        todo = [i for i, h in enumerate(held) if not h]
-        if todo:
-            put = self.store.put_from([job.keys[i] for i in todo], [job.buffers[i] for i in todo])
-            for i, code in zip(todo, put):
-                codes[i] = code
-        return codes
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -432,8 +420,8 @@ class L3:
         return l3_key(self.settings.key_prefix, self.fingerprint, keys[pages - 1], None)
 
     def _page_piece(self, slot: int) -> Piece:
-        row = self.host.pages.segments[0][slot]
-        return row.data_ptr(), row.numel()
+        rows = self.host.pages.segments[0]
+        return rows.data_ptr() + slot * rows.stride(0), rows.shape[1]
 
     def _state_piece(self, slot: int) -> Piece:
         row = self.host.state(slot)

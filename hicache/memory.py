@@ -12,12 +12,13 @@ class HostMemory:
 
     Pinning registers the tensor's own memory with CUDA (cudaHostRegister) instead of asking
     torch's pinned allocator, which rounds every block up to a power of two (a 48 GiB pool would
-    take 64 GiB). `close` (or garbage collection of this object) drops the registration; the
-    caller keeps this object alive as long as any view of `tensor` is in use.
+    take 64 GiB). Unpinned memory is zeroed, so that every page is mapped before any transfer
+    uses it. `close` (or garbage collection of this object) drops the registration; the caller
+    keeps this object alive as long as any view of `tensor` is in use.
     """
 
     def __init__(self, nbytes: int, pin: bool) -> None:
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        self.tensor = (torch.empty if pin else torch.zeros)(nbytes, dtype=torch.uint8)
         self.pinned = False
         if pin and nbytes:
             rc = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0))

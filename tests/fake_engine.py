@@ -78,6 +78,8 @@ class FakeEngine:
         self.buffer = buffer
         self.states = states
         self.cache = HiCache(config, buffer, layout=self.layout, states=states)
+        if not self.cache.wait_ready(30):
+            raise RuntimeError("the host tier was not allocated in 30 s")
         self.free = list(range(num_blocks - 1, -1, -1))
 
     @property

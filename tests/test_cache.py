@@ -306,6 +306,7 @@ def test_kv_events_report_stored_and_evicted_pages():
     sink = EventQueue()
     cfg = load_config(config(host_pages=4), env={})
     cache = HiCache(cfg, PagedBuffer.page_first(torch.zeros(8, 64, dtype=torch.uint8)), events=sink)
+    assert cache.wait_ready(30)
     seed = chain_seed(cache.fingerprint)
     a, b = toks((0, 12)), toks((100, 108))
     cache.store("a", a, [0, 1, 2])

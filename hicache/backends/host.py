@@ -1,12 +1,16 @@
 """The host tier (L2): pinned pools of page slots and state slots, indexed by page key.
 
-The pools are allocated at the first store (an engine that never stores pays nothing), pinned
-when CUDA is present so that the copy kernel reaches them directly, plain memory otherwise.
+The pools are allocated on a background thread when the tier is built (pinning or touching tens
+of GiB takes seconds, and the engine thread never waits): until then the tier is not `ready` and
+the cache neither stores nor fetches. They are pinned when CUDA is present, so that the copy
+kernel reaches them directly, and touched (zeroed) otherwise, so that no transfer pays page faults.
 `page_slots` and `state_slots` keep the books (index, pins, LRU); this class owns the memory.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Literal
 
 import torch
@@ -18,6 +22,8 @@ from hicache.config import Bytes, ConfigError, Layout, TierConfig
 from hicache.kernels import PagedBuffer
 from hicache.memory import HostMemory
 from hicache.slots import EvictHook, SlotPool
+
+log = logging.getLogger(__name__)
 
 
 class HostTierConfig(TierConfig):
@@ -56,10 +62,35 @@ class HostTier(PoolTier):
         self._state_memory: HostMemory | None = None
         self._pages: PagedBuffer | None = None
         self._states: torch.Tensor | None = None
+        self.error: BaseException | None = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._allocate, name="hicache-host-alloc", daemon=True).start()
+
+    def _allocate(self) -> None:
+        """Allocate (and pin, or touch) both pools off the engine thread: tens of GiB take
+        seconds. Until this is done the tier is not `ready` and the cache stores nothing."""
+        try:
+            n, size = self.page_slots.capacity, self.layout.page_size
+            pages = HostMemory(n * size, self._pin)
+            m, state_size = self.state_slots.capacity, self.layout.state_bytes
+            states = HostMemory(m * state_size, self._pin)
+        except BaseException as err:  # reported through `error`; the tier stays unready
+            self.error = err
+            log.error("hicache: allocating the host tier failed: %r", err)
+            return
+        self._page_memory, self._state_memory = pages, states
+        self._pages = PagedBuffer.page_first(pages.tensor.view(n, size))
+        self._states = states.tensor.view(m, state_size)
+        self._ready.set()
 
     @property
-    def allocated(self) -> bool:
-        return self._page_memory is not None
+    def ready(self) -> bool:
+        """Whether the pools are allocated. Never blocks."""
+        return self._ready.is_set()
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until the pools are allocated (for tools and tests; the cache never waits)."""
+        return self._ready.wait(timeout_s)
 
     @property
     def pinned(self) -> bool:
@@ -67,24 +98,20 @@ class HostTier(PoolTier):
 
     @property
     def pages(self) -> PagedBuffer:
-        """The page slots, [slots, page_bytes] — allocated at the first access."""
+        """The page slots, [slots, page_bytes]. Only while `ready`."""
         if self._pages is None:
-            n, size = self.page_slots.capacity, self.layout.page_size
-            self._page_memory = HostMemory(n * size, self._pin)
-            self._pages = PagedBuffer.page_first(self._page_memory.tensor.view(n, size))
+            raise RuntimeError("the host tier is not allocated yet (check `ready` first)")
         return self._pages
 
     def state(self, slot: int) -> torch.Tensor:
-        """State slot `slot` as a 1-D uint8 tensor of state_bytes (allocated at first access)."""
+        """State slot `slot` as a 1-D uint8 tensor of state_bytes. Only while `ready`."""
         if self._states is None:
-            n, size = self.state_slots.capacity, self.layout.state_bytes
-            self._state_memory = HostMemory(n * size, self._pin)
-            self._states = self._state_memory.tensor.view(n, size)
+            raise RuntimeError("the host tier is not allocated yet (check `ready` first)")
         return self._states[slot]
 
     def memory(self) -> list[torch.Tensor]:
         """The allocated pools, for registration with a store that reads and writes them."""
-        return [m.tensor for m in (self._page_memory, self._state_memory) if m is not None]
+        return [m.tensor for m in (self._page_memory, self._state_memory) if m and m.tensor.numel()]
 
     def close(self) -> None:
         for m in (self._page_memory, self._state_memory):

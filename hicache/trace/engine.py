@@ -87,6 +87,7 @@ class ReplayEngine:
         self.layout = layout
         self.pool = torch.zeros(num_blocks, layout.page_bytes, dtype=torch.uint8)
         self.cache = HiCache(config, PagedBuffer.page_first(self.pool), layout=layout)
+        self.cache.wait_ready()
         self.blocks = torch.arange(num_blocks, dtype=torch.int64)
         self.timings = Timings()
         self.wrong_bytes = 0

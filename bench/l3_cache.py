@@ -1,0 +1,289 @@
+"""hicache's L3 path against raw Mooncake batch calls, in one run, on loopback.
+
+    python bench/l3_cache.py --out bench/results/l3_cache_loopback.json
+
+1. Throughput, for objects of 512 KiB and of 4 MiB, round by round: raw
+   `batch_put_from_multi_buffers` / `batch_get_into_multi_buffers` of 32 objects (one contiguous
+   piece each, and 4 scattered pieces each as hicache's groups are), then hicache's write-behind (a
+   `store` of 128 pages = 32 groups of 4 = 32 objects, timed from `store` returning until every
+   put has been applied) and fill (a fresh cache's `match` of the same prompt, timed until the
+   pages are in its host tier and the match is no longer pending). Objects live in a segment of
+   another process in both cases, so every byte crosses loopback TCP.
+2. Engine-thread time of `store` and `match` while the store is saturated (a write-behind queue of
+   2 batches and a burst of stores) and while it is down (master killed): p50/p99/max in µs.
+   Pages are 4 KiB there, so that the CPU stand-in for the GPU copy does not hide the L3 part.
+
+Prints JSON; with --out also writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "bench")]
+
+from l3_raw import measure, raw_client  # noqa: E402
+from mooncake_master import MooncakeMaster, _SegmentHolder  # noqa: E402
+
+from hicache import HiCache, PagedBuffer, load_config  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def make_cache(master: MooncakeMaster, page_bytes: int, pages: int, **store) -> HiCache:
+    cfg = load_config(
+        {
+            "layout": {
+                "model": "bench",
+                "kv_dtype": "bfloat16",
+                "page_tokens": 16,
+                "page_bytes": page_bytes,
+            },
+            "tiers": [
+                {"type": "host", "size": 4 * pages * page_bytes, "pin": "no"},
+                {
+                    "type": "mooncake",
+                    "master_address": master.address,
+                    "global_segment_size": 0,
+                    "group_pages": 4,
+                    "call_timeout_s": 2.0,
+                    "breaker_reprobe_s": 0.5,
+                    **store,
+                },
+            ],
+            "policy": {"l3_max_wait_ms": 60_000, "l3_read_gbps": 100},
+        },
+        env={},
+    )
+    pool = torch.randint(0, 255, (pages, page_bytes), dtype=torch.uint8)
+    cache = HiCache(cfg, PagedBuffer.page_first(pool))
+    cache.wait_ready()
+    deadline = time.monotonic() + 20
+    while not cache._l3.store.available:
+        if time.monotonic() > deadline:
+            raise SystemExit("the store did not become available")
+        time.sleep(0.02)
+    return cache
+
+
+def until_idle(cache: HiCache) -> None:
+    while not cache._l3.idle:
+        cache.poll()
+        time.sleep(0.0005)
+
+
+def raw_pieces(
+    client, base: int, obj: int, pieces: int, batch: int, tag: str
+) -> tuple[float, float]:
+    """One raw batch put + get of `batch` objects, each from/into `pieces` separate buffers (as
+    hicache's groups are: one piece per page slot). Returns (put_s, get_s)."""
+    from mooncake.store import ReplicateConfig
+
+    rep = ReplicateConfig()
+    rep.replica_num = 1
+    part = obj // pieces
+    # scatter the pieces: object i's piece j lies at slot j * batch + i, like slots of a pool
+    src = [[base + (j * batch + i) * part for j in range(pieces)] for i in range(batch)]
+    dst = [
+        [base + (pieces * batch + j * batch + i) * part for j in range(pieces)]
+        for i in range(batch)
+    ]
+    sizes = [[part] * pieces for _ in range(batch)]
+    keys = [f"raw/{tag}/{i}" for i in range(batch)]
+    t0 = time.perf_counter()
+    put = client.batch_put_from_multi_buffers(keys, src, sizes, rep)
+    t1 = time.perf_counter()
+    got = client.batch_get_into_multi_buffers(keys, dst, sizes)
+    t2 = time.perf_counter()
+    client.batch_remove(keys, True)
+    if any(c != 0 for c in put) or any(c != obj for c in got):
+        raise SystemExit(f"raw pieces: put {set(put)}, get {set(got)}")
+    return t1 - t0, t2 - t1
+
+
+def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
+    """Raw calls and hicache's path, round by round on the same object sizes, so that drift of
+    this noisy machine hits both alike. Medians of per-round times. A store of 128 pages is 32
+    objects of 4 pages."""
+    pages = 128
+    obj = 4 * page_bytes
+    writer = make_cache(master, page_bytes, pages)
+    reader = make_cache(master, page_bytes, pages)
+    client = raw_client(master.address, 0)
+    buf = torch.randint(0, 255, (2 * 32 * obj,), dtype=torch.uint8)  # src half, dst half
+    if client.register_buffer(buf.data_ptr(), buf.numel()) != 0:
+        raise SystemExit("register_buffer failed")
+    rng = np.random.default_rng(0)
+    keys = ("raw_put", "raw_get", "raw4_put", "raw4_get", "put", "fill")
+    t: dict[str, list[float]] = {k: [] for k in keys}
+    try:
+        for r in range(rounds + 1):
+            one = measure(client, buf.data_ptr(), obj, 32, rounds=1, warmup=0)
+            put4, get4 = raw_pieces(client, buf.data_ptr(), obj, 4, 32, str(r))
+            tokens = rng.integers(0, 50_000, pages * 16 + 1, dtype=np.int32)
+            before = writer.stats()["l3_put_bytes"]
+            writer.store(f"w{r}", tokens, list(range(pages)))
+            t0 = time.perf_counter()
+            until_idle(writer)
+            put_s = time.perf_counter() - t0
+            writer.release(f"w{r}")
+            if writer.stats()["l3_put_bytes"] - before != pages * page_bytes:
+                raise SystemExit(f"round {r}: not every page group was put")
+            before = reader.stats()["l3_get_bytes"]
+            t0 = time.perf_counter()
+            m = reader.match(f"r{r}", tokens)
+            while m.pending:
+                reader.poll()
+                time.sleep(0.0005)
+                m = reader.match(f"r{r}", tokens)
+            fill_s = time.perf_counter() - t0
+            reader.release(f"r{r}")
+            got = reader.stats()["l3_get_bytes"] - before
+            if m.l3_tokens != pages * 16 or got != pages * page_bytes:
+                raise SystemExit(f"round {r}: fetched {got} bytes, hit {m.l3_tokens} tokens")
+            if r:  # round 0 warms up
+                t["raw_put"].append(one["put_ms_median_round"] / 1e3)
+                t["raw_get"].append(one["get_ms_median_round"] / 1e3)
+                t["raw4_put"].append(put4)
+                t["raw4_get"].append(get4)
+                t["put"].append(put_s)
+                t["fill"].append(fill_s)
+    finally:
+        client.close()
+        writer.close()
+        reader.close()
+    nbytes = 32 * obj
+    gbps = {k: round(nbytes / statistics.median(v) / 1e9, 3) for k, v in t.items()}
+    return {
+        "objects_per_batch": 32,
+        "object_bytes": obj,
+        "rounds": rounds,
+        "median_gbps": gbps,
+        "ratio_put_vs_raw_same_pieces": round(gbps["put"] / gbps["raw4_put"], 3),
+        "ratio_fill_vs_raw_same_pieces": round(gbps["fill"] / gbps["raw4_get"], 3),
+        "ratio_put_vs_raw_one_piece": round(gbps["put"] / gbps["raw_put"], 3),
+        "ratio_fill_vs_raw_one_piece": round(gbps["fill"] / gbps["raw_get"], 3),
+        "notes": "put: store() returning -> every put applied (write-behind worker, poll); "
+        "fill: first match -> match no longer pending (one batched exists, one batched get, "
+        "two hand-offs to the worker thread); raw: one batch call each, objects of one "
+        "contiguous piece (raw_*) or of 4 scattered 128 KiB pieces as hicache's groups of 4 "
+        "page slots are (raw4_*)",
+    }
+
+
+def make_host_only(page_bytes: int, pages: int) -> HiCache:
+    cfg = load_config(
+        {
+            "layout": {
+                "model": "bench",
+                "kv_dtype": "bfloat16",
+                "page_tokens": 16,
+                "page_bytes": page_bytes,
+            },
+            "tiers": [{"type": "host", "size": 4 * pages * page_bytes, "pin": "no"}],
+        },
+        env={},
+    )
+    pool = torch.randint(0, 255, (pages, page_bytes), dtype=torch.uint8)
+    cache = HiCache(cfg, PagedBuffer.page_first(pool))
+    cache.wait_ready()
+    return cache
+
+
+def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -> dict:
+    """Wall and CPU time of store, match and poll on the engine thread. `master` None: a
+    host-only cache (the baseline); phase 'down' kills the master first."""
+    if master is None:
+        cache = make_host_only(4 * KiB, 64)
+    else:
+        cache = make_cache(master, 4 * KiB, 64, write_queue_depth=2)
+    rng = np.random.default_rng(1)
+    times: dict[str, list[float]] = {
+        f"{c}_{k}": [] for c in ("store", "match", "poll") for k in ("wall_us", "cpu_us")
+    }
+
+    def timed(name: str, fn) -> None:
+        w0, c0 = time.perf_counter(), time.thread_time()
+        fn()
+        times[f"{name}_wall_us"].append((time.perf_counter() - w0) * 1e6)
+        times[f"{name}_cpu_us"].append((time.thread_time() - c0) * 1e6)
+
+    try:
+        if phase == "down":
+            master.kill()
+        for i in range(calls):
+            tokens = rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32)
+            other = rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32)
+            timed("store", lambda: cache.store(f"s{i}", tokens, list(range(64))))  # noqa: B023
+            cache.release(f"s{i}")
+            timed("match", lambda: cache.match(f"m{i}", other))  # noqa: B023
+            cache.release(f"m{i}")
+            timed("poll", cache.poll)
+        stats = cache.stats()
+    finally:
+        if phase == "down":
+            master.restart()
+        cache.close()
+
+    def pct(xs: list[float]) -> dict:
+        xs = sorted(xs)
+        return {
+            "p50": round(xs[len(xs) // 2], 1),
+            "p99": round(xs[int(0.99 * (len(xs) - 1))], 1),
+            "max": round(xs[-1], 1),
+        }
+
+    return {
+        "calls": calls,
+        **{k: pct(v) for k, v in times.items()},
+        "puts_dropped": stats["l3_puts_dropped"],
+        "l3_errors": stats["l3_errors"],
+        "fetches_skipped_store_down": stats["l3_skipped"],
+    }
+
+
+def main() -> None:
+    torch.set_num_threads(1)  # the CPU page copy stands in for a GPU kernel launch: no OMP pool
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    master = MooncakeMaster().start()
+    holder = _SegmentHolder(master.address, 3 << 30)
+    try:
+        flow = [throughput(master, args.rounds, size) for size in (128 * KiB, 1 * MiB)]
+        baseline = engine_thread_times(None, args.calls, "host_only")
+        saturated = engine_thread_times(master, args.calls, "saturated")
+        down = engine_thread_times(master, args.calls, "down")
+    finally:
+        holder.close()
+        master.stop()
+    result = {
+        "bench": "l3_cache",
+        "machine": f"2-core CPU VM ({platform.machine()}), loopback TCP, Mooncake 0.3.13.post1",
+        "command": "python bench/l3_cache.py --out bench/results/l3_cache_loopback.json",
+        "throughput": flow,
+        "engine_thread_host_only_baseline": baseline,
+        "engine_thread_store_saturated": saturated,
+        "engine_thread_store_down": down,
+        "targets": {"ratio": 0.9, "p99_us": 200},
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
