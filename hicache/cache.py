@@ -104,6 +104,7 @@ class HiCache:
         self._transfers = Transfers(self.gpu.device, stream)
         self._requests: dict[str, Request] = {}
         self._seeds: dict[bytes | str | None, bytes] = {}
+        self._host_pages: PagedBuffer | None = None
         self._l3 = self._build_l3(config)
 
     def _build_l3(self, config: HiCacheConfig) -> L3 | None:
@@ -130,6 +131,12 @@ class HiCache:
             self._stats,
             events=self._events,
         )
+
+    def _host_view(self) -> PagedBuffer:
+        """The host page slots cut into the GPU pool's segments (made once, when ready)."""
+        if self._host_pages is None:
+            self._host_pages = self.host.pages.resegment(self.gpu.pages.seg_bytes)
+        return self._host_pages
 
     def _evicted(self, keys: list[bytes]) -> None:
         self._stats.evicted(keys)
@@ -275,7 +282,7 @@ class HiCache:
         try:
             if state is not None:
                 self._call_hook("load_state", state_slot, match.hit_tokens, state.slots[0])
-            src = self.host.pages.resegment(self.gpu.pages.seg_bytes)
+            src = self._host_view()
             self._transfers.copy(
                 src, torch.tensor(pages.slots, dtype=torch.int32), self.gpu.pages, ids
             )
@@ -359,7 +366,7 @@ class HiCache:
             lease.release()
             return None
         try:
-            dst = self.host.pages.resegment(self.gpu.pages.seg_bytes)
+            dst = self._host_view()
             src_ids = ids[torch.tensor(missing, dtype=torch.int64)]
             self._transfers.copy(
                 self.gpu.pages, src_ids, dst, torch.tensor(lease.slots, dtype=torch.int32)

@@ -17,8 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+
+#: Every segment's address, row stride and row size must be a multiple of this many bytes.
+ALIGNMENT = 16
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,29 @@ class PagedBuffer:
     def device(self) -> torch.device:
         return self.segments[0].device
 
+    @cached_property
+    def rows(self) -> torch.Tensor:
+        """int64 ``[num_segments, 3]``: per segment, the address of page 0's row, the bytes from
+        one page's row to the next, and the bytes in a row. Computed once per buffer."""
+        return torch.tensor(
+            [[s.data_ptr(), s.stride(0), s.shape[1]] for s in self.segments], dtype=torch.int64
+        )
+
+    @cached_property
+    def pinned(self) -> bool:
+        """True when every segment lies in page-locked host memory. Computed once per buffer."""
+        return self.device.type == "cpu" and all(s.is_pinned() for s in self.segments)
+
+    @cached_property
+    def misalignment(self) -> str | None:
+        """What is not a multiple of `ALIGNMENT` bytes (a segment's address, row stride or row
+        size), or None. Computed once per buffer."""
+        for seg, (address, stride, size) in enumerate(self.rows.tolist()):
+            for field, value in (("row size", size), ("row stride", stride), ("address", address)):
+                if value % ALIGNMENT:
+                    return f"segment {seg}: {field} {value} is not a multiple of {ALIGNMENT} bytes"
+        return None
+
     def resegment(self, seg_bytes: Sequence[int]) -> PagedBuffer:
         """Re-view a single-segment (page-first) buffer as `seg_bytes` consecutive segments.
 
@@ -115,7 +142,7 @@ class PagedBuffer:
 def _rows_contiguous(t: torch.Tensor) -> bool:
     """True when every dim-0 row of `t` is one contiguous run of memory."""
     expected = 1
-    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:]), strict=True):
         if size != 1 and stride != expected:
             return False
         expected *= size

@@ -1,0 +1,233 @@
+// Page copies between two pools addressed by UVA pointers (GPU memory or pinned host memory).
+//
+// A copy is described by a segment table (one `Segment` per segment) and a list of page-id
+// pairs. Page k's row of segment s lies at `src + src_ids[k] * src_stride` in the source and goes
+// to `dst + dst_ids[k] * dst_stride`; it is `bytes` long. A page-first pool is one segment; a
+// layer-first engine pool is one segment per layer tensor, and is still served by one call.
+//
+// Two ways to move the rows; hicache/kernels/cuda.py chooses:
+//   * `launch_kernel`: a kernel on a bounded grid. Each warp copies one chunk of one row at a
+//     time with 16-byte loads and stores. Table and ids must be device-readable (staged).
+//   * `copy_batch`: cudaMemcpyBatchAsync over all rows: the copy engines move the bytes and no
+//     SM is used. Table and ids are read on the host during the call.
+// `copy_loop` (one cudaMemcpyAsync per row) exists as the benchmark's baseline only.
+//
+// The caller has checked: addresses, strides and row sizes are multiples of 16 bytes; ids are
+// in range; destination rows do not overlap.
+
+#include <cuda_runtime.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+// One row of the segment table, as packed by cuda.py: six int64 words.
+struct Segment {
+  int64_t src;          // address of page 0's row in the source pool
+  int64_t src_stride;   // bytes from one page's row to the next in the source pool
+  int64_t dst;          // address of page 0's row in the destination pool
+  int64_t dst_stride;   // bytes from one page's row to the next in the destination pool
+  int64_t bytes;        // bytes in one row (a multiple of 16)
+  int64_t first_chunk;  // index of this segment's first chunk among a page's chunks
+};
+static_assert(sizeof(Segment) == 48, "Segment must match the table packed in cuda.py");
+
+constexpr int kThreads = 512;  // 16 warps per block
+constexpr int kUnroll = 8;     // 16-byte loads in flight per lane: 4 KiB per warp
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("hicache page copy: ") + what + ": " +
+                             cudaGetErrorString(err));
+  }
+}
+
+// Makes `device` current for the scope and restores the previous one.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
+// The segment that holds chunk `c` of a page: the last one whose first_chunk <= c.
+__device__ __forceinline__ int find_segment(const Segment* table, int num_segs, int64_t c) {
+  int lo = 0, hi = num_segs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(&table[mid].first_chunk) <= c) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Work item = (page k, chunk c of that page); warp w of the grid takes items w, w + W, ...
+// Each lane keeps kUnroll independent 16-byte loads in flight before it stores them.
+__global__ void __launch_bounds__(kThreads) copy_pages_kernel(
+    const Segment* __restrict__ table, int num_segs, const int32_t* __restrict__ src_ids,
+    const int32_t* __restrict__ dst_ids, int64_t num_items, int64_t chunks_per_page,
+    int64_t chunk_bytes) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
+  for (int64_t item = blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5); item < num_items;
+       item += warps) {
+    const int64_t k = item / chunks_per_page;
+    const int64_t c = item - k * chunks_per_page;
+    const Segment* seg = table + find_segment(table, num_segs, c);
+    const int64_t offset = (c - __ldg(&seg->first_chunk)) * chunk_bytes;
+    const int64_t vectors = min(chunk_bytes, __ldg(&seg->bytes) - offset) >> 4;
+    const int4* from = reinterpret_cast<const int4*>(
+        __ldg(&seg->src) + __ldg(&src_ids[k]) * __ldg(&seg->src_stride) + offset);
+    int4* to = reinterpret_cast<int4*>(
+        __ldg(&seg->dst) + __ldg(&dst_ids[k]) * __ldg(&seg->dst_stride) + offset);
+    for (int64_t base = lane; base < vectors; base += 32 * kUnroll) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (base + 32 * u < vectors) v[u] = __ldcs(from + base + 32 * u);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (base + 32 * u < vectors) __stcs(to + base + 32 * u, v[u]);
+      }
+    }
+  }
+}
+
+// Launches the kernel on `stream` with at most `max_blocks` blocks. `table` (num_segs
+// Segments) and `ids` (src ids, then dst ids: 2 * num_pages int32) are device-readable.
+void launch_kernel(int64_t table, int64_t num_segs, int64_t ids, int64_t num_pages,
+                   int64_t chunks_per_page, int64_t chunk_bytes, int64_t max_blocks,
+                   int64_t stream, int64_t device) {
+  if (chunk_bytes <= 0 || chunk_bytes % 16 || max_blocks <= 0 || chunks_per_page <= 0) {
+    throw std::invalid_argument("chunk_bytes (a multiple of 16), chunks_per_page and "
+                                "max_blocks must be positive");
+  }
+  const int64_t items = num_pages * chunks_per_page;
+  if (items == 0) return;
+  DeviceGuard guard(static_cast<int>(device));
+  const int64_t needed = (items + kThreads / 32 - 1) / (kThreads / 32);
+  const int blocks = static_cast<int>(needed < max_blocks ? needed : max_blocks);
+  const int32_t* id_list = reinterpret_cast<const int32_t*>(ids);
+  copy_pages_kernel<<<blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const Segment*>(table), static_cast<int>(num_segs), id_list,
+      id_list + num_pages, items, chunks_per_page, chunk_bytes);
+  check(cudaGetLastError(), "kernel launch");
+}
+
+// The rows to copy as (dst, src, size) lists; a row that continues the previous one on both
+// sides is merged into it.
+struct Rows {
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+};
+
+Rows collect_rows(int64_t table, int64_t num_segs, int64_t src_ids, int64_t dst_ids,
+                  int64_t num_pages) {
+  const Segment* t = reinterpret_cast<const Segment*>(table);
+  const int32_t* sid = reinterpret_cast<const int32_t*>(src_ids);
+  const int32_t* did = reinterpret_cast<const int32_t*>(dst_ids);
+  Rows rows;
+  rows.dsts.reserve(num_pages * num_segs);
+  rows.srcs.reserve(num_pages * num_segs);
+  rows.sizes.reserve(num_pages * num_segs);
+  for (int64_t k = 0; k < num_pages; ++k) {
+    for (int64_t s = 0; s < num_segs; ++s) {
+      char* src = reinterpret_cast<char*>(t[s].src + sid[k] * t[s].src_stride);
+      char* dst = reinterpret_cast<char*>(t[s].dst + did[k] * t[s].dst_stride);
+      const size_t n = static_cast<size_t>(t[s].bytes);
+      if (!rows.sizes.empty()) {
+        const size_t last = rows.sizes.back();
+        if (static_cast<const char*>(rows.srcs.back()) + last == src &&
+            static_cast<char*>(rows.dsts.back()) + last == dst) {
+          rows.sizes.back() += n;
+          continue;
+        }
+      }
+      rows.dsts.push_back(dst);
+      rows.srcs.push_back(src);
+      rows.sizes.push_back(n);
+    }
+  }
+  return rows;
+}
+
+// The side stream of `device` that stands in for the legacy default stream, which
+// cudaMemcpyBatchAsync refuses: created once, kept for the life of the process.
+cudaStream_t side_stream(int device) {
+  static std::mutex mutex;
+  static std::map<int, cudaStream_t> streams;
+  std::lock_guard<std::mutex> lock(mutex);
+  cudaStream_t& s = streams[device];
+  if (s == nullptr) check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  return s;
+}
+
+// Makes `waiter` wait for the work enqueued so far on `signaller`.
+void order(cudaStream_t signaller, cudaStream_t waiter) {
+  cudaEvent_t event;
+  check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
+  check(cudaEventRecord(event, signaller), "cudaEventRecord");
+  check(cudaStreamWaitEvent(waiter, event, 0), "cudaStreamWaitEvent");
+  check(cudaEventDestroy(event), "cudaEventDestroy");  // released once it has completed
+}
+
+// cudaMemcpyBatchAsync over all rows, in calls of at most `rows_per_call` rows so that the copy
+// engines start while later rows are still being enqueued. `table` and the ids are host
+// addresses. On the legacy default stream the rows go through a side stream, forked from it and
+// joined back into it.
+void copy_batch(int64_t table, int64_t num_segs, int64_t src_ids, int64_t dst_ids,
+                int64_t num_pages, int64_t rows_per_call, int64_t stream, int64_t device) {
+  if (rows_per_call <= 0) throw std::invalid_argument("rows_per_call must be positive");
+  if (num_pages == 0) return;
+  DeviceGuard guard(static_cast<int>(device));
+  Rows rows = collect_rows(table, num_segs, src_ids, dst_ids, num_pages);
+  cudaStream_t caller = reinterpret_cast<cudaStream_t>(stream);
+  const bool legacy = caller == nullptr || caller == cudaStreamLegacy;
+  cudaStream_t target = legacy ? side_stream(static_cast<int>(device)) : caller;
+  if (legacy) order(caller, target);
+  cudaMemcpyAttributes attr = {};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  size_t zero = 0;
+  for (size_t from = 0; from < rows.sizes.size(); from += rows_per_call) {
+    const size_t n = std::min<size_t>(rows_per_call, rows.sizes.size() - from);
+    check(cudaMemcpyBatchAsync(rows.dsts.data() + from, rows.srcs.data() + from,
+                               rows.sizes.data() + from, n, &attr, &zero, 1, target),
+          "cudaMemcpyBatchAsync");
+  }
+  if (legacy) order(target, caller);
+}
+
+// One cudaMemcpyAsync per row: the baseline that the benchmark compares with.
+void copy_loop(int64_t table, int64_t num_segs, int64_t src_ids, int64_t dst_ids,
+               int64_t num_pages, int64_t stream, int64_t device) {
+  if (num_pages == 0) return;
+  DeviceGuard guard(static_cast<int>(device));
+  Rows rows = collect_rows(table, num_segs, src_ids, dst_ids, num_pages);
+  for (size_t i = 0; i < rows.sizes.size(); ++i) {
+    check(cudaMemcpyAsync(rows.dsts[i], rows.srcs[i], rows.sizes[i], cudaMemcpyDefault,
+                          reinterpret_cast<cudaStream_t>(stream)),
+          "cudaMemcpyAsync");
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "hicache page copies (see page_copy.cu)";
+  m.def("launch_kernel", &launch_kernel);
+  m.def("copy_batch", &copy_batch);
+  m.def("copy_loop", &copy_loop);
+}

@@ -1,0 +1,201 @@
+"""Page copies on a CUDA GPU: every path, both directions, both pool shapes, exact bytes.
+
+Run on a machine with a GPU: ``pytest -m cuda tests/test_kernels_cuda.py``. The first test
+builds the extension (about a minute; cached afterwards).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache.kernels import PagedBuffer, copy_pages
+from hicache.kernels.cuda import copy_pages_cuda, copy_pages_loop, load_extension
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+KiB = 1024
+# Segment sizes: multiples of 16, not powers of two; the last spans several kernel chunks.
+SEGMENTS = (48, 592, 208 * KiB + 16)
+
+
+def _pool(pages: int, seg_bytes, where: str, seed: int, layer_first: bool) -> PagedBuffer:
+    """Random bytes, on "cuda" or pinned "host"; layer-first: one tensor per segment."""
+    g = torch.Generator().manual_seed(seed)
+    device = "cuda" if where == "cuda" else "cpu"
+    pin = where == "host"
+
+    def block(cols: int) -> torch.Tensor:
+        t = torch.randint(0, 256, (pages, cols), dtype=torch.uint8, generator=g)
+        return t.to(device) if device == "cuda" else (t.pin_memory() if pin else t)
+
+    if layer_first:
+        return PagedBuffer.layer_first([block(b) for b in seg_bytes])
+    return PagedBuffer.page_first(block(sum(seg_bytes))).resegment(seg_bytes)
+
+
+def _snapshot(buf: PagedBuffer) -> list[torch.Tensor]:
+    return [s.cpu().clone() for s in buf.segments]
+
+
+def _expect(src: list[torch.Tensor], src_ids, dst: list[torch.Tensor], dst_ids) -> list:
+    out = [d.clone() for d in dst]
+    for s_seg, d_seg in zip(src, out, strict=True):
+        d_seg[dst_ids.long()] = s_seg[src_ids.long()]
+    return out
+
+
+def _ids(n: int, src_pages: int, dst_pages: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randint(0, src_pages, (n,), generator=g, dtype=torch.int32),
+        torch.randperm(dst_pages, generator=g)[:n].to(torch.int32),
+    )
+
+
+DIRECTIONS = {"h2d": ("host", "cuda"), "d2h": ("cuda", "host"), "d2d": ("cuda", "cuda")}
+PATHS = [
+    ("auto", {}),
+    ("kernel", {}),
+    ("kernel", {"chunk_bytes": 64, "max_blocks": 3}),
+    ("copy_engine", {}),
+    ("copy_engine", {"rows_per_call": 2}),
+]
+
+
+@pytest.mark.parametrize("direction", list(DIRECTIONS))
+@pytest.mark.parametrize("layer_first", [False, True], ids=["page_first", "segmented"])
+@pytest.mark.parametrize(
+    ("path", "knobs"), PATHS, ids=["auto", "kernel", "kernel_small", "ce", "ce_2_rows_per_call"]
+)
+def test_copy_gives_exact_bytes(direction, layer_first, path, knobs):
+    src_where, dst_where = DIRECTIONS[direction]
+    src = _pool(23, SEGMENTS, src_where, seed=1, layer_first=layer_first and src_where == "cuda")
+    dst = _pool(19, SEGMENTS, dst_where, seed=2, layer_first=layer_first and dst_where == "cuda")
+    src_ids, dst_ids = _ids(11, 23, 19, seed=3)
+    expected = _expect(_snapshot(src), src_ids, _snapshot(dst), dst_ids)
+    stream = torch.cuda.Stream()
+
+    if path == "auto":
+        copy_pages(src, src_ids, dst, dst_ids, stream)
+    else:
+        copy_pages_cuda(src, src_ids, dst, dst_ids, stream, path=path, **knobs)
+    stream.synchronize()
+
+    for got, want in zip(_snapshot(dst), expected, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("page_bytes", [16, 4 * 1024 * KiB + 16])
+def test_single_segment_pages_of_odd_sizes(page_bytes):
+    src = _pool(6, (page_bytes,), "cuda", seed=4, layer_first=False)
+    dst = _pool(5, (page_bytes,), "host", seed=5, layer_first=False)
+    src_ids, dst_ids = torch.tensor([5, 0, 3], dtype=torch.int64), torch.tensor([1, 4, 0])
+    expected = _expect(_snapshot(src), src_ids, _snapshot(dst), dst_ids)
+    copy_pages(src, src_ids, dst, dst_ids)
+    torch.cuda.current_stream().synchronize()
+    assert torch.equal(_snapshot(dst)[0], expected[0])
+
+
+def test_copy_engine_path_keeps_order_on_the_legacy_default_stream():
+    """cudaMemcpyBatchAsync refuses the legacy default stream: the copy goes through a side
+    stream, after what the default stream had and before what it gets next."""
+    src = _pool(7, SEGMENTS, "cuda", seed=19, layer_first=True)
+    dst = _pool(7, SEGMENTS, "cuda", seed=20, layer_first=False)
+    src_ids, dst_ids = _ids(5, 7, 7, seed=21)
+    expected = _expect([s + 1 for s in _snapshot(src)], src_ids, _snapshot(dst), dst_ids)
+    load_extension()
+    default = torch.cuda.default_stream()
+    with torch.cuda.stream(default):
+        torch.cuda._sleep(50_000_000)
+        for seg in src.segments:
+            seg.add_(1)  # enqueued before the copy: the copy must see it
+        copy_pages_cuda(src, src_ids, dst, dst_ids, default, path="copy_engine")
+        after = [seg.clone() for seg in dst.segments]  # enqueued after: must see the copy
+    default.synchronize()
+    for got, want in zip(after, expected, strict=True):
+        assert torch.equal(got.cpu(), want)
+
+
+def test_per_page_loop_baseline_gives_exact_bytes():
+    src = _pool(9, SEGMENTS, "host", seed=6, layer_first=False)
+    dst = _pool(9, SEGMENTS, "cuda", seed=7, layer_first=True)
+    src_ids, dst_ids = _ids(5, 9, 9, seed=8)
+    expected = _expect(_snapshot(src), src_ids, _snapshot(dst), dst_ids)
+    stream = torch.cuda.Stream()
+    copy_pages_loop(src, src_ids, dst, dst_ids, stream)
+    stream.synchronize()
+    for got, want in zip(_snapshot(dst), expected, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("path", ["kernel", "copy_engine"])
+def test_empty_lists_copy_nothing(path):
+    src = _pool(4, SEGMENTS, "host", seed=9, layer_first=False)
+    dst = _pool(4, SEGMENTS, "cuda", seed=10, layer_first=True)
+    before = _snapshot(dst)
+    empty = torch.empty(0, dtype=torch.int32)
+    copy_pages(src, empty, dst, empty)
+    copy_pages_cuda(src, empty, dst, empty, path=path)
+    torch.cuda.synchronize()
+    for got, want in zip(_snapshot(dst), before, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("path", ["kernel", "copy_engine"])
+def test_calls_return_while_the_stream_is_busy_and_keep_their_ids(path):
+    """Many calls are queued behind a long kernel: none waits for it, and each one's ids (staged
+    through pinned memory on the kernel path) survive until the stream reaches it."""
+    src = _pool(64, (4 * KiB,), "host", seed=11, layer_first=False)
+    dst = _pool(64, (4 * KiB,), "cuda", seed=12, layer_first=False)
+    expected = _snapshot(dst)
+    load_extension()  # a first build must not run while the stream sleeps
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(2_000_000_000)  # about a second on current GPUs
+    for call in range(40):
+        src_ids, dst_ids = _ids(8, 64, 64, seed=100 + call)
+        copy_pages_cuda(src, src_ids, dst, dst_ids, stream, path=path)
+        expected = _expect(_snapshot(src), src_ids, expected, dst_ids)
+    assert not stream.query(), "copy_pages waited for the stream"
+    stream.synchronize()
+    assert torch.equal(_snapshot(dst)[0], expected[0])
+
+
+def test_unpinned_host_memory_is_rejected():
+    src = _pool(4, (64,), "cpu", seed=13, layer_first=False)
+    dst = _pool(4, (64,), "cuda", seed=14, layer_first=False)
+    with pytest.raises(ValueError, match="src is host memory that is not pinned"):
+        copy_pages(src, torch.tensor([0]), dst, torch.tensor([1]))
+
+
+def test_ids_on_the_gpu_are_rejected():
+    src = _pool(4, (64,), "host", seed=15, layer_first=False)
+    dst = _pool(4, (64,), "cuda", seed=16, layer_first=False)
+    with pytest.raises(ValueError, match="src_ids must be on the CPU, got cuda:0"):
+        copy_pages(src, torch.tensor([0], device="cuda"), dst, torch.tensor([1]))
+
+
+def test_misaligned_cuda_rows_are_rejected():
+    src = PagedBuffer.page_first(torch.zeros(4, 40, dtype=torch.uint8, device="cuda"))
+    dst = PagedBuffer.page_first(torch.zeros(4, 40, dtype=torch.uint8).pin_memory())
+    with pytest.raises(ValueError, match="src segment 0: row size 40 is not a multiple of 16"):
+        copy_pages(src, torch.tensor([0]), dst, torch.tensor([1]))
+
+
+def test_unknown_path_is_rejected():
+    src = _pool(4, (64,), "host", seed=17, layer_first=False)
+    dst = _pool(4, (64,), "cuda", seed=18, layer_first=False)
+    with pytest.raises(ValueError, match="path must be one of"):
+        copy_pages_cuda(src, torch.tensor([0]), dst, torch.tensor([1]), path="dma")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_buffers_on_two_gpus_are_rejected():
+    src = PagedBuffer.page_first(torch.zeros(4, 64, dtype=torch.uint8, device="cuda:0"))
+    dst = PagedBuffer.page_first(torch.zeros(4, 64, dtype=torch.uint8, device="cuda:1"))
+    with pytest.raises(ValueError, match="one device only"):
+        copy_pages(src, torch.tensor([0]), dst, torch.tensor([1]))
