@@ -18,6 +18,7 @@ hicache never calls the engine's scheduler: it returns numbers and takes block i
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -160,6 +161,7 @@ class HiCache:
         after a pending answer) reuses its keys. The pages (and state) of the hit are pinned in
         the host tier until `load` has copied them or `release` is called.
         """
+        started = time.perf_counter()
         tokens = as_tokens(tokens)
         n = tokens.shape[0]
         if n == 0:
@@ -208,6 +210,7 @@ class HiCache:
         )
         req.match = m
         self._stats.matched(m, n)
+        self._stats.latency["hicache_match_seconds"].observe(time.perf_counter() - started)
         return m
 
     def _look_ahead(self, req: Request, keys: list[bytes], found: int, cap: int) -> bool:
@@ -453,10 +456,16 @@ class HiCache:
         if req.fetch is not None and self._l3 is not None:
             self._l3.forget(req.fetch)
 
+    def histograms(self) -> dict[str, dict[str, Any]]:
+        """Latency histograms by Prometheus family name (see `hicache.metrics`)."""
+        return self._stats.histograms()
+
     def stats(self) -> dict[str, int]:
         """Counters and gauges as a plain dict (see `hicache.stats.Stats` for their meaning)."""
         pages, states = self.host.page_slots, self.host.state_slots
+        l3 = {} if self._l3 is None else self._l3.gauges()
         return self._stats.as_dict(
+            **l3,
             host_slots=pages.capacity,
             host_used=pages.used,
             host_pinned=pages.pinned,

@@ -43,6 +43,13 @@ from hicache.stats import Stats
 log = logging.getLogger(__name__)
 
 
+_LATENCY = {
+    "probe": "hicache_l3_exists_seconds",
+    "get": "hicache_l3_get_seconds",
+    "put": "hicache_l3_put_seconds",
+}
+
+
 @dataclass(frozen=True)
 class L3Settings:
     """What the L3 machinery needs from a store tier's configuration."""
@@ -60,6 +67,7 @@ class Fetch:
     keys: list[bytes]
     """The request's page keys up to the last group the fetch may bring."""
     deadline: float
+    started: float
     phase: str = "probe"  # probe -> get -> done
     abandoned: bool = False
     lease: Lease | None = None
@@ -99,6 +107,7 @@ class _Job:
     lease: Lease | _Leases | None = None
     meta: object = None
     started: float = 0.0
+    finished: float = 0.0
 
     def release(self) -> None:
         if self.lease is not None:
@@ -174,7 +183,8 @@ class L3:
         if not self.usable():
             self.stats.l3_skipped += 1
             return None
-        fetch = Fetch(first, keys[: last * self.G], self.clock() + self.policy.l3_max_wait_ms / 1e3)
+        now = self.clock()
+        fetch = Fetch(first, keys[: last * self.G], now + self.policy.l3_max_wait_ms / 1e3, now)
         names = [self._group_key(keys, g) for g in range(first, last)]
         if self.layout.state_bytes:
             names += [self._state_key(keys, (g + 1) * self.G) for g in range(first, last)]
@@ -255,6 +265,8 @@ class L3:
         while self._results:
             job, outcome = self._results.popleft()
             self.jobs_in_flight -= 1
+            family = _LATENCY[job.kind]
+            self.stats.latency[family].observe(job.finished - job.started)
             failed = isinstance(outcome, BaseException)
             if failed:
                 self.stats.l3_errors += 1
@@ -354,6 +366,7 @@ class L3:
             self.stats.l3_pages_fetched += ok * self.G
             self.stats.l3_get_bytes += ok * self.G * self.layout.page_size
         fetch.phase = "done"
+        self.stats.latency["hicache_l3_fetch_seconds"].observe(self.clock() - fetch.started)
         if fetch.abandoned or not ok:
             self._release(fetch, outcome)
 
@@ -370,6 +383,14 @@ class L3:
                 self._known.pop(name, None)
                 self.stats.l3_put_failed += 1
         emit(self.events, "stored", "l3", stored)
+
+    def gauges(self) -> dict[str, int]:
+        """Gauges for `HiCache.stats`: store availability (1 available, 0 not) and queue depth."""
+        return {
+            "l3_available": int(self.store.available),
+            "l3_queue_depth": self._put_jobs.qsize(),
+            "l3_jobs_in_flight": self.jobs_in_flight,
+        }
 
     @property
     def idle(self) -> bool:
@@ -398,6 +419,7 @@ class L3:
                 if not isinstance(err, StoreUnavailable):
                     log.warning("hicache L3 %s failed: %r", job.kind, err)
                 outcome = err
+            job.finished = self.clock()
             self._results.append((job, outcome))
 
     # -- helpers ----------------------------------------------------------------------------------

@@ -77,10 +77,11 @@ FAMILIES: dict[str, Family] = {
     "hicache_pool_pinned_slots": Family("gauge", "Slots somebody pins.", ("tier", "pool")),
     "hicache_requests": Family("gauge", "Requests hicache holds state for."),
     "hicache_copies_in_flight": Family("gauge", "Copies enqueued and not yet retired."),
-    "hicache_l3_breaker_state": Family(
-        "gauge", "L3 circuit breaker: 0 closed, 1 half-open, 2 open."
+    "hicache_l3_available": Family(
+        "gauge", "1 while L3 answers (connected, breaker closed), 0 while requests skip it."
     ),
     "hicache_l3_queue_depth": Family("gauge", "Puts waiting in the write-behind queue."),
+    "hicache_l3_jobs_in_flight": Family("gauge", "L3 jobs whose results are not applied yet."),
 }
 
 METRICS: dict[str, tuple[str, dict[str, str]]] = {
@@ -117,8 +118,9 @@ METRICS: dict[str, tuple[str, dict[str, str]]] = {
     "state_used": ("hicache_pool_used_slots", {"tier": "host", "pool": "state"}),
     "requests": ("hicache_requests", {}),
     "copies_in_flight": ("hicache_copies_in_flight", {}),
-    "l3_breaker_state": ("hicache_l3_breaker_state", {}),
+    "l3_available": ("hicache_l3_available", {}),
     "l3_queue_depth": ("hicache_l3_queue_depth", {}),
+    "l3_jobs_in_flight": ("hicache_l3_jobs_in_flight", {}),
 }
 """Stats key -> (family, labels). Keys absent from a cache's stats are simply not exported."""
 

@@ -2,11 +2,54 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+import bisect
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hicache.request import Match
+
+
+LATENCY_BUCKETS = (
+    50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 20e-3, 50e-3, 0.1, 0.2, 0.5, 1.0, 2.0,
+    5.0,
+)  # fmt: skip
+"""Upper bounds (seconds) of the latency histograms."""
+
+
+class Histogram:
+    """Counts of observations per fixed bucket, and their sum. One thread updates it."""
+
+    __slots__ = ("counts", "help", "sum")
+
+    def __init__(self, help_: str) -> None:
+        self.help = help_
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.sum += seconds
+
+    def snapshot(self) -> dict[str, Any]:
+        """Cumulative (upper bound, count) pairs ending at +inf, the sum and the help line."""
+        total, buckets = 0, []
+        for bound, count in zip((*LATENCY_BUCKETS, float("inf")), self.counts):
+            total += count
+            buckets.append((bound, total))
+        return {"buckets": buckets, "sum": self.sum, "help": self.help}
+
+
+def _histograms() -> dict[str, Histogram]:
+    return {
+        "hicache_match_seconds": Histogram("Engine-thread time of match, hashing included."),
+        "hicache_l3_exists_seconds": Histogram("Time of one batched L3 exists (worker thread)."),
+        "hicache_l3_get_seconds": Histogram("Time of one batched L3 get (worker thread)."),
+        "hicache_l3_put_seconds": Histogram("Time of one batched L3 put (worker thread)."),
+        "hicache_l3_fetch_seconds": Histogram(
+            "From the match that started an L3 fetch until its pages were in the host tier."
+        ),
+    }
 
 
 @dataclass
@@ -54,6 +97,8 @@ class Stats:
     """Fetches that outlived policy.l3_max_wait_ms: the request went on with its host hit."""
     l3_no_space: int = 0
     """Fetches dropped because every host slot was pinned."""
+    latency: dict[str, Histogram] = field(default_factory=_histograms, repr=False)
+    """Latency histograms by Prometheus family name (not part of `as_dict`)."""
 
     def matched(self, m: Match, prompt_tokens: int) -> None:
         if m.pending:
@@ -84,4 +129,8 @@ class Stats:
         self.hook_errors += 1
 
     def as_dict(self, **gauges: int) -> dict[str, int]:
-        return {**asdict(self), **gauges}
+        counters = {k: v for k, v in asdict(self).items() if k != "latency"}
+        return {**counters, **gauges}
+
+    def histograms(self) -> dict[str, dict[str, Any]]:
+        return {name: h.snapshot() for name, h in self.latency.items()}

@@ -75,13 +75,13 @@ def test_table_is_consistent() -> None:
 
 
 def test_new_l3_keys_export_through_the_table() -> None:
-    stats = {"l3_put_bytes": 4096, "l3_get_bytes": 512, "l3_skipped": 3, "l3_breaker_state": 2}
+    stats = {"l3_put_bytes": 4096, "l3_get_bytes": 512, "l3_skipped": 3, "l3_available": 0}
     registry = CollectorRegistry()
     registry.register(HiCacheCollector(stats=lambda: stats))
     assert value(registry, "hicache_l3_bytes_total", op="put") == 4096
     assert value(registry, "hicache_l3_bytes_total", op="get") == 512
     assert value(registry, "hicache_fallbacks_total", reason="breaker_open") == 3
-    assert value(registry, "hicache_l3_breaker_state") == 2
+    assert value(registry, "hicache_l3_available") == 0
     stats["l3_put_bytes"] = 8192  # read at scrape time: no second set of books
     assert value(registry, "hicache_l3_bytes_total", op="put") == 8192
 
@@ -142,3 +142,16 @@ def test_http_endpoint_on_loopback() -> None:
     assert 'hicache_pages_stored_total{tier="host"} 2.0' in text
     with pytest.raises(ValueError, match="port"):
         serve(registry, port=70000)
+
+
+def test_the_cache_exports_latency_histograms_after_a_scenario():
+    e = FakeEngine(config())
+    prompt = np.arange(40, dtype=np.int32)
+    e.run("a", prompt)
+    e.run("b", prompt)
+    registry = CollectorRegistry()
+    register(e.cache, registry)
+    assert registry.get_sample_value("hicache_match_seconds_count") == 2
+    assert registry.get_sample_value("hicache_match_seconds_bucket", {"le": "+Inf"}) == 2
+    assert registry.get_sample_value("hicache_match_seconds_sum") > 0
+    assert registry.get_sample_value("hicache_l3_get_seconds_count") == 0
