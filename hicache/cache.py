@@ -107,6 +107,12 @@ class HiCache:
         self._seeds: dict[bytes | str | None, bytes] = {}
         self._host_pages: PagedBuffer | None = None
         self._l3 = self._build_l3(config)
+        self.metrics_server = None
+        if config.metrics.port is not None:
+            from hicache.metrics import register, serve
+
+            registry, _ = register(self)
+            self.metrics_server = serve(registry, config.metrics.port, config.metrics.addr)
 
     def _build_l3(self, config: HiCacheConfig) -> L3 | None:
         """The store tier below the host tier, if the config has one (at most one for now)."""
@@ -486,6 +492,8 @@ class HiCache:
             self.release(rid)
         if self._l3 is not None:
             self._l3.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         self.host.close()
 
 

@@ -154,12 +154,21 @@ class Policy(_Strict):
     """The engine's prefill throughput, for the same decision."""
 
 
+class MetricsConfig(_Strict):
+    """Prometheus metrics over HTTP. Off unless a port is given; stats() works regardless."""
+
+    port: int | None = Field(default=None, ge=0, le=65535)
+    """Serve http://addr:port/metrics (0: any free port)."""
+    addr: str = "127.0.0.1"
+
+
 class HiCacheConfig(_Strict):
     """The whole configuration."""
 
     layout: Layout | None = None
     tiers: tuple[SerializeAsAny[TierConfig], ...] = Field(min_length=1)
     policy: Policy = Policy()
+    metrics: MetricsConfig = MetricsConfig()
 
     @field_validator("tiers", mode="before")
     @classmethod

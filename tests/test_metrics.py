@@ -155,3 +155,18 @@ def test_the_cache_exports_latency_histograms_after_a_scenario():
     assert registry.get_sample_value("hicache_match_seconds_bucket", {"le": "+Inf"}) == 2
     assert registry.get_sample_value("hicache_match_seconds_sum") > 0
     assert registry.get_sample_value("hicache_l3_get_seconds_count") == 0
+
+
+def test_the_config_can_turn_the_endpoint_on():
+    cfg = config()
+    cfg["metrics"] = {"port": 0}
+    e = FakeEngine(cfg)
+    try:
+        e.run("a", np.arange(40, dtype=np.int32))
+        url = f"http://127.0.0.1:{e.cache.metrics_server.port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode()
+        assert "hicache_lookups_total 1.0" in text
+    finally:
+        e.cache.close()
+    assert FakeEngine(config()).cache.metrics_server is None  # off by default
