@@ -67,17 +67,13 @@ def make_cache(master: MooncakeMaster, page_bytes: int, pages: int, **store) -> 
     )
     pool = torch.randint(0, 255, (pages, page_bytes), dtype=torch.uint8)
     cache = HiCache(cfg, PagedBuffer.page_first(pool))
-    cache.wait_ready()
-    deadline = time.monotonic() + 20
-    while not cache._l3.store.available:
-        if time.monotonic() > deadline:
-            raise SystemExit("the store did not become available")
-        time.sleep(0.02)
+    if not cache.wait_ready(20):
+        raise SystemExit("the host tier or the store did not become ready")
     return cache
 
 
 def until_idle(cache: HiCache) -> None:
-    while not cache._l3.idle:
+    while not cache.l3_idle:
         cache.poll()
         time.sleep(0.0005)
 

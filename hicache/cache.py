@@ -482,9 +482,25 @@ class HiCache:
         )
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
-        """Block until the host pools are allocated (tools and tests; engines need not call it:
-        until then `store` skips its pages and counts them as dropped)."""
-        return self.host.wait_ready(timeout_s)
+        """Block until the host pools are allocated and, with an L3 tier, the store answers.
+        True if both happened within `timeout_s`.
+
+        For tools and tests; engines need not call it: until then `store` skips its pages
+        (counted as dropped) and `match` does not ask L3."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if not self.host.wait_ready(timeout_s):
+            return False
+        while self._l3 is not None and not self._l3.usable():
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    @property
+    def l3_idle(self) -> bool:
+        """No L3 work is queued or running (always true without an L3 tier). For tools and
+        tests that wait for the write-behind to drain, calling `poll` meanwhile."""
+        return self._l3 is None or self._l3.idle
 
     def close(self) -> None:
         """Drop every request and free the host pools. Pending copies must have completed."""

@@ -42,7 +42,7 @@ def wait_until(cond: Callable[[], bool], engine: FakeEngine | None = None, timeo
 
 def settled(engine: FakeEngine) -> None:
     """Wait until the write-behind queue has drained and its results are applied."""
-    wait_until(lambda: engine.cache._l3.idle, engine)
+    wait_until(lambda: engine.cache.l3_idle, engine)
 
 
 @pytest.fixture
@@ -52,7 +52,6 @@ def engines(mooncake_master) -> Iterator[Callable[..., FakeEngine]]:
     def make(cfg: dict | None = None, **kw) -> FakeEngine:
         e = FakeEngine(cfg or l3_config(mooncake_master), **kw)
         made.append(e)
-        wait_until(lambda: e.cache._l3.store.available)
         return e
 
     yield make
@@ -81,7 +80,6 @@ from test_l3 import l3_config, settled, wait_until
 from fake_engine import FakeEngine
 class M: tier_config = json.loads(sys.argv[1])
 e = FakeEngine(l3_config(M))
-wait_until(lambda: e.cache._l3.store.available)
 p = np.array(json.loads(sys.argv[2]), dtype=np.int32)
 m = e.run("r", p)          # checks every loaded byte against a recompute
 settled(e)
@@ -194,7 +192,6 @@ def test_a_killed_master_never_stalls_the_engine_and_l3_comes_back(start_mooncak
     made = [FakeEngine(cfg)]
     try:
         e = made[0]
-        wait_until(lambda: e.cache._l3.store.available)
         slowest = 0.0
         real = {name: getattr(e.cache, name) for name in ("match", "load", "store", "poll")}
 
@@ -221,13 +218,12 @@ def test_a_killed_master_never_stalls_the_engine_and_l3_comes_back(start_mooncak
         # no engine-thread call waited on the dead master (a store call takes seconds)
         assert slowest < 0.5, f"an engine-thread call took {slowest * 1000:.0f} ms"
         master.restart()
-        wait_until(lambda: e.cache._l3.store.available, e, timeout=60)
+        assert e.cache.wait_ready(60)
         p = prompt(99)
         e.run("after", p)
         settled(e)
         fresh = FakeEngine(cfg)
         made.append(fresh)
-        wait_until(lambda: fresh.cache._l3.store.available)
         m = fresh.run("again", p)
         assert (m.hit_tokens, m.l3_tokens) == (40, 40)
     finally:

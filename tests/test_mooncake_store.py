@@ -590,12 +590,14 @@ def test_stalled_master_fails_the_call_and_service_resumes(
     stores.append(store)
     mem = _memory(MiB, seed=8)
     store.register(mem)
-    (key,) = _names(1)
+    key, fresh = _names(2)
     assert store.put_from([key], [[(mem.data_ptr(), 4096)]]) == [0]
     master.pause()
     try:
+        # a put of a new object must ask the master (a get may be served from what the client
+        # already knows of the object's replica, so it is no test of a stalled master)
         with pytest.raises(StoreUnavailable):  # RPC_TIMEOUT from Mooncake, or StoreTimeout
-            store.get_into([key], [[(mem.data_ptr() + 8192, 4096)]])
+            store.put_from([fresh], [[(mem.data_ptr(), 4096)]])
     finally:
         master.resume()
     assert store.get_into([key], [[(mem.data_ptr() + 8192, 4096)]]) == [4096]

@@ -1,0 +1,230 @@
+"""The scheduler: FCFS admission, chunked prefill, greedy decoding, continuous batching.
+
+One `Engine.step()`:
+
+1. ``cache.poll()`` (when a cache is embedded);
+2. admit waiting requests in arrival order: ask the cache for a hit (``match``), take blocks for
+   the whole request (prompt + max_new_tokens) and a state slot, promote the hit (``load``). A
+   request the cache defers (``pending``) is skipped this step without holding up the ones behind
+   it; when blocks run out, admission stops until some are freed;
+3. build the batch: one token for every decoding request, then prefill chunks of prefilling
+   requests in arrival order up to ``chunk_tokens`` prompt tokens in all;
+4. run the model, take the argmax of each finished prompt's or decoded token's logits;
+5. a request whose prompt is fully computed is stored (``store``); a request that has its
+   ``max_new_tokens`` is stored with ``prompt + output[:-1]`` (the tokens whose KV it holds),
+   released and its blocks and slot freed.
+
+The cache is duck-typed (hicache's `HiCache`, or any object with the same methods), so this module
+does not import hicache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from refengine.memory import KVMemory
+from refengine.model import Item, Transformer
+
+
+@dataclass
+class Request:
+    """A prompt to complete greedily; the engine fills in the runtime fields."""
+
+    rid: str
+    prompt: list[int]
+    max_new_tokens: int
+    salt: str | None = None
+    output: list[int] = field(default_factory=list)
+    arrival: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    hit_tokens: int = 0  # prompt tokens the cache supplied
+    l3_tokens: int = 0  # of which promoted from L3
+    # runtime
+    blocks: list[int] = field(default_factory=list)
+    table: torch.Tensor | None = None
+    slot: int | None = None
+    computed: int = 0
+    match: Any = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError(f"request {self.rid}: empty prompt")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"request {self.rid}: max_new_tokens must be at least 1")
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt)
+
+
+class Engine:
+    """Runs requests on one `Transformer` with one `KVMemory`; optionally embeds a cache."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        memory: KVMemory,
+        chunk_tokens: int = 512,
+        cache: Any = None,
+        clock: Callable[[], float] = time.perf_counter,
+        idle_sleep_s: float = 0.001,
+    ) -> None:
+        if chunk_tokens < 1:
+            raise ValueError("chunk_tokens must be at least 1")
+        self.model = model
+        self.memory = memory
+        self.chunk_tokens = chunk_tokens
+        self.cache = cache
+        self.clock = clock
+        self.idle_sleep_s = idle_sleep_s
+        self.needs_slot = memory.rings is not None
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+        self.steps = 0
+
+    # -- public -------------------------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        """Queue a request; its TTFT counts from now."""
+        pages = -(-(len(req.prompt) + req.max_new_tokens) // self.memory.page_tokens)
+        if pages > self.memory.num_blocks:
+            raise ValueError(
+                f"request {req.rid} needs {pages} blocks, the pool has {self.memory.num_blocks}"
+            )
+        req.arrival = self.clock()
+        self.waiting.append(req)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def run(self, requests: list[Request] | None = None) -> list[Request]:
+        """Add `requests`, step until nothing is left, return them (finished) in order."""
+        for r in requests or []:
+            self.add(r)
+        while self.busy:
+            self.step()
+        return list(requests or [])
+
+    def step(self) -> list[Request]:
+        """One engine step (see the module docstring). Returns the requests that finished."""
+        self.steps += 1
+        if self.cache is not None:
+            self.cache.poll()
+        self._admit()
+        items, owners = self._batch()
+        done: list[Request] = []
+        if items:
+            logits = self.model.forward(items, self.memory)
+            next_tokens = logits.argmax(-1).tolist()
+            now = self.clock()
+            for (req, n), tok in zip(owners, next_tokens):
+                was_prefill = req.prefilling
+                req.computed += n
+                if req.prefilling:
+                    continue  # a middle chunk: its logits are not used
+                if was_prefill:
+                    req.first_token_time = now
+                    if self.cache is not None:
+                        self.cache.store(req.rid, req.prompt, req.blocks, state_slot=req.slot)
+                req.output.append(int(tok))
+                if len(req.output) >= req.max_new_tokens:
+                    req.finish_time = now
+                    done.append(req)
+        elif self.waiting:
+            time.sleep(self.idle_sleep_s)  # only deferred requests: do not spin while they wait
+        for req in done:
+            self._finish(req)
+        return done
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        for req in list(self.waiting):
+            if self.cache is not None and req.match is None:
+                m = self.cache.match(req.rid, req.prompt, salt=req.salt)
+                if getattr(m, "pending", False):
+                    continue  # the cache asks us to come back; others may go ahead
+                req.match = m
+            pages = -(-(len(req.prompt) + req.max_new_tokens) // self.memory.page_tokens)
+            blocks = self.memory.alloc_blocks(pages)
+            if blocks is None:
+                break  # FCFS: wait for blocks to be freed
+            slot = None
+            if self.needs_slot:
+                slot = self.memory.alloc_slot()
+                if slot is None:
+                    self.memory.free(blocks)
+                    break
+            req.blocks, req.slot = blocks, slot
+            req.table = torch.tensor(blocks, dtype=torch.int64, device=self.memory.device)
+            self.waiting.remove(req)
+            self.running.append(req)
+            m = req.match
+            if m is not None and m.hit_tokens > 0:
+                self._load(req, m)
+
+    def _load(self, req: Request, m: Any) -> None:
+        """Promote the hit into the request's blocks (block ``first_page + k`` gets page k)."""
+        try:
+            # Copies go on the engine's stream: the prefill enqueued after them sees the pages.
+            self.cache.load(m, req.blocks[m.first_page :], state_slot=req.slot)
+        except RuntimeError:
+            # a failed promotion (hicache's errors are RuntimeErrors) is recomputed, never a hit
+            req.computed = m.computed_tokens
+            if req.slot is not None:
+                self.memory.slot_len[req.slot] = m.computed_tokens
+            return
+        req.computed = m.hit_tokens
+        req.hit_tokens = m.hit_tokens - m.computed_tokens
+        req.l3_tokens = getattr(m, "l3_tokens", 0)
+
+    def _batch(self) -> tuple[list[Item], list[tuple[Request, int]]]:
+        items: list[Item] = []
+        owners: list[tuple[Request, int]] = []
+        for req in self.running:
+            if not req.prefilling:
+                pos = len(req.prompt) + len(req.output) - 1
+                items.append(Item([req.output[-1]], pos, self._table(req), req.slot))
+                owners.append((req, 1))
+        budget = self.chunk_tokens
+        for req in self.running:
+            if budget <= 0:
+                break
+            if not req.prefilling:
+                continue
+            n = min(budget, len(req.prompt) - req.computed)
+            toks = req.prompt[req.computed : req.computed + n]
+            items.append(Item(toks, req.computed, self._table(req), req.slot))
+            owners.append((req, n))
+            budget -= n
+        return items, owners
+
+    @staticmethod
+    def _table(req: Request) -> torch.Tensor:
+        if req.table is None:
+            raise RuntimeError(f"request {req.rid} runs without blocks")
+        return req.table
+
+    def _finish(self, req: Request) -> None:
+        if self.cache is not None:
+            kv_tokens = req.prompt + req.output[:-1]
+            self.cache.store(req.rid, kv_tokens, req.blocks, state_slot=req.slot)
+            self.cache.release(req.rid)
+        self.memory.free(req.blocks)
+        if req.slot is not None:
+            self.memory.free_slot(req.slot)
+        req.blocks, req.table, req.slot = [], None, None
+        self.running.remove(req)
+        self.finished.append(req)

@@ -1,0 +1,403 @@
+"""``hicache replay``: a multi-turn agentic workload run with the cache off and on.
+
+Both runs use the same weights and the same conversations (each turn's prompt = the previous
+prompt + the previous answer + a new message). The report compares TTFT (p50/p90), end-to-end
+time, requests per hour and the prompt tokens served from each tier, and checks that every answer
+is token-identical. ``--floor`` adds, for the last turn of every conversation, the lowest TTFT a
+hit can have: KV bytes loaded / host link bandwidth + the measured prefill of the recomputed
+suffix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hicache.backends.mooncake_local import LocalMaster, mooncake_missing
+from refengine.build import EngineSpec, build_engine, load_model
+from refengine.engine import Engine, Request
+from refengine.model import Item
+from refengine.workload import Conversation, drive, make_workload
+
+DEFAULT_CACHE = {"tiers": [{"type": "host", "size": "2GiB"}]}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hicache replay",
+        description="Replay a multi-turn agentic workload through refengine, cache off and on.",
+    )
+    p.add_argument(
+        "--model",
+        default="small-llama",
+        help="a folder with config.json + safetensors, or a named shape with random "
+        "weights (tiny-llama, small-llama, tiny-qwen3-swa, llama-1b, llama-8b)",
+    )
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
+    p.add_argument(
+        "--l3",
+        choices=("auto", "off"),
+        default="auto",
+        help="without --config: 'auto' adds an L3 tier on a mooncake_master started for the "
+        "run when the mooncake extra is installed; 'off' uses the host tier alone",
+    )
+    p.add_argument(
+        "--config", default=None, help="hicache YAML for the tiers (default: a host tier of 2GiB)"
+    )
+    p.add_argument("--conversations", type=int, default=4)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--first-tokens", type=int, default=1536, help="first prompt length")
+    p.add_argument("--message-tokens", type=int, default=96, help="new tokens per later turn")
+    p.add_argument("--answer-tokens", type=int, default=16, help="tokens generated per turn")
+    p.add_argument("--seed", type=int, default=0, help="weights and workload seed")
+    p.add_argument("--page-tokens", type=int, default=None, help="default 32 (CPU), 128 (CUDA)")
+    p.add_argument("--chunk-tokens", type=int, default=None, help="default 512 (CPU), 8192 (CUDA)")
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="measure the TTFT floor of the last turns (load at --link-gbps + suffix)",
+    )
+    p.add_argument("--link-gbps", type=float, default=55.0, help="host->GPU GB/s for --floor")
+    p.add_argument("--plot", default="replay_ttft.png", help="PNG of TTFT per turn ('' = none)")
+    p.add_argument("--json", default=None, help="write the results as JSON to this file")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int, label: str, enabled: bool) -> None:
+        self.total, self.label, self.enabled, self.n = total, label, enabled, 0
+        self.start = time.perf_counter()
+        self._draw()
+
+    def tick(self, _req: Request | None = None) -> None:
+        self.n += 1
+        self._draw()
+
+    def _draw(self) -> None:
+        if not self.enabled:
+            return
+        width = 30
+        full = width * self.n // max(self.total, 1)
+        bar = "#" * full + "." * (width - full)
+        el = time.perf_counter() - self.start
+        sys.stderr.write(f"\r{self.label:>9} [{bar}] {self.n}/{self.total} requests {el:6.1f}s")
+        if self.n >= self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    if len(xs) == 1:
+        return xs[0]
+    return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1]
+
+
+def _run(engine: Engine, convs: list[Conversation], label: str, quiet: bool) -> dict[str, Any]:
+    total = sum(c.turns for c in convs)
+    bar = Progress(total, label, not quiet)
+    t0 = time.perf_counter()
+    done = drive(engine, convs, on_finish=bar.tick)
+    e2e = time.perf_counter() - t0
+    reqs = [r for conv in done for r in conv]
+    ttft = [float(r.ttft or 0.0) for r in reqs]
+    prompt = sum(len(r.prompt) for r in reqs)
+    l3 = sum(r.l3_tokens for r in reqs)
+    host = sum(r.hit_tokens for r in reqs) - l3
+    turns = max(c.turns for c in convs)
+    per_turn = [
+        statistics.median([float(conv[t].ttft or 0.0) for conv in done if len(conv) > t])
+        for t in range(turns)
+    ]
+    out: dict[str, Any] = {
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p90_s": _pct(ttft, 90),
+        "e2e_s": e2e,
+        "requests_per_hour": len(reqs) / e2e * 3600 if e2e > 0 else float("nan"),
+        "prompt_tokens": prompt,
+        "cached_tokens_host": host,
+        "cached_tokens_l3": l3,
+        "ttft_per_turn_s": per_turn,
+    }
+    out["_done"] = done
+    if engine.cache is not None:
+        out["cache_stats"] = engine.cache.stats()
+    return out
+
+
+def _floor(engine: Engine, done: list[list[Request]], gbps: float) -> list[dict[str, float]]:
+    """For each conversation's last turn: bytes loaded / link + the suffix prefill, measured."""
+    mem, rows = engine.memory, []
+    page_bytes = mem.pool[0].numel() * mem.pool.element_size()
+    state = 0
+    if mem.rings is not None:
+        state = (
+            (mem.window - 1)
+            * len(mem.sliding_index)
+            * 2
+            * mem.pool[0, 0, 0, 0].numel()
+            * mem.pool.element_size()
+        )
+    for conv in done:
+        req = conv[-1]
+        h, n = req.hit_tokens, len(req.prompt)
+        if h == 0:
+            continue
+        load_bytes = h // mem.page_tokens * page_bytes + state
+        suffix = _time_prefill(engine, req.prompt, h)
+        floor = load_bytes / (gbps * 1e9) + suffix
+        rows.append(
+            {
+                "prompt_tokens": n,
+                "hit_tokens": h,
+                "load_bytes": load_bytes,
+                "load_s_at_link": load_bytes / (gbps * 1e9),
+                "suffix_prefill_s": suffix,
+                "floor_s": floor,
+                "ttft_on_s": float(req.ttft or 0.0),
+                "ratio_to_floor": float(req.ttft or 0.0) / floor,
+            }
+        )
+    return rows
+
+
+def _time_prefill(engine: Engine, prompt: list[int], start: int, repeats: int = 3) -> float:
+    """Median time of prefilling prompt[start:] (context start tokens; the KV content is junk)."""
+    mem, P = engine.memory, engine.memory.page_tokens
+    blocks = mem.alloc_blocks(-(-len(prompt) // P))
+    slot = mem.alloc_slot() if mem.rings is not None else None
+    if blocks is None or (mem.rings is not None and slot is None):
+        raise RuntimeError("no free blocks to time the suffix prefill")
+    table = torch.tensor(blocks, dtype=torch.int64, device=mem.device)
+    times = []
+    try:
+        for _ in range(repeats):
+            if slot is not None:
+                mem.slot_len[slot] = start
+            _sync(mem.device)
+            t0 = time.perf_counter()
+            pos = start
+            while pos < len(prompt):
+                n = min(engine.chunk_tokens, len(prompt) - pos)
+                engine.model.forward([Item(prompt[pos : pos + n], pos, table, slot)], mem)
+                pos += n
+            _sync(mem.device)
+            times.append(time.perf_counter() - t0)
+    finally:
+        mem.free(blocks)
+        if slot is not None:
+            mem.free_slot(slot)
+    return statistics.median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _warmup(engine: Engine) -> None:
+    """Run one short request so first-call costs do not land in the first measured TTFT."""
+    engine.run([Request("warmup", list(range(1, 2 * engine.memory.page_tokens + 1)), 2)])
+    engine.finished.clear()
+
+
+def _plot(path: str, off: list[float], on: list[float], title: str) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot (pip install matplotlib)"
+    turns = list(range(1, len(off) + 1))
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    ax.plot(turns, [t * 1e3 for t in off], "o-", label="cache off (recompute)")
+    ax.plot(turns, [t * 1e3 for t in on], "s-", label="cache on")
+    ax.set_xlabel("turn")
+    ax.set_ylabel("TTFT, median over conversations (ms)")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def _table(res: dict[str, Any]) -> str:
+    off, on = res["off"], res["on"]
+    share = res["cached_token_share"]
+    rows = [
+        ("TTFT p50", f"{off['ttft_p50_s'] * 1e3:.1f} ms", f"{on['ttft_p50_s'] * 1e3:.1f} ms"),
+        ("TTFT p90", f"{off['ttft_p90_s'] * 1e3:.1f} ms", f"{on['ttft_p90_s'] * 1e3:.1f} ms"),
+        ("end-to-end", f"{off['e2e_s']:.2f} s", f"{on['e2e_s']:.2f} s"),
+        ("requests/hour", f"{off['requests_per_hour']:.0f}", f"{on['requests_per_hour']:.0f}"),
+        ("prompt tokens", f"{off['prompt_tokens']}", f"{on['prompt_tokens']}"),
+        ("from host tier", "0", f"{on['cached_tokens_host']}"),
+        ("from L3", "0", f"{on['cached_tokens_l3']}"),
+        ("cached share", "0.0%", f"{share * 100:.1f}%"),
+    ]
+    lines = [f"{'':16}{'cache off':>16}{'cache on':>16}"]
+    lines += [f"{a:16}{b:>16}{c:>16}" for a, b, c in rows]
+    lines.append(f"{'outputs identical':16}{'yes' if res['identical'] else 'NO':>32}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.config or args.l3 == "off" or mooncake_missing() is not None:
+        return _main(args, argv, args.config or DEFAULT_CACHE)
+    with LocalMaster() as master:  # the embedded default: L3 on a master of this run's own
+        l3 = {
+            "type": "mooncake",
+            "master_address": master.address,
+            "local_hostname": "127.0.0.1",
+            "global_segment_size": "1GiB",
+        }
+        return _main(args, argv, {"tiers": [*DEFAULT_CACHE["tiers"], l3]})
+
+
+def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -> int:
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        print("hicache replay: --device cuda but CUDA is not available", file=sys.stderr)
+        return 2
+    dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    page = args.page_tokens or (128 if cuda else 32)
+    chunk = args.chunk_tokens or (8192 if cuda else 512)
+    try:
+        convs_probe = make_workload(
+            args.conversations,
+            args.turns,
+            args.first_tokens,
+            args.message_tokens,
+            args.answer_tokens,
+            2,
+            args.seed,
+        )
+    except ValueError as err:
+        print(f"hicache replay: {err}", file=sys.stderr)
+        return 2
+    longest = max(
+        len(c.first) + sum(map(len, c.messages)) + c.turns * c.answer_tokens for c in convs_probe
+    )
+    blocks = args.conversations * (-(-longest // page) + 1) + 2 * (-(-longest // page)) + 8
+    spec = EngineSpec(
+        model=args.model,
+        device=args.device,
+        dtype=dtype,
+        seed=args.seed,
+        page_tokens=page,
+        num_blocks=blocks,
+        num_slots=args.conversations + 2,
+        chunk_tokens=chunk,
+    )
+    try:
+        model = load_model(spec)
+    except ValueError as err:
+        print(f"hicache replay: {err}", file=sys.stderr)
+        return 2
+    convs = make_workload(
+        args.conversations,
+        args.turns,
+        args.first_tokens,
+        args.message_tokens,
+        args.answer_tokens,
+        model[0].cfg.vocab_size,
+        args.seed,
+    )
+
+    # On CUDA the engine runs on its own stream, as serving engines do (hicache's copies go on
+    # the current stream; the copy engines' batched copies refuse the legacy default stream).
+    if cuda:
+        torch.cuda.synchronize()
+    with torch.cuda.stream(torch.cuda.Stream()) if cuda else contextlib.nullcontext():
+        off_engine = build_engine(spec, model=model)
+        _warmup(off_engine)
+        off = _run(off_engine, convs, "cache off", args.quiet)
+        del off_engine
+        on_engine = build_engine(spec, cache_config, model=model)
+        _warmup(on_engine)
+        on = _run(on_engine, convs, "cache on", args.quiet)
+    pairs = [
+        (a.output, b.output)
+        for ca, cb in zip(off.pop("_done"), on["_done"])
+        for a, b in zip(ca, cb)
+    ]
+    identical = all(a == b for a, b in pairs)
+    cached = on["cached_tokens_host"] + on["cached_tokens_l3"]
+    res: dict[str, Any] = {
+        "identical": identical,
+        "identical_requests": sum(a == b for a, b in pairs),
+        "requests": len(pairs),
+        "ttft_p50_off_s": off["ttft_p50_s"],
+        "ttft_p50_on_s": on["ttft_p50_s"],
+        "ttft_p90_off_s": off["ttft_p90_s"],
+        "ttft_p90_on_s": on["ttft_p90_s"],
+        "cached_token_share": cached / on["prompt_tokens"] if on["prompt_tokens"] else 0.0,
+        "off": off,
+        "on": on,
+        "last_turn_speedup": off["ttft_per_turn_s"][-1] / max(on["ttft_per_turn_s"][-1], 1e-12),
+        "setup": {
+            **asdict(spec),
+            "conversations": args.conversations,
+            "turns": args.turns,
+            "first_tokens": args.first_tokens,
+            "message_tokens": args.message_tokens,
+            "answer_tokens": args.answer_tokens,
+            "cache_config": cache_config,
+            "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+            "torch": torch.__version__,
+            "argv": list(sys.argv[1:] if argv is None else argv),
+        },
+    }
+    done_on = on.pop("_done")
+    if args.floor:
+        with torch.cuda.stream(torch.cuda.Stream()) if cuda else contextlib.nullcontext():
+            rows = _floor(on_engine, done_on, args.link_gbps)
+        res["floor"] = rows
+        if rows:
+            res["ratio_to_floor_max"] = max(r["ratio_to_floor"] for r in rows)
+    print(_table(res))
+    print(
+        f"last turn: TTFT {off['ttft_per_turn_s'][-1] * 1e3:.1f} ms off, "
+        f"{on['ttft_per_turn_s'][-1] * 1e3:.1f} ms on ({res['last_turn_speedup']:.1f}x)"
+    )
+    for row in res.get("floor", []):
+        print(
+            f"floor at {row['prompt_tokens']} tokens: {row['floor_s'] * 1e3:.1f} ms "
+            f"(load {row['load_s_at_link'] * 1e3:.1f} + suffix {row['suffix_prefill_s'] * 1e3:.1f})"
+            f", TTFT on {row['ttft_on_s'] * 1e3:.1f} ms = {row['ratio_to_floor']:.2f}x floor"
+        )
+    if args.plot:
+        note = _plot(
+            args.plot,
+            off["ttft_per_turn_s"],
+            on["ttft_per_turn_s"],
+            f"{args.model} on {args.device}: TTFT per turn",
+        )
+        print(note or f"plot: {args.plot}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
+        print(f"json: {args.json}")
+    on_engine.cache.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

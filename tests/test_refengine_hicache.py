@@ -1,0 +1,190 @@
+"""refengine with hicache embedded: multi-turn conversations answer exactly as without the cache.
+
+CPU, float32, random-weight tiny models of both families (Qwen3 with sliding layers whose window
+is smaller than the prompts, so every hit also needs a state).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+
+import pytest
+
+pytest.importorskip("hicache.cache")
+
+from refengine.build import EngineSpec, build_engine, load_model
+from refengine.config import FULL, SLIDING, ModelConfig
+from refengine.memory import RingStates
+from refengine.model import Transformer
+from refengine.workload import drive, make_workload
+
+PAGE = 16
+HOST = {"tiers": [{"type": "host", "size": "32MiB"}]}
+
+SHAPES = {
+    "llama": ModelConfig(
+        family="llama",
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        layer_types=(FULL, FULL),
+        initializer_range=0.1,
+        name="t-llama",
+    ),
+    "qwen3": ModelConfig(
+        family="qwen3",
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        layer_types=(SLIDING, FULL, SLIDING),
+        sliding_window=40,
+        initializer_range=0.1,
+        name="t-qwen3",
+    ),
+}
+
+
+@pytest.fixture(params=sorted(SHAPES))
+def model(request):
+    cfg = SHAPES[request.param]
+    return Transformer.random(cfg, seed=11), f"{cfg.name}@random-seed11"
+
+
+def _spec(**kw) -> EngineSpec:
+    base = dict(page_tokens=PAGE, num_blocks=256, num_slots=8, chunk_tokens=64)
+    return EngineSpec(**{**base, **kw})
+
+
+def _outputs(done):
+    return [[r.output for r in conv] for conv in done]
+
+
+def test_multi_turn_identical_with_host_tier(model):
+    convs = make_workload(
+        conversations=3,
+        turns=4,
+        first_tokens=150,
+        message_tokens=24,
+        answer_tokens=5,
+        vocab_size=1000,
+        seed=9,
+    )
+    off = drive(build_engine(_spec(), model=model), convs)
+    eng = build_engine(_spec(), HOST, model=model)
+    on = drive(eng, convs)
+    assert _outputs(on) == _outputs(off)
+    # turn 0 misses; every later turn reuses at least the previous prompt's full pages
+    # (sliding models: down to the deepest boundary with a state, one page less at most)
+    snap = PAGE if eng.memory.rings is not None else 0
+    for conv in on:
+        assert conv[0].hit_tokens == 0
+        for prev, cur in itertools.pairwise(conv):
+            assert cur.hit_tokens >= len(prev.prompt) // PAGE * PAGE - snap
+            assert cur.hit_tokens % PAGE == 0 and cur.hit_tokens < len(cur.prompt)
+    stats = eng.cache.stats()
+    assert stats["hit_tokens_host"] == sum(r.hit_tokens for c in on for r in c)
+    assert stats["pages_loaded"] * PAGE == stats["hit_tokens_host"]
+    assert stats["requests"] == 0 and stats["host_pinned"] == 0
+    if eng.memory.rings is not None:
+        assert stats["states_stored"] > 0 and stats["hook_errors"] == 0
+
+
+def test_failed_state_load_is_recomputed_not_a_hit():
+    """A state hook that fails once: that request recomputes its prompt and still answers right."""
+    model = Transformer.random(SHAPES["qwen3"], seed=11), "t-qwen3@random-seed11"
+    convs = make_workload(
+        conversations=1,
+        turns=3,
+        first_tokens=120,
+        message_tokens=20,
+        answer_tokens=4,
+        vocab_size=1000,
+        seed=4,
+    )
+    off = drive(build_engine(_spec(), model=model), convs)
+    eng = build_engine(_spec(), HOST, model=model)
+    hooks: RingStates = eng.cache._hooks  # the engine's own hooks object, reached for the test
+    real, calls = hooks.load_state, []
+
+    def failing_once(slot, boundary, src):
+        calls.append(boundary)
+        if len(calls) == 1:
+            raise OSError("simulated failure")
+        real(slot, boundary, src)
+
+    hooks.load_state = failing_once
+    on = drive(eng, convs)
+    assert _outputs(on) == _outputs(off)
+    hits = [r.hit_tokens for r in on[0]]
+    assert hits[0] == 0 and hits[1] == 0 and hits[2] > 0 and len(calls) == 2
+    assert eng.cache.stats()["hook_errors"] == 1
+
+
+def test_named_shapes_run_with_the_cache():
+    """The replay's default path: a named shape, built by name, with the host tier."""
+    spec = _spec(model="tiny-qwen3-swa", page_tokens=32, chunk_tokens=128)
+    m = load_model(spec)
+    convs = make_workload(
+        conversations=2,
+        turns=2,
+        first_tokens=300,
+        message_tokens=40,
+        answer_tokens=3,
+        vocab_size=2048,
+        seed=2,
+    )
+    off = drive(build_engine(spec, model=m), convs)
+    on = drive(build_engine(spec, HOST, model=m), convs)
+    assert _outputs(on) == _outputs(off)
+    assert all(conv[1].hit_tokens >= 256 for conv in on)
+
+
+def _wait_for_l3(engine, timeout_s: float = 20.0) -> None:
+    """The store connects in the background, and lookups skip it until then: wait for it."""
+    if not engine.cache.wait_ready(timeout_s):
+        pytest.fail(f"the host tier or the L3 store was not ready within {timeout_s} s")
+
+
+@pytest.mark.mooncake
+@pytest.mark.skipif(
+    importlib.util.find_spec("hicache.backends.mooncake") is None,
+    reason="hicache has no Mooncake tier",
+)
+def test_second_instance_hits_through_l3(model, mooncake_master):
+    """Engine A stores through L3; engine B (its own host tier, empty) hits from L3."""
+    config = {
+        "tiers": [
+            {"type": "host", "size": "32MiB"},
+            {"type": "mooncake", **mooncake_master.tier_config},
+        ]
+    }
+    convs = make_workload(
+        conversations=2,
+        turns=2,
+        first_tokens=150,
+        message_tokens=24,
+        answer_tokens=4,
+        vocab_size=1000,
+        seed=3,
+    )
+    off = drive(build_engine(_spec(), model=model), convs)
+    a = build_engine(_spec(), config, model=model)
+    _wait_for_l3(a)
+    drive(a, [type(c)(c.cid, c.first, [], c.answer_tokens) for c in convs])
+    stored = a.cache.stats()
+    a.cache.close()
+    b = build_engine(_spec(), config, model=model)
+    _wait_for_l3(b)
+    on = drive(b, convs)
+    assert _outputs(on) == _outputs(off)
+    busy = {k: v for k, v in b.cache.stats().items() if v}
+    assert all(conv[0].l3_tokens > 0 for conv in on), f"A: {stored} B: {busy}"
