@@ -1,0 +1,94 @@
+"""The cache on a GPU: pinned host pools, copies on the engine's stream, completion by events.
+
+Run on a machine with CUDA (skipped elsewhere): ``pytest -m cuda tests/test_cache_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hicache import HiCache, Layout, PagedBuffer, load_config
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+P = 16
+
+
+def make(pool: PagedBuffer, layout: Layout) -> HiCache:
+    cfg = load_config({"tiers": [{"type": "host", "size": 64 * layout.page_size}]}, env={})
+    cache = HiCache(cfg, pool, layout=layout)
+    assert cache.wait_ready(60)
+    assert cache.host.pinned
+    return cache
+
+
+def fill(pages: PagedBuffer, blocks: list[int], seed: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for seg in pages.segments:
+        rows = torch.randint(
+            0, 256, (len(blocks), seg.shape[1]), dtype=torch.uint8, device="cuda", generator=g
+        )
+        seg[torch.tensor(blocks, device="cuda")] = rows
+
+
+def rows(pages: PagedBuffer, blocks: list[int]) -> torch.Tensor:
+    idx = torch.tensor(blocks, device="cuda")
+    return torch.cat([seg[idx] for seg in pages.segments], dim=1).cpu()
+
+
+@pytest.mark.parametrize("stream_kind", ["default", "side"])
+@pytest.mark.parametrize("shape", ["page_first", "layer_first"])
+def test_store_then_load_gives_exact_bytes_on_the_engine_stream(stream_kind, shape):
+    if shape == "page_first":
+        pool = torch.zeros(32, 2, 8, P, 128, dtype=torch.bfloat16, device="cuda")  # 64 KiB pages
+        pages = PagedBuffer.page_first(pool)
+        layout = Layout(model="m", kv_dtype="bfloat16", page_tokens=P, page_bytes=pages.page_bytes)
+    else:
+        layers = [torch.zeros(32, P, 4, 128, dtype=torch.bfloat16, device="cuda") for _ in range(6)]
+        pages = PagedBuffer.layer_first(layers)
+        layout = Layout(model="m", kv_dtype="bfloat16", page_tokens=P, segments=pages.seg_bytes)
+    cache = make(pages, layout)
+    stream = torch.cuda.current_stream() if stream_kind == "default" else torch.cuda.Stream()
+    prompt = np.arange(10 * P + 3, dtype=np.int32)
+    with torch.cuda.stream(stream):
+        fill(pages, list(range(10)), seed=1)
+        want = rows(pages, list(range(10)))
+        assert cache.store("a", prompt, list(range(10))) == 10
+        cache.release("a")
+        m = cache.match("b", prompt)
+        assert (m.hit_tokens, m.load_pages) == (10 * P, 10)
+        fill(pages, list(range(10, 20)), seed=2)  # poison the target blocks
+        done = cache.load(m, list(range(10, 20)))
+        got = rows(pages, list(range(10, 20)))  # ordered after the load on the same stream
+    stream.synchronize()
+    assert done.done()
+    assert torch.equal(got, want)
+    cache.poll()
+    s = cache.stats()
+    assert (s["host_pinned"], s["copies_in_flight"], s["pages_loaded"]) == (0, 0, 10)
+    cache.release("b")
+    cache.close()
+
+
+def test_calls_return_while_the_stream_is_busy():
+    pool = torch.zeros(64, 1 << 20, dtype=torch.uint8, device="cuda")  # 1 MiB pages
+    pages = PagedBuffer.page_first(pool)
+    layout = Layout(model="m", kv_dtype="uint8", page_tokens=P, page_bytes=1 << 20)
+    cache = make(pages, layout)
+    prompt = np.arange(32 * P + 1, dtype=np.int32)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)  # hold the stream for a while (~0.1 s)
+        cache.store("a", prompt, list(range(32)))
+        cache.poll()
+        assert cache.stats()["copies_in_flight"] == 1  # not retired: the copy has not run yet
+    stream.synchronize()
+    cache.poll()
+    assert cache.stats()["copies_in_flight"] == 0
+    cache.release("a")
+    cache.close()
