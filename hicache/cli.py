@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     plugins = _plugins()
     usage = "usage: hicache config check FILE | hicache {" + ",".join(sorted(plugins)) + "} ..."
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage + "\n\n" + (__doc__ or "").strip().splitlines()[2].strip() + "\n")
+        doc = (__doc__ or "").splitlines()
+        commands = [line.strip() for line in doc if line.startswith("    ")]
+        print(usage + "\n\n" + "\n".join(commands))
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "config":
