@@ -139,6 +139,8 @@ class L3:
         self.stats = stats
         self.clock = clock
         self.events = events
+        self._group_names = l3_key(settings.key_prefix, fingerprint, b"", self.G)
+        self._state_names = l3_key(settings.key_prefix, fingerprint, b"", None)
         self._known: OrderedDict[str, None] = OrderedDict()  # objects L3 holds (or is receiving)
         self._known_cap = 1 << 20
         self._registered: set[int] = set()
@@ -213,14 +215,19 @@ class L3:
 
     def write_behind(self, keys: list[bytes], n_pages: int, state_pages: list[int]) -> None:
         """Queue puts of the full groups of `keys[:n_pages]` (and states) L3 does not hold."""
+        groups = [
+            (g, name)
+            for g in range(n_pages // self.G)
+            if (name := self._group_key(keys, g)) not in self._known
+        ]
+        if self._put_jobs.full():  # the worker is behind: drop at once, build nothing
+            self.stats.l3_puts_dropped += len(groups)
+            return
         slots_of = self.host.page_slots.index.get
         names: list[str] = []
         buffers: list[list[Piece]] = []
         pin: list[int] = []
-        for g in range(n_pages // self.G):
-            name = self._group_key(keys, g)
-            if name in self._known:
-                continue
+        for g, name in groups:
             slots = [slots_of(k) for k in keys[g * self.G : (g + 1) * self.G]]
             if None in slots:  # a page was evicted meanwhile: this group can't be put
                 continue
@@ -229,9 +236,11 @@ class L3:
             pin.extend(slots)  # type: ignore[arg-type]
         state_pins: list[int] = []
         for pages in state_pages:
-            name = self._state_key(keys, pages)
             slot = self.host.state_slots.index.get(keys[pages - 1])
-            if name in self._known or slot is None or pages % self.G:
+            if slot is None or pages % self.G:
+                continue
+            name = self._state_key(keys, pages)
+            if name in self._known:
                 continue
             names.append(name)
             buffers.append([self._state_piece(slot)])
@@ -434,12 +443,11 @@ class L3:
         return False
 
     def _group_key(self, keys: list[bytes], group: int) -> str:
-        return l3_key(
-            self.settings.key_prefix, self.fingerprint, keys[(group + 1) * self.G - 1], self.G
-        )
+        """`l3_key` of the group (its prefix is made once: this runs for every group stored)."""
+        return self._group_names + keys[(group + 1) * self.G - 1].hex()
 
     def _state_key(self, keys: list[bytes], pages: int) -> str:
-        return l3_key(self.settings.key_prefix, self.fingerprint, keys[pages - 1], None)
+        return self._state_names + keys[pages - 1].hex()
 
     def _page_piece(self, slot: int) -> Piece:
         rows = self.host.pages.segments[0]
