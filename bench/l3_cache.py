@@ -40,7 +40,18 @@ from hicache import HiCache, PagedBuffer, load_config  # noqa: E402
 KiB, MiB = 1 << 10, 1 << 20
 
 
-def make_cache(master: MooncakeMaster, page_bytes: int, pages: int, **store) -> HiCache:
+def make_cache(master: MooncakeMaster | None, page_bytes: int, pages: int, **store) -> HiCache:
+    """A cache over a CPU pool of `pages` pages; with `master` None, the host tier alone."""
+    l3 = {
+        "type": "mooncake",
+        "master_address": master.address if master else "127.0.0.1:1",
+        "global_segment_size": 0,
+        "group_pages": 4,
+        "call_timeout_s": 2.0,
+        "breaker_reprobe_s": 0.5,
+        **store,
+    }
+    host = {"type": "host", "size": 4 * pages * page_bytes, "pin": "no"}
     cfg = load_config(
         {
             "layout": {
@@ -49,18 +60,7 @@ def make_cache(master: MooncakeMaster, page_bytes: int, pages: int, **store) -> 
                 "page_tokens": 16,
                 "page_bytes": page_bytes,
             },
-            "tiers": [
-                {"type": "host", "size": 4 * pages * page_bytes, "pin": "no"},
-                {
-                    "type": "mooncake",
-                    "master_address": master.address,
-                    "global_segment_size": 0,
-                    "group_pages": 4,
-                    "call_timeout_s": 2.0,
-                    "breaker_reprobe_s": 0.5,
-                    **store,
-                },
-            ],
+            "tiers": [host] if master is None else [host, l3],
             "policy": {"l3_max_wait_ms": 60_000, "l3_read_gbps": 100},
         },
         env={},
@@ -177,32 +177,10 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
     }
 
 
-def make_host_only(page_bytes: int, pages: int) -> HiCache:
-    cfg = load_config(
-        {
-            "layout": {
-                "model": "bench",
-                "kv_dtype": "bfloat16",
-                "page_tokens": 16,
-                "page_bytes": page_bytes,
-            },
-            "tiers": [{"type": "host", "size": 4 * pages * page_bytes, "pin": "no"}],
-        },
-        env={},
-    )
-    pool = torch.randint(0, 255, (pages, page_bytes), dtype=torch.uint8)
-    cache = HiCache(cfg, PagedBuffer.page_first(pool))
-    cache.wait_ready()
-    return cache
-
-
 def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -> dict:
     """Wall and CPU time of store, match and poll on the engine thread. `master` None: a
     host-only cache (the baseline); phase 'down' kills the master first."""
-    if master is None:
-        cache = make_host_only(4 * KiB, 64)
-    else:
-        cache = make_cache(master, 4 * KiB, 64, write_queue_depth=2)
+    cache = make_cache(master, 4 * KiB, 64, write_queue_depth=2)
     rng = np.random.default_rng(1)
     times: dict[str, list[float]] = {
         f"{c}_{k}": [] for c in ("store", "match", "poll") for k in ("wall_us", "cpu_us")

@@ -96,8 +96,9 @@ class HiCache:
         self.policy = config.policy
         self.fingerprint = fingerprint(layout)
         self.gpu = GpuTier(gpu, layout)
-        host_config = config.tier("host")
-        assert isinstance(host_config, HostTierConfig)  # guaranteed by HiCacheConfig's validator
+        host_config = config.tiers[0]  # HiCacheConfig guarantees the first tier is the host tier
+        if not isinstance(host_config, HostTierConfig):
+            raise TypeError(f"tiers[0] must be a HostTierConfig, got {type(host_config).__name__}")
         self._stats = Stats()
         self._events = events
         self.host = HostTier(host_config, layout, on_evict=self._evicted)
@@ -393,7 +394,8 @@ class HiCache:
     ) -> Lease | None:
         """Save the states at the trailing boundaries (and, with L3, the last group end)."""
         hooks, P = self._hooks, self.layout.page_tokens
-        assert hooks is not None and state_slot is not None
+        if hooks is None:
+            return None
         oldest = n_tokens - hooks.history_tokens
         boundaries = list(range(len(keys), 0, -1)[: self.policy.state_boundaries])
         if self._l3 is not None:  # L3 keeps whole groups: a state at a group end can be fetched

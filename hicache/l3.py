@@ -103,7 +103,7 @@ class _Job:
     kind: str  # "probe" | "get" | "put"
     keys: list[str]
     buffers: list[list[Piece]] = field(default_factory=list)
-    fetch: Fetch | None = None
+    fetch: Fetch = None  # type: ignore[assignment]  # probe and get jobs only
     lease: Lease | _Leases | None = None
     meta: object = None
     started: float = 0.0
@@ -288,7 +288,6 @@ class L3:
 
     def _on_probe(self, job: _Job, present: list[bool] | None) -> None:
         fetch = job.fetch
-        assert fetch is not None
         n_groups = len(fetch.keys) // self.G - fetch.first_group
         if present is None or fetch.abandoned:
             fetch.phase = "done"
@@ -350,7 +349,6 @@ class L3:
 
     def _on_get(self, job: _Job, codes: list[int] | None, outcome: object = None) -> None:
         fetch = job.fetch
-        assert fetch is not None and fetch.lease is not None
         run: int = job.meta  # type: ignore[assignment]
         ok = 0
         if codes is not None:
