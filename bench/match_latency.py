@@ -2,10 +2,12 @@
 
     python bench/match_latency.py [--tokens 131072] [--page-tokens 128] [--runs 200] [--out F]
 
-Every timed call is a new request (so the prompt is hashed), then released. Also times, in the
-same run, the straightforward design (blake2b per page in a Python loop plus a dict walk) and
-hicache's pure-Python key chain, so the ratio is measured on the same machine at the same time.
-Prints JSON.
+Every timed call is a new request, released outside the timed region. `match_*` rows run with
+the prefix memo off, so every call hashes the whole prompt; `match_next_turn_memo` runs with it on
+and a prompt that extends the previous request's by 512 tokens (a conversation's next turn), so
+only the new pages are hashed. Also times, in the same run, the straightforward design (blake2b
+per page in a Python loop plus a dict walk) and hicache's pure-Python key chain, so the ratios
+are measured on the same machine at the same time. Prints JSON.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def main() -> None:
                 "page_bytes": page_bytes,
             },
             "tiers": [{"type": "host", "size": (n_pages + 8) * page_bytes}],
+            "policy": {"prefix_memo": 0},
         },
         env={},
     )
@@ -75,6 +78,33 @@ def main() -> None:
     def release() -> None:  # outside the timed region: the next call is a new request again
         cache.release("timed")
 
+    memo_cfg = cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"prefix_memo": 256})})
+    memo_cache = HiCache(memo_cfg, PagedBuffer.page_first(pool))
+    memo_cache.wait_ready()
+    half = args.tokens // 2
+    turn: list[np.ndarray] = []
+
+    def new_conversation() -> None:  # a fresh random half-length prompt, stored (not timed)
+        first = rng.integers(0, 150_000, size=half + 1, dtype=np.int32)
+        memo_cache.store("first", first, list(range(half // P)))
+        memo_cache.release("first")
+        turn[:] = [first]
+
+    def next_turn() -> None:  # the previous prompt and 512 new tokens, stored
+        grown = np.concatenate([turn[0], rng.integers(0, 150_000, 512, dtype=np.int32)])
+        m = memo_cache.match("turn", grown)
+        if m.load_pages != len(turn[0]) // P:
+            raise SystemExit(f"expected the previous turn's pages to hit, got {m.load_pages}")
+        turn[0] = grown
+
+    def end_turn() -> None:  # not timed: store the turn, release, maybe start over
+        memo_cache.store("turn", turn[0], list(range(len(turn[0]) // P)))
+        memo_cache.release("turn")
+        if len(turn[0]) + 512 > args.tokens:
+            new_conversation()
+
+    new_conversation()
+
     seed = chain_seed(cache.fingerprint)
     pages = tokens[: n_pages * P].reshape(n_pages, P)
     index = dict.fromkeys(_page_keys_python(seed, pages), 0)
@@ -93,6 +123,7 @@ def main() -> None:
         ("match_int32_array", lambda: one(tokens), release),
         ("match_python_list", lambda: one(as_list), release),
         ("release", lambda: cache.release("timed"), lambda: one(tokens)),
+        ("match_next_turn_memo", next_turn, end_turn),
         ("hash_only_native", lambda: native.chain_keys(seed, pages), None),
         ("hash_only_python", lambda: _page_keys_python(seed, pages), None),
         ("straightforward_blake2b_loop", straightforward, None),

@@ -32,7 +32,7 @@ from hicache.config import HiCacheConfig, Layout, StoreTierConfig
 from hicache.errors import StateHookError
 from hicache.events import EventSink, emit
 from hicache.kernels import PagedBuffer
-from hicache.keys import KeyChain, as_tokens, chain_seed, fingerprint
+from hicache.keys import KeyChain, PrefixMemo, as_tokens, chain_seed, fingerprint
 from hicache.l3 import L3, L3Settings
 from hicache.request import Match, Request
 from hicache.slots import Lease
@@ -106,6 +106,8 @@ class HiCache:
         self._transfers = Transfers(self.gpu.device, stream)
         self._requests: dict[str, Request] = {}
         self._seeds: dict[bytes | str | None, bytes] = {}
+        memo = self.policy.prefix_memo
+        self._memo = PrefixMemo(layout.page_tokens, memo) if memo else None
         self._host_pages: PagedBuffer | None = None
         self._l3 = self._build_l3(config)
         self.metrics_server = None
@@ -246,7 +248,7 @@ class HiCache:
                 req.chain.extend(tokens)
                 return req
             req.drop_pins()
-        req = Request(KeyChain(seed, self.layout.page_tokens, tokens))
+        req = Request(KeyChain(seed, self.layout.page_tokens, tokens, self._memo))
         self._requests[request_id] = req
         return req
 
@@ -461,6 +463,8 @@ class HiCache:
         if req is None:
             return
         req.drop_pins()
+        if self._memo is not None:
+            self._memo.remember(req.chain)
         if req.fetch is not None and self._l3 is not None:
             self._l3.forget(req.fetch)
 

@@ -152,6 +152,9 @@ class Policy(_Strict):
     is cheaper than recomputing (1.2 is loopback TCP on a 2-core VM; RDMA is far higher)."""
     prefill_tokens_per_s: float = Field(default=20000.0, gt=0)
     """The engine's prefill throughput, for the same decision."""
+    prefix_memo: int = Field(default=256, ge=0)
+    """Finished sequences whose tokens and keys are kept so that a prompt that starts like one of
+    them is hashed only past the shared part (0: hash every prompt in full)."""
 
 
 class MetricsConfig(_Strict):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -126,16 +127,23 @@ def _page_keys_python(seed: bytes, pages: np.ndarray) -> list[bytes]:
 class KeyChain:
     """The tokens of one sequence and the keys of its full pages.
 
-    A prompt is hashed once; `extend` hashes only the new full pages, from the last key.
+    A prompt is hashed once; `extend` hashes only the new full pages, from the last key. With a
+    `PrefixMemo`, the pages it shares with a recent sequence are not hashed at all.
     """
 
     __slots__ = ("keys", "page_tokens", "seed", "tokens")
 
-    def __init__(self, seed: bytes, page_tokens: int, tokens: np.ndarray) -> None:
+    def __init__(
+        self, seed: bytes, page_tokens: int, tokens: np.ndarray, memo: PrefixMemo | None = None
+    ) -> None:
         self.seed = seed
         self.page_tokens = page_tokens
         self.tokens = tokens
-        self.keys: list[bytes] = page_keys(seed, tokens, page_tokens)
+        known = memo.shared_keys(seed, tokens) if memo is not None else []
+        prev = known[-1] if known else seed
+        self.keys: list[bytes] = known + page_keys(
+            prev, tokens[len(known) * page_tokens :], page_tokens
+        )
 
     def extend(self, tokens: np.ndarray) -> None:
         """Grow to `tokens`, which must start with the tokens held now."""
@@ -148,6 +156,81 @@ class KeyChain:
         done = len(self.keys) * self.page_tokens
         prev = self.keys[-1] if self.keys else self.seed
         self.keys.extend(page_keys(prev, tokens[done:], self.page_tokens))
+
+
+class PrefixMemo:
+    """Recent sequences' tokens and keys, so that a prompt is hashed only past what it shares.
+
+    In a conversation or an agent loop each prompt starts with the previous one; hashing that
+    start again costs most of `match`. The memo keeps the last `max_sequences` sequences, grouped
+    by their seed and first page. A new prompt is compared token by token (numpy, ~20 times
+    faster than hashing) with those that begin like it, and the keys of the longest shared run of
+    full pages are reused. Reused keys are exactly what hashing would give: tokens are compared,
+    never keys. Engine thread only.
+    """
+
+    def __init__(self, page_tokens: int, max_sequences: int = 256, per_head: int = 4) -> None:
+        self.page_tokens = page_tokens
+        self.max_sequences = max_sequences
+        self.per_head = per_head
+        self._heads: OrderedDict[bytes, list[KeyChain]] = OrderedDict()
+        self._count = 0
+        self.reused_pages = 0
+
+    def _head(self, seed: bytes, tokens: np.ndarray) -> bytes | None:
+        if tokens.shape[0] < self.page_tokens:
+            return None
+        return seed + tokens[: self.page_tokens].tobytes()
+
+    def shared_keys(self, seed: bytes, tokens: np.ndarray) -> list[bytes]:
+        """Keys of the longest run of leading full pages `tokens` shares with a remembered one."""
+        head = self._head(seed, tokens)
+        chains = self._heads.get(head) if head is not None else None
+        if not chains:
+            return []
+        self._heads.move_to_end(head)  # type: ignore[arg-type]
+        limit = tokens.shape[0] // self.page_tokens
+        best: list[bytes] = []
+        for chain in chains:  # most recent first
+            pages = min(len(chain.keys), limit)
+            if pages <= len(best):
+                continue
+            n = pages * self.page_tokens
+            if np.array_equal(chain.tokens[:n], tokens[:n]):  # the usual case: a next turn
+                same = pages
+            else:
+                same = int((chain.tokens[:n] != tokens[:n]).argmax()) // self.page_tokens
+            if same > len(best):
+                best = chain.keys[:same]
+                if same == limit:
+                    break
+        self.reused_pages += len(best)
+        return best
+
+    def remember(self, chain: KeyChain) -> None:
+        """Keep `chain` (a finished request's) for later prompts; the oldest go first."""
+        head = self._head(chain.seed, chain.tokens)
+        if head is None or not chain.keys:
+            return
+        chains = self._heads.setdefault(head, [])
+        self._heads.move_to_end(head)
+        mine = chain.tokens
+        for i, old in enumerate(chains):
+            theirs = old.tokens
+            if theirs.shape[0] >= mine.shape[0] and np.array_equal(theirs[: mine.shape[0]], mine):
+                return  # a remembered sequence already covers this one
+            if np.array_equal(theirs, mine[: theirs.shape[0]]):  # this one extends it: replace
+                del chains[i]
+                self._count -= 1
+                break
+        chains.insert(0, chain)
+        self._count += 1
+        if len(chains) > self.per_head:
+            chains.pop()
+            self._count -= 1
+        while self._count > self.max_sequences:
+            _, dropped = self._heads.popitem(last=False)
+            self._count -= len(dropped)
 
 
 def l3_key(prefix: str, fingerprint_: bytes, key: bytes, group: int | None) -> str:

@@ -119,3 +119,44 @@ def test_l3_key_format():
     key = page_keys(SEED, TOKENS, 4)[3]
     assert l3_key("hicache", fp, key, 4) == f"hicache/{fp.hex()}/g4/{key.hex()}"
     assert l3_key("hicache", fp, key, None) == f"hicache/{fp.hex()}/s/{key.hex()}"
+
+
+def test_prefix_memo_reuses_exactly_the_keys_hashing_gives(monkeypatch):
+    from hicache.keys import PrefixMemo
+
+    memo = PrefixMemo(page_tokens=4)
+    rng = np.random.default_rng(5)
+    base = rng.integers(0, 1000, 40, dtype=np.int32)  # 10 pages
+    memo.remember(KeyChain(SEED, 4, base, memo))
+    hashed = []
+    real = native.chain_keys
+    monkeypatch.setattr(native, "chain_keys", lambda s, p: hashed.append(p.shape[0]) or real(s, p))
+    longer = np.concatenate([base, rng.integers(0, 1000, 9, dtype=np.int32)])
+    chain = KeyChain(SEED, 4, longer, memo)
+    assert chain.keys == _page_keys_python(SEED, longer[:48].reshape(12, 4))
+    assert hashed == [2]  # only the two new pages
+    diverged = base.copy()
+    diverged[22] += 1  # inside page 5: pages 0..4 are shared
+    hashed.clear()
+    assert KeyChain(SEED, 4, diverged, memo).keys == page_keys(SEED, diverged, 4)
+    assert hashed == [5, 10]  # 5 pages from the divergence on; then the check hashes all 10
+    other_tenant = chain_seed(fingerprint(LAYOUT), "t")
+    hashed.clear()
+    KeyChain(other_tenant, 4, longer, memo)
+    assert hashed == [12]  # another namespace never reuses keys
+    assert memo.reused_pages == 10 + 5
+
+
+def test_prefix_memo_is_bounded():
+    from hicache.keys import PrefixMemo
+
+    memo = PrefixMemo(page_tokens=4, max_sequences=3, per_head=2)
+    for i in range(10):
+        memo.remember(KeyChain(SEED, 4, np.arange(i, i + 8, dtype=np.int32)))
+    assert sum(len(c) for c in memo._heads.values()) == 3
+    same_head = [
+        np.concatenate([np.arange(4, dtype=np.int32), np.full(4, i, np.int32)]) for i in range(5)
+    ]
+    for t in same_head:
+        memo.remember(KeyChain(SEED, 4, t))
+    assert len(memo._heads[SEED + same_head[0][:4].tobytes()]) == 2
