@@ -6,7 +6,6 @@ is smaller than the prompts, so every hit also needs a state).
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 
 import pytest
@@ -155,10 +154,6 @@ def _wait_for_l3(engine, timeout_s: float = 20.0) -> None:
 
 
 @pytest.mark.mooncake
-@pytest.mark.skipif(
-    importlib.util.find_spec("hicache.backends.mooncake") is None,
-    reason="hicache has no Mooncake tier",
-)
 def test_second_instance_hits_through_l3(model, mooncake_master):
     """Engine A stores through L3; engine B (its own host tier, empty) hits from L3."""
     config = {
