@@ -143,7 +143,7 @@ class L3:
         self._state_names = l3_key(settings.key_prefix, fingerprint, b"", None)
         self._known: OrderedDict[str, None] = OrderedDict()  # objects L3 holds (or is receiving)
         self._known_cap = 1 << 20
-        self._registered: set[int] = set()
+        self._registered = threading.Event()
         self._results: deque[tuple[_Job, object]] = deque()
         self._parked: list[tuple[threading.Event, Fetch | _Job]] = []  # timed-out transfers
         self.jobs_in_flight = 0
@@ -164,12 +164,13 @@ class L3:
         store.start()
         for t in self._threads:
             t.start()
+        threading.Thread(target=self._register, daemon=True, name="hicache-l3-register").start()
 
     # -- engine thread: fetch ---------------------------------------------------------------------
 
     def usable(self) -> bool:
-        """Whether a new fetch is worth starting now (the store is available)."""
-        return self.store.available
+        """Whether L3 can be used now: the host pools are registered and the store answers."""
+        return self._registered.is_set() and self.store.available
 
     def start_fetch(self, keys: list[bytes], host_pages: int, max_pages: int) -> Fetch | None:
         """Begin a fetch of the groups after `host_pages`, up to `max_pages` pages in all.
@@ -220,7 +221,7 @@ class L3:
             for g in range(n_pages // self.G)
             if (name := self._group_key(keys, g)) not in self._known
         ]
-        if self._put_jobs.full():  # the worker is behind: drop at once, build nothing
+        if self._put_jobs.full() or not self._registered.is_set():  # drop at once, build nothing
             self.stats.l3_puts_dropped += len(groups)
             return
         slots_of = self.host.page_slots.index.get
@@ -247,7 +248,6 @@ class L3:
             state_pins.append(slot)
         if not names:
             return
-        self._register()
         lease = _Leases(self.host.page_slots.lease(pin), self.host.state_slots.lease(state_pins))
         job = _Job("put", names, buffers, lease=lease, started=self.clock())
         try:
@@ -324,7 +324,6 @@ class L3:
             fetch.phase = "done"
             self.stats.l3_no_space += 1
             return
-        self._register()
         names = [self._group_key(fetch.keys, fetch.first_group + g) for g in range(run)]
         buffers = [
             [self._page_piece(s) for s in lease.slots[g * self.G : (g + 1) * self.G]]
@@ -456,10 +455,17 @@ class L3:
         return row.data_ptr(), row.numel()
 
     def _register(self) -> None:
-        for tensor in self.host.memory():
-            if tensor.data_ptr() not in self._registered:
+        """Register the host pools with the store, off the engine thread (registering tens of
+        GiB for RDMA takes seconds). L3 is not used until this is done."""
+        if not self.host.wait_ready():
+            return
+        try:
+            for tensor in self.host.memory():
                 self.store.register(tensor)
-                self._registered.add(tensor.data_ptr())
+        except Exception as err:  # L3 stays unused; the engine goes on with the host tier
+            log.error("hicache: registering the host pools with the store failed: %r", err)
+            return
+        self._registered.set()
 
     def _remember(self, name: str) -> None:
         self._known[name] = None
