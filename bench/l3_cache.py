@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -38,6 +39,9 @@ from mooncake_master import MooncakeMaster, _SegmentHolder  # noqa: E402
 from hicache import HiCache, PagedBuffer, load_config  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
+DEVICE = "cpu"  # --device cuda puts the engine's pool on the GPU (copies: the CUDA paths)
+CUDA = False
+ENGINE_PAGE = 4 * KiB  # page size of the engine-thread timings (64 KiB on CUDA: copy engines)
 
 
 def make_cache(master: MooncakeMaster | None, page_bytes: int, pages: int, **store) -> HiCache:
@@ -51,7 +55,7 @@ def make_cache(master: MooncakeMaster | None, page_bytes: int, pages: int, **sto
         "breaker_reprobe_s": 0.5,
         **store,
     }
-    host = {"type": "host", "size": 4 * pages * page_bytes, "pin": "no"}
+    host = {"type": "host", "size": 4 * pages * page_bytes, "pin": "yes" if CUDA else "no"}
     cfg = load_config(
         {
             "layout": {
@@ -65,7 +69,7 @@ def make_cache(master: MooncakeMaster | None, page_bytes: int, pages: int, **sto
         },
         env={},
     )
-    pool = torch.randint(0, 255, (pages, page_bytes), dtype=torch.uint8)
+    pool = torch.randint(0, 255, (pages, page_bytes), dtype=torch.uint8, device=DEVICE)
     cache = HiCache(cfg, PagedBuffer.page_first(pool))
     if not cache.wait_ready(20):
         raise SystemExit("the host tier or the store did not become ready")
@@ -73,7 +77,7 @@ def make_cache(master: MooncakeMaster | None, page_bytes: int, pages: int, **sto
 
 
 def until_idle(cache: HiCache) -> None:
-    while not cache.l3_idle:
+    while not cache.l3_idle or cache.stats()["copies_in_flight"]:
         cache.poll()
         time.sleep(0.0005)
 
@@ -180,7 +184,7 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
 def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -> dict:
     """Wall and CPU time of store, match and poll on the engine thread. `master` None: a
     host-only cache (the baseline); phase 'down' kills the master first."""
-    cache = make_cache(master, 4 * KiB, 64, write_queue_depth=2)
+    cache = make_cache(master, ENGINE_PAGE, 64, write_queue_depth=2)
     rng = np.random.default_rng(1)
     times: dict[str, list[float]] = {
         f"{c}_{k}": [] for c in ("store", "match", "poll") for k in ("wall_us", "cpu_us")
@@ -231,8 +235,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda for a GPU pool")
     ap.add_argument("--out")
     args = ap.parse_args()
+    global DEVICE, CUDA, ENGINE_PAGE
+    DEVICE, CUDA = args.device, args.device.startswith("cuda")
+    if CUDA:
+        torch.cuda.set_stream(torch.cuda.Stream())  # an engine's own stream
+        ENGINE_PAGE = 64 * KiB
     master = MooncakeMaster().start()
     holder = _SegmentHolder(master.address, 3 << 30)
     try:
@@ -245,8 +255,10 @@ def main() -> None:
         master.stop()
     result = {
         "bench": "l3_cache",
-        "machine": f"2-core CPU VM ({platform.machine()}), loopback TCP, Mooncake 0.3.13.post1",
-        "command": "python bench/l3_cache.py --out bench/results/l3_cache_loopback.json",
+        "machine": f"{os.cpu_count()} CPUs ({platform.machine()})"
+        + (f", {torch.cuda.get_device_name()}" if CUDA else ", no GPU")
+        + ", loopback TCP, Mooncake 0.3.13.post1",
+        "command": "python " + " ".join(sys.argv),
         "throughput": flow,
         "engine_thread_host_only_baseline": baseline,
         "engine_thread_store_saturated": saturated,
