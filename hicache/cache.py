@@ -295,9 +295,7 @@ class HiCache:
             if state is not None:
                 self._call_hook("load_state", state_slot, match.hit_tokens, state.slots[0])
             src = self._host_view()
-            self._transfers.copy(
-                src, torch.tensor(pages.slots, dtype=torch.int32), self.gpu.pages, ids
-            )
+            self._transfers.copy(src, _int32(pages.slots), self.gpu.pages, ids)
         except BaseException:
             _release(leases)
             raise
@@ -379,10 +377,8 @@ class HiCache:
             return None
         try:
             dst = self._host_view()
-            src_ids = ids[torch.tensor(missing, dtype=torch.int64)]
-            self._transfers.copy(
-                self.gpu.pages, src_ids, dst, torch.tensor(lease.slots, dtype=torch.int32)
-            )
+            src_ids = ids[_int32(missing).long()]
+            self._transfers.copy(self.gpu.pages, src_ids, dst, _int32(lease.slots))
         except BaseException:
             lease.release()
             raise
@@ -517,6 +513,10 @@ class HiCache:
         if self.metrics_server is not None:
             self.metrics_server.close()
         self.host.close()
+
+
+def _int32(values: list[int]) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(values, dtype=np.int32))
 
 
 def _release(leases: list[Lease]) -> None:

@@ -7,6 +7,7 @@ blocks the engine names.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hicache.backends.base import PoolTier
@@ -44,19 +45,23 @@ class GpuTier(PoolTier):
 
     def block_ids(self, block_ids: object, needed: int, what: str) -> torch.Tensor:
         """The first `needed` of `block_ids` as int32 CPU tensor; ValueError naming any problem."""
-        if isinstance(block_ids, torch.Tensor) and block_ids.device.type != "cpu":
-            raise ValueError(f"{what}: block_ids must be on the CPU, got {block_ids.device}")
-        ids = torch.as_tensor(block_ids, dtype=torch.int64)
-        if ids.dim() != 1:
-            raise ValueError(f"{what}: block_ids must be 1-D, got shape {tuple(ids.shape)}")
-        if ids.numel() < needed:
-            raise ValueError(f"{what} needs {needed} block ids, got {ids.numel()}")
+        if isinstance(block_ids, torch.Tensor):
+            if block_ids.device.type != "cpu":
+                raise ValueError(f"{what}: block_ids must be on the CPU, got {block_ids.device}")
+            block_ids = block_ids.numpy()
+        ids = np.asarray(block_ids)  # numpy: cheaper than torch for the few ids of one request
+        if ids.ndim != 1:
+            raise ValueError(f"{what}: block_ids must be 1-D, got shape {ids.shape}")
+        if ids.shape[0] < needed:
+            raise ValueError(f"{what} needs {needed} block ids, got {ids.shape[0]}")
+        if needed and ids.dtype.kind not in "iu":
+            raise ValueError(f"{what}: block ids must be integers, got dtype {ids.dtype}")
         ids = ids[:needed]
         if needed and (int(ids.min()) < 0 or int(ids.max()) >= self._pages.num_pages):
             raise ValueError(
                 f"{what}: block id outside the engine's pool of {self._pages.num_pages} blocks"
             )
-        return ids.to(torch.int32)
+        return torch.from_numpy(ids.astype(np.int32))
 
 
 def _short(sizes: tuple[int, ...]) -> str:
