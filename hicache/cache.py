@@ -295,7 +295,8 @@ class HiCache:
             if state is not None:
                 self._call_hook("load_state", state_slot, match.hit_tokens, state.slots[0])
             src = self._host_view()
-            self._transfers.copy(src, _int32(pages.slots), self.gpu.pages, ids)
+            latency = self._stats.latency["hicache_load_copy_seconds"]
+            self._transfers.copy(src, _int32(pages.slots), self.gpu.pages, ids, latency)
         except BaseException:
             _release(leases)
             raise
@@ -378,7 +379,8 @@ class HiCache:
         try:
             dst = self._host_view()
             src_ids = ids[_int32(missing).long()]
-            self._transfers.copy(self.gpu.pages, src_ids, dst, _int32(lease.slots))
+            latency = self._stats.latency["hicache_store_copy_seconds"]
+            self._transfers.copy(self.gpu.pages, src_ids, dst, _int32(lease.slots), latency)
         except BaseException:
             lease.release()
             raise

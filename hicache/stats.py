@@ -43,6 +43,12 @@ class Histogram:
 def _histograms() -> dict[str, Histogram]:
     return {
         "hicache_match_seconds": Histogram("Engine-thread time of match, hashing included."),
+        "hicache_load_copy_seconds": Histogram(
+            "Time of one load's page copy host -> GPU (device time on CUDA)."
+        ),
+        "hicache_store_copy_seconds": Histogram(
+            "Time of one store's page copy GPU -> host (device time on CUDA)."
+        ),
         "hicache_l3_exists_seconds": Histogram("Time of one batched L3 exists (worker thread)."),
         "hicache_l3_get_seconds": Histogram("Time of one batched L3 get (worker thread)."),
         "hicache_l3_put_seconds": Histogram("Time of one batched L3 put (worker thread)."),

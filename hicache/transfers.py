@@ -11,36 +11,44 @@ stored bytes, and the engine's kernels enqueued after a load see the loaded page
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 
 import torch
 
 from hicache.kernels import PagedBuffer, copy_pages
+from hicache.stats import Histogram
 
 
 class Completion:
     """Tells whether the copies behind it have finished. Never blocks."""
 
-    __slots__ = ("_event",)
+    __slots__ = ("event",)
 
     def __init__(self, event: torch.cuda.Event | None) -> None:
-        self._event = event
+        self.event = event
 
     def done(self) -> bool:
-        return self._event is None or self._event.query()
+        return self.event is None or self.event.query()
 
 
 DONE = Completion(None)
 
 
 class Transfers:
-    """Enqueues copies and runs callbacks, in order, once the copies before them are done."""
+    """Enqueues copies and runs callbacks, in order, once the copies before them are done.
+
+    Each copy's duration goes into the histogram given with it: on the CPU the time of the
+    copy itself; on CUDA the device time between events recorded around it, read in `poll`
+    once the copy has completed (so reading it never waits).
+    """
 
     def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
         self.device = device
         self._stream = stream
-        self._waiting: deque[tuple[Completion, Callable[[], None]]] = deque()
+        self._waiting: deque[tuple[Completion, Callable[[], None], _Timing | None]] = deque()
+        self._timing: _Timing | None = None  # the copy enqueued since the last `then`
 
     @property
     def on_cuda(self) -> bool:
@@ -53,26 +61,48 @@ class Transfers:
         return self._stream or torch.cuda.current_stream(self.device)
 
     def copy(
-        self, src: PagedBuffer, src_ids: torch.Tensor, dst: PagedBuffer, dst_ids: torch.Tensor
+        self,
+        src: PagedBuffer,
+        src_ids: torch.Tensor,
+        dst: PagedBuffer,
+        dst_ids: torch.Tensor,
+        latency: Histogram | None = None,
     ) -> None:
-        copy_pages(src, src_ids, dst, dst_ids, stream=self.stream())
+        if not self.on_cuda:
+            started = time.perf_counter()
+            copy_pages(src, src_ids, dst, dst_ids)
+            if latency is not None:
+                latency.observe(time.perf_counter() - started)
+            return
+        stream = self.stream()
+        start = None
+        if latency is not None:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+        copy_pages(src, src_ids, dst, dst_ids, stream=stream)
+        if start is not None:
+            self._timing = (latency, start)
 
     def then(self, callback: Callable[[], None]) -> Completion:
         """Run `callback` from `poll` once everything enqueued so far has completed."""
         if not self.on_cuda:
             callback()
             return DONE
-        event = torch.cuda.Event()
+        timing, self._timing = self._timing, None
+        event = torch.cuda.Event(enable_timing=timing is not None)
         event.record(self.stream())
         done = Completion(event)
-        self._waiting.append((done, callback))
+        self._waiting.append((done, callback, timing))
         return done
 
     def poll(self) -> int:
         """Run the callbacks of finished copies, oldest first. Returns how many ran."""
         ran = 0
         while self._waiting and self._waiting[0][0].done():
-            _, callback = self._waiting.popleft()
+            done, callback, timing = self._waiting.popleft()
+            if timing is not None:
+                latency, start = timing
+                latency.observe(start.elapsed_time(done.event) / 1e3)  # both events completed
             callback()
             ran += 1
         return ran
@@ -80,3 +110,6 @@ class Transfers:
     @property
     def in_flight(self) -> int:
         return len(self._waiting)
+
+
+_Timing = tuple[Histogram, torch.cuda.Event]

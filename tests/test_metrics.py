@@ -155,6 +155,9 @@ def test_the_cache_exports_latency_histograms_after_a_scenario():
     assert registry.get_sample_value("hicache_match_seconds_bucket", {"le": "+Inf"}) == 2
     assert registry.get_sample_value("hicache_match_seconds_sum") > 0
     assert registry.get_sample_value("hicache_l3_get_seconds_count") == 0
+    # a stored the prompt's pages in one copy; b loaded them in one and had nothing to store
+    assert registry.get_sample_value("hicache_store_copy_seconds_count") == 1
+    assert registry.get_sample_value("hicache_load_copy_seconds_count") == 1
 
 
 def test_the_config_can_turn_the_endpoint_on():
