@@ -31,7 +31,7 @@ from hicache.backends.registry import tier_class
 from hicache.config import HiCacheConfig, Layout, StoreTierConfig
 from hicache.errors import StateHookError
 from hicache.events import EventSink, emit
-from hicache.kernels import PagedBuffer
+from hicache.kernels import PagedBuffer, prepare
 from hicache.keys import KeyChain, PrefixMemo, as_tokens, chain_seed, fingerprint
 from hicache.l3 import L3, L3Settings
 from hicache.request import Match, Request
@@ -69,6 +69,9 @@ class HiCache:
     engine's state hooks, required when the layout has state_bytes; `stream` is the CUDA stream
     of the engine's model kernels (default: the current stream at each call); `events` receives
     a `KVEvent` whenever a tier stores or removes pages (see `hicache.events`).
+
+    On CUDA the constructor builds (the first time on a machine, about 20 s, then cached) and
+    loads the page-copy extension, so that no copy on the engine thread pays for it.
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class HiCache:
         self._events = events
         self.host = HostTier(host_config, layout, on_evict=self._evicted)
         self._hooks = states if layout.state_bytes else None
+        prepare(self.gpu.device)  # on CUDA: build/load the copy extension now, not at a copy
         self._transfers = Transfers(self.gpu.device, stream)
         self._requests: dict[str, Request] = {}
         self._seeds: dict[bytes | str | None, bytes] = {}

@@ -13,7 +13,17 @@ import torch
 from hicache.kernels.buffer import ALIGNMENT, PagedBuffer
 from hicache.kernels.cpu import copy_pages_cpu
 
-__all__ = ["ALIGNMENT", "PagedBuffer", "copy_pages"]
+__all__ = ["ALIGNMENT", "PagedBuffer", "copy_pages", "prepare"]
+
+
+def prepare(device: torch.device) -> None:
+    """Make the copies to and from `device` ready: on CUDA, build (the first time on a machine,
+    about 20 s, then cached on disk) and load the extension. Call it at start-up, so that no
+    copy on the engine thread pays for it; on the CPU it does nothing."""
+    if device.type == "cuda":
+        from hicache.kernels.cuda import load_extension
+
+        load_extension()
 
 
 def copy_pages(
