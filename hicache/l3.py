@@ -61,7 +61,7 @@ class L3Settings:
 
 @dataclass
 class Fetch:
-    """One request's look-ahead from L3. Engine thread only, except `phase` reads."""
+    """One request's look-ahead from L3. Engine thread only."""
 
     first_group: int
     keys: list[bytes]
@@ -105,7 +105,8 @@ class _Job:
     buffers: list[list[Piece]] = field(default_factory=list)
     fetch: Fetch = None  # type: ignore[assignment]  # probe and get jobs only
     lease: Lease | _Leases | None = None
-    meta: object = None
+    groups: int = 0
+    """For a get: how many page groups it reads (a state, if any, comes after them)."""
     started: float = 0.0
     finished: float = 0.0
 
@@ -335,7 +336,7 @@ class L3:
         fetch.lease, fetch.state_lease, fetch.phase = lease, state_lease, "get"
         self._submit(
             self._fetch_jobs,
-            _Job("get", names, buffers, fetch=fetch, meta=run, started=self.clock()),
+            _Job("get", names, buffers, fetch=fetch, groups=run, started=self.clock()),
         )
 
     def _release(self, holder: Fetch | _Job, outcome: object) -> None:
@@ -348,7 +349,7 @@ class L3:
 
     def _on_get(self, job: _Job, codes: list[int] | None, outcome: object = None) -> None:
         fetch = job.fetch
-        run: int = job.meta  # type: ignore[assignment]
+        run = job.groups
         ok = 0
         if codes is not None:
             while ok < run and codes[ok] >= 0:
