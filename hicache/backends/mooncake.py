@@ -19,7 +19,7 @@ What happens when things fail (the contract the L3 worker relies on):
 - A `StoreTimeout` from `get_into`/`put_from` may leave Mooncake still reading or writing the
   caller's buffers: the caller must keep them pinned until ``err.finished`` (an Event) is set.
   Mooncake itself ends such a call within its own bounds (about 4.3 s when the master's port
-  refuses connections, ``MC_RPC_TIMEOUT_MS`` when the master stalls; see docs/mooncake.md).
+  refuses connections, ``MC_RPC_TIMEOUT_MS`` when the master stalls; see the README).
 - A master restarted on the same address is found again by Mooncake's own client (it remounts
   this client's segment); the objects the old master knew are gone.
 

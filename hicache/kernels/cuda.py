@@ -13,7 +13,7 @@ pinned host buffer, or between two CUDA buffers of one device, enqueued on the c
   non-blocking copy on the same stream (torch's pinned allocator keeps the host block until
   that copy has run; the device block belongs to the stream).
 
-`choose_path` says which one ``"auto"`` takes, and why; docs/kernels.md has the measurements.
+`choose_path` says which one ``"auto"`` takes, and why; the README has the measurements.
 Nothing here synchronizes the device.
 """
 
@@ -44,7 +44,7 @@ KERNEL_MAX_BLOCKS = 8
 #: Bytes of one work item of the kernel (one warp copies one chunk of one row at a time).
 KERNEL_CHUNK_BYTES = 16 * 1024
 #: "auto" takes the copy engines when every row (one segment of one page) has at least this
-#: many bytes, the kernel otherwise. Measured on an H200, see docs/kernels.md.
+#: many bytes, the kernel otherwise. Measured on an H200, see the README.
 COPY_ENGINE_MIN_ROW_BYTES = 64 * 1024
 #: Rows per cudaMemcpyBatchAsync call: the engines start while later rows are being enqueued.
 COPY_ENGINE_ROWS_PER_CALL = 2048

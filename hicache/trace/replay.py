@@ -188,7 +188,7 @@ def replay(
     sweep_hicache: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
-    """The whole report as a JSON-ready dict (see docs/trace.md for the fields)."""
+    """The whole report as a JSON-ready dict (the README on `hicache trace` lists the fields)."""
     P, floor = setup.page_tokens, setup.min_recompute_tokens
     run = run_hicache(workload, setup, host_pages, progress)
     lru = workload.simulate(LruSim(host_pages, P, floor))
