@@ -1,9 +1,12 @@
 """Page keys, the layout fingerprint and the L3 key format.
 
-A page key names a whole prefix: ``key[i] = H(key[i-1] || tokens of page i)`` with ``key[-1] =
-H(namespace)``, H being SHA-256 truncated to 16 bytes and tokens hashed as int32 little-endian.
-Keys are the same in every process and on every machine (no Python ``hash()``), so instances
-share pages; a cryptographic H means nobody can craft a prompt whose key collides with another's.
+A page key names a whole prefix: ``key[i] = SHA-256(key[i-1] || SHA-256(page i))[:16]`` with
+``key[-1] = SHA-256(namespace)[:16]``, a page being its tokens as int32 little-endian. The page
+digests do not depend on each other, so on CPUs with the SHA extensions the compiled chain
+hashes pages two at a time and only the one-block step over ``key[i-1] || digest`` (48 bytes)
+is sequential. Keys are the same in every process and on every machine (no Python ``hash()``),
+so instances share pages; a cryptographic hash means nobody can craft a prompt whose key
+collides with another's.
 
 The namespace is the layout fingerprint plus an optional tenant salt: two engines share pages
 only where every byte-relevant property of their layouts is equal and they use the same salt.
@@ -26,7 +29,8 @@ FORMAT_VERSION = 1
 """hicache's own format version: bump it when the bytes of a page or a state change meaning."""
 
 KEY_BYTES = 16
-HASH_NAME = "sha256-16"
+HASH_NAME = "sha256-16/page-sha256"
+"""The key formula's name; it is in the fingerprint, so keys of another formula never mix."""
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
@@ -113,13 +117,13 @@ def page_keys(seed: bytes, tokens: np.ndarray, page_tokens: int) -> list[bytes]:
 
 
 def _page_keys_python(seed: bytes, pages: np.ndarray) -> list[bytes]:
+    """`page_keys` without the compiled chain: the same bytes, from hashlib."""
     keys, prev = [], seed
     data = memoryview(pages.tobytes())
     size = pages.shape[1] * 4
+    sha256 = hashlib.sha256
     for i in range(pages.shape[0]):
-        h = hashlib.sha256(prev)
-        h.update(data[i * size : (i + 1) * size])
-        prev = h.digest()[:KEY_BYTES]
+        prev = sha256(prev + sha256(data[i * size : (i + 1) * size]).digest()).digest()[:KEY_BYTES]
         keys.append(prev)
     return keys
 
@@ -196,10 +200,7 @@ class PrefixMemo:
             if pages <= len(best):
                 continue
             n = pages * self.page_tokens
-            if np.array_equal(chain.tokens[:n], tokens[:n]):  # the usual case: a next turn
-                same = pages
-            else:
-                same = int((chain.tokens[:n] != tokens[:n]).argmax()) // self.page_tokens
+            same = native.common_tokens(chain.tokens[:n], tokens[:n]) // self.page_tokens
             if same > len(best):
                 best = chain.keys[:same]
                 if same == limit:
@@ -217,9 +218,10 @@ class PrefixMemo:
         mine = chain.tokens
         for i, old in enumerate(chains):
             theirs = old.tokens
-            if theirs.shape[0] >= mine.shape[0] and np.array_equal(theirs[: mine.shape[0]], mine):
+            same = native.common_tokens(theirs, mine)
+            if same == mine.shape[0]:
                 return  # a remembered sequence already covers this one
-            if np.array_equal(theirs, mine[: theirs.shape[0]]):  # this one extends it: replace
+            if same == theirs.shape[0]:  # this one extends it: replace
                 del chains[i]
                 self._count -= 1
                 break

@@ -10,22 +10,22 @@ Invariants (checked by `check`):
 - every published slot is in the LRU list (oldest first); eviction passes over pinned ones;
 - the index maps each published key to its slot and nothing else.
 
-The pool is not thread-safe: only the engine thread calls it. Bulk operations run through C-level
-`map` calls and numpy so that a lookup of a thousand keys costs tens of microseconds.
+The pool is not thread-safe: only the engine thread calls it. Keys are looked up, added and removed
+in batches through `KeyIndex` (compiled where a C compiler is present), pins through numpy, so
+that a lookup of a thousand keys costs tens of microseconds.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
-from functools import partial
-from itertools import takewhile
-from operator import is_not
+from collections.abc import Callable, Sequence
+from itertools import compress, islice
 
 import numpy as np
 
+from hicache.native.index import key_index
+
 EvictHook = Callable[[list[bytes]], None]
-_not_none = partial(is_not, None)
 
 
 class Lease:
@@ -58,7 +58,7 @@ class SlotPool:
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
-        self.index: dict[bytes, int] = {}
+        self._index = key_index(capacity)
         self._key: list[bytes | None] = [None] * capacity
         self._refs = np.zeros(capacity, dtype=np.int32)
         self._published = np.zeros(capacity, dtype=bool)
@@ -71,15 +71,18 @@ class SlotPool:
 
     def lookup(self, keys: Sequence[bytes]) -> list[int | None]:
         """The slot of each key, or None."""
-        return list(map(self.index.get, keys))
+        return self._index.lookup(keys)
 
     def prefix(self, keys: Sequence[bytes]) -> list[int]:
-        """Slots of the longest leading run of `keys` that this pool holds."""
-        # stops at the first miss, at C speed: keys after it are never looked up
-        return list(takewhile(_not_none, map(self.index.get, keys)))  # type: ignore[arg-type]
+        """Slots of the longest leading run of `keys` that this pool holds (keys after the first
+        miss are never looked up)."""
+        return self._index.prefix(keys)
+
+    def slot_of(self, key: bytes) -> int | None:
+        return self._index.get(key)
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self.index
+        return key in self._index
 
     def key_of(self, slot: int) -> bytes | None:
         return self._key[slot]
@@ -118,46 +121,65 @@ class SlotPool:
         The slots hold no key until `publish`; a lease released before that returns them to the
         free list. Fewer than `n` come back when every other slot is pinned.
         """
-        free, lru = self._free, self._lru
+        free = self._free
         take = min(n, len(free))
-        slots = [free.pop() for _ in range(take)]
-        evicted: list[bytes] = []
-        rotated = 0
-        while len(slots) < n and rotated < len(lru):
-            s, _ = lru.popitem(last=False)
-            if self._refs[s]:  # pinned: in use, so recently used; look further
-                lru[s] = None
-                rotated += 1
-                continue
-            k = self._key[s]
-            del self.index[k]  # type: ignore[arg-type]
-            self._key[s] = None
-            self._published[s] = False
-            evicted.append(k)  # type: ignore[arg-type]
-            slots.append(s)
-        if evicted:
-            self.evicted += len(evicted)
-            if self._on_evict is not None:
-                self._on_evict(evicted)
+        slots = free[len(free) - take :][::-1]  # the free list is a stack: last in, first out
+        del free[len(free) - take :]
+        if take < n:
+            slots += self._evict(n - take)
         self._pin(slots)
         return Lease(self, slots)
 
-    def publish(self, slots: Iterable[int], keys: Iterable[bytes]) -> list[int]:
+    def _evict(self, n: int) -> list[int]:
+        """Unpublish up to `n` unpinned slots, least recently used first, and return them.
+
+        Pinned slots met on the way are in use, so recently used: they move to the end of the
+        LRU list. Looks at each slot at most once; fewer than `n` come back when all are pinned.
+        """
+        lru, refs, key_of = self._lru, self._refs, self._key
+        chosen: list[int] = []
+        unseen = len(lru)
+        while len(chosen) < n and unseen:
+            window = min(unseen, 2 * (n - len(chosen)) + 8)
+            cand = np.fromiter(islice(lru, window), dtype=np.int64, count=window)
+            pinned = refs[cand] != 0
+            free_at = np.flatnonzero(~pinned)
+            need = n - len(chosen)
+            seen = int(free_at[need - 1]) + 1 if len(free_at) >= need else window
+            unseen -= seen
+            take = cand[:seen][~pinned[:seen]].tolist()
+            deque(map(lru.move_to_end, cand[:seen][pinned[:seen]].tolist()), maxlen=0)
+            deque(map(lru.pop, take), maxlen=0)
+            chosen += take
+        if not chosen:
+            return chosen
+        evicted = [key_of[s] for s in chosen]
+        for s in chosen:
+            key_of[s] = None
+        self._published[chosen] = False
+        self._index.remove(evicted)  # type: ignore[arg-type]
+        self.evicted += len(evicted)
+        if self._on_evict is not None:
+            self._on_evict(evicted)  # type: ignore[arg-type]
+        return chosen
+
+    def publish(self, slots: Sequence[int], keys: Sequence[bytes]) -> list[int]:
         """Make reserved `slots` findable under `keys`. Returns the slots whose key was new.
 
         A key that another slot already holds is not published twice: its reserved slot stays
         unpublished and returns to the free list when its lease is released.
         """
-        index, key_of, fresh = self.index, self._key, []
-        for s, k in zip(slots, keys):
+        if not slots:
+            return []
+        key_of = self._key
+        for s in slots:
             if key_of[s] is not None:
                 raise RuntimeError(f"hicache: slot {s} is published already")
-            if k in index:
-                continue
-            index[k] = s
+        new = self._index.insert(keys, slots)
+        fresh = list(compress(slots, new))
+        for s, k in zip(fresh, compress(keys, new)):
             key_of[s] = k
-            self._lru[s] = None
-            fresh.append(s)
+        self._lru.update(dict.fromkeys(fresh))
         self._published[fresh] = True
         return fresh
 
@@ -166,7 +188,7 @@ class SlotPool:
     @property
     def used(self) -> int:
         """Slots that hold a key."""
-        return len(self.index)
+        return len(self._index)
 
     @property
     def pinned(self) -> int:
@@ -189,11 +211,11 @@ class SlotPool:
                 raise AssertionError(f"slot {s}: published flag disagrees with its key")
             if s in free and (published or refs[s]):
                 raise AssertionError(f"free slot {s} is published or pinned")
-            if published and self.index.get(key[s]) != s:  # type: ignore[arg-type]
+            if published and self._index.get(key[s]) != s:  # type: ignore[arg-type]
                 raise AssertionError(f"slot {s} is not indexed under its key")
             if published != (s in self._lru):
                 raise AssertionError(f"slot {s}: published is {published}, in LRU is not")
             if not published and s not in free and refs[s] == 0:
                 raise AssertionError(f"slot {s} is lost: not free, not published, not pinned")
-        if len(self.index) != sum(k is not None for k in key):
+        if len(self._index) != sum(k is not None for k in key):
             raise AssertionError("the index and the slots disagree")

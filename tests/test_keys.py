@@ -31,16 +31,60 @@ def test_keys_follow_the_documented_chain():
     prev, expected = SEED, []
     for i in range(4):
         page = TOKENS[4 * i : 4 * i + 4].astype("<i4").tobytes()
-        prev = hashlib.sha256(prev + page).digest()[:16]
+        prev = hashlib.sha256(prev + hashlib.sha256(page).digest()).digest()[:16]
         expected.append(prev)
     assert keys == expected
     assert len(keys) == 4 and all(len(k) == 16 for k in keys)
 
 
-def test_compiled_and_python_chains_agree():
+def test_known_answer():
+    # key[i] = SHA-256(key[i-1] || SHA-256(page i))[:16], pages as int32 little-endian
+    seed = bytes(range(16))
+    pages = np.array([[1, 2, 3, 4], [-1, 0, 2**31 - 1, -(2**31)]], dtype=np.int32)
+    d0 = hashlib.sha256(b"\x01\0\0\0\x02\0\0\0\x03\0\0\0\x04\0\0\0").digest()
+    d1 = hashlib.sha256(b"\xff\xff\xff\xff\0\0\0\0\xff\xff\xff\x7f\0\0\0\x80").digest()
+    k0 = hashlib.sha256(seed + d0).digest()[:16]
+    k1 = hashlib.sha256(k0 + d1).digest()[:16]
+    # pinned, so that a change of format in both the code and this test still fails here
+    assert k0.hex() == "68d44b3bd65703953693bd45715de276"
+    assert k1.hex() == "36e26b1a84d2a8c43ff028c85a372410"
+    assert page_keys(seed, pages.reshape(-1), 4) == [k0, k1]
+    assert _page_keys_python(seed, pages) == [k0, k1]
+    assert native.chain_keys(seed, pages) == k0 + k1
+
+
+@pytest.fixture
+def sha_ni_restored():
+    yield
+    native.force_portable(False)
+
+
+def test_compiled_and_python_chains_agree(sha_ni_restored):
     assert native.available(), "the C key chain should build here (gcc and OpenSSL are present)"
     tokens = np.random.default_rng(1).integers(0, 2**31 - 1, 4096, dtype=np.int32)
     assert page_keys(SEED, tokens, 128) == _page_keys_python(SEED, tokens.reshape(32, 128))
+    rng = np.random.default_rng(2)
+    for portable in (False, True):
+        native.force_portable(portable)
+        for page_bytes in (4, 64, 400, 512, 2048):  # 400: a partial last block; 4: only one
+            for n in (0, 1, 2, 3, 7, 64):
+                pages = rng.integers(-(2**31), 2**31 - 1, (n, page_bytes // 4), dtype=np.int32)
+                expected = b"".join(_page_keys_python(SEED, pages))
+                assert native.chain_keys(SEED, pages) == expected, (portable, page_bytes, n)
+
+
+def test_sha_ni_and_openssl_paths_agree(sha_ni_restored):
+    if not native.force_portable(False):
+        pytest.skip("this CPU has no SHA extensions: only the OpenSSL path runs")
+    rng = np.random.default_rng(3)
+    # 52..60 bytes: the padding's length fits the last block, or needs one more (56 and 60)
+    for page_bytes in (4, 52, 56, 60, 64, 120, 400, 512, 2048):
+        for n in (1, 2, 3, 7, 64):
+            pages = rng.integers(-(2**31), 2**31 - 1, (n, page_bytes // 4), dtype=np.int32)
+            assert native.force_portable(False)
+            fast = native.chain_keys(SEED, pages)
+            assert not native.force_portable(True)
+            assert native.chain_keys(SEED, pages) == fast, (page_bytes, n)
 
 
 def test_keys_are_the_same_in_other_interpreters():
