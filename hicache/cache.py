@@ -236,9 +236,9 @@ class HiCache:
 
     def _snap_to_state(self, keys: list[bytes], first: int, hit: int) -> tuple[int, int | None]:
         """The deepest page count in (first, hit] whose boundary has a stored state."""
-        index = self.host.state_slots.index
+        slots = self.host.state_slots.lookup(keys[first:hit])
         for pages in range(hit, first, -1):
-            slot = index.get(keys[pages - 1])
+            slot = slots[pages - first - 1]
             if slot is not None:
                 return pages, slot
         return first, None
@@ -300,7 +300,8 @@ class HiCache:
                 self._call_hook("load_state", state_slot, match.hit_tokens, state.slots[0])
             src = self._host_view()
             latency = self._stats.latency["hicache_load_copy_seconds"]
-            self._transfers.copy(src, _int32(pages.slots), self.gpu.pages, ids, latency)
+            dst_ids = torch.from_numpy(ids)
+            self._transfers.copy(src, _int32(pages.slots), self.gpu.pages, dst_ids, latency)
         except BaseException:
             _release(leases)
             raise
@@ -366,9 +367,7 @@ class HiCache:
             self._after_store(keys, pages, keep, states)
         return len(pages) if pages is not None else 0
 
-    def _store_pages(
-        self, keys: list[bytes], ids: torch.Tensor, missing: list[int]
-    ) -> Lease | None:
+    def _store_pages(self, keys: list[bytes], ids: np.ndarray, missing: list[int]) -> Lease | None:
         """Copy the `missing` pages into fresh host slots; the returned lease pins them."""
         if not missing:
             return None
@@ -382,14 +381,15 @@ class HiCache:
             return None
         try:
             dst = self._host_view()
-            src_ids = ids[_int32(missing).long()]
+            src_ids = torch.from_numpy(ids[missing])
             latency = self._stats.latency["hicache_store_copy_seconds"]
             self._transfers.copy(self.gpu.pages, src_ids, dst, _int32(lease.slots), latency)
         except BaseException:
             lease.release()
             raise
         fresh = pool.publish(lease.slots, [keys[i] for i in missing])
-        emit(self._events, "stored", "host", [pool.key_of(s) for s in fresh])
+        if self._events is not None:
+            emit(self._events, "stored", "host", [pool.key_of(s) for s in fresh])
         self._stats.stored(len(missing))
         return lease
 

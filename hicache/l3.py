@@ -31,6 +31,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from hicache.backends.base import Piece, StoreTier, StoreUnavailable
 from hicache.backends.host import HostTier
@@ -225,21 +226,25 @@ class L3:
         if self._put_jobs.full() or not self._registered.is_set():  # drop at once, build nothing
             self.stats.l3_puts_dropped += len(groups)
             return
-        slots_of = self.host.page_slots.index.get
+        held = (groups[-1][0] + 1) * self.G if groups else 0
+        page_slots = self.host.page_slots.lookup(keys[:held])
         names: list[str] = []
         buffers: list[list[Piece]] = []
         pin: list[int] = []
         for g, name in groups:
-            slots = [slots_of(k) for k in keys[g * self.G : (g + 1) * self.G]]
+            slots = page_slots[g * self.G : (g + 1) * self.G]
             if None in slots:  # a page was evicted meanwhile: this group can't be put
                 continue
             names.append(name)
             buffers.append([self._page_piece(s) for s in slots])  # type: ignore[arg-type]
             pin.extend(slots)  # type: ignore[arg-type]
         state_pins: list[int] = []
-        for pages in state_pages:
-            slot = self.host.state_slots.index.get(keys[pages - 1])
-            if slot is None or pages % self.G:
+        state_pages = [p for p in state_pages if p % self.G == 0]
+        if not self.layout.state_bytes:
+            state_pages = []
+        state_slots = self.host.state_slots.lookup([keys[p - 1] for p in state_pages])
+        for pages, slot in zip(state_pages, state_slots):
+            if slot is None:
                 continue
             name = self._state_key(keys, pages)
             if name in self._known:
@@ -298,7 +303,7 @@ class L3:
             run += 1
         state_slot_key: bytes | None = None
         if self.layout.state_bytes:  # snap to the deepest group end with a state somewhere
-            states = self.host.state_slots.index
+            states = self.host.state_slots
             while run > 0:
                 pages = (fetch.first_group + run) * self.G
                 if fetch.keys[pages - 1] in states:
@@ -447,9 +452,15 @@ class L3:
     def _state_key(self, keys: list[bytes], pages: int) -> str:
         return self._state_names + keys[pages - 1].hex()
 
-    def _page_piece(self, slot: int) -> Piece:
+    @cached_property
+    def _page_rows(self) -> tuple[int, int, int]:
+        """Address of host slot 0, bytes between slots, bytes of a page (once the pool exists)."""
         rows = self.host.pages.segments[0]
-        return rows.data_ptr() + slot * rows.stride(0), rows.shape[1]
+        return rows.data_ptr(), rows.stride(0), rows.shape[1]
+
+    def _page_piece(self, slot: int) -> Piece:
+        base, stride, size = self._page_rows
+        return base + slot * stride, size
 
     def _state_piece(self, slot: int) -> Piece:
         row = self.host.state(slot)

@@ -43,8 +43,8 @@ class GpuTier(PoolTier):
     def device(self) -> torch.device:
         return self._pages.device
 
-    def block_ids(self, block_ids: object, needed: int, what: str) -> torch.Tensor:
-        """The first `needed` of `block_ids` as int32 CPU tensor; ValueError naming any problem."""
+    def block_ids(self, block_ids: object, needed: int, what: str) -> np.ndarray:
+        """The first `needed` of `block_ids` as an int32 array; ValueError naming any problem."""
         if isinstance(block_ids, torch.Tensor):
             if block_ids.device.type != "cpu":
                 raise ValueError(f"{what}: block_ids must be on the CPU, got {block_ids.device}")
@@ -61,7 +61,7 @@ class GpuTier(PoolTier):
             raise ValueError(
                 f"{what}: block id outside the engine's pool of {self._pages.num_pages} blocks"
             )
-        return torch.from_numpy(ids.astype(np.int32))
+        return ids.astype(np.int32)
 
 
 def _short(sizes: tuple[int, ...]) -> str:
