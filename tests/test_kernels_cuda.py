@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hicache.kernels import PagedBuffer, copy_pages
-from hicache.kernels.cuda import copy_pages_cuda, copy_pages_loop, load_extension
+from hicache.kernels.cuda import choose_path, copy_pages_cuda, copy_pages_loop, load_extension
 
 pytestmark = [
     pytest.mark.cuda,
@@ -69,7 +69,9 @@ PATHS = [
 @pytest.mark.parametrize("direction", list(DIRECTIONS))
 @pytest.mark.parametrize("layer_first", [False, True], ids=["page_first", "segmented"])
 @pytest.mark.parametrize(
-    ("path", "knobs"), PATHS, ids=["auto", "kernel", "kernel_small", "ce", "ce_2_rows_per_call"]
+    ("path", "knobs"),
+    PATHS,
+    ids=["auto", "kernel", "kernel_small", "ce", "ce_2_rows_per_call"],
 )
 def test_copy_gives_exact_bytes(direction, layer_first, path, knobs):
     src_where, dst_where = DIRECTIONS[direction]
@@ -87,6 +89,41 @@ def test_copy_gives_exact_bytes(direction, layer_first, path, knobs):
 
     for got, want in zip(_snapshot(dst), expected, strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+@pytest.mark.parametrize("staging_pages", [2, 4, 10, 64])
+def test_staged_path_gives_exact_bytes(direction, staging_pages):
+    """Whole pages through two GPU staging buffers taking turns, in parts of `staging_pages` / 2
+    pages (11 pages: parts of 1, 2 and 5 + 5 + 1, and all at once)."""
+    src_where, dst_where = DIRECTIONS[direction]
+    src = _pool(23, SEGMENTS, src_where, seed=21, layer_first=src_where == "cuda")
+    dst = _pool(19, SEGMENTS, dst_where, seed=22, layer_first=dst_where == "cuda")
+    src_ids, dst_ids = _ids(11, 23, 19, seed=23)
+    expected = _expect(_snapshot(src), src_ids, _snapshot(dst), dst_ids)
+    stream = torch.cuda.Stream()
+    staging = staging_pages * sum(SEGMENTS)
+    path = copy_pages_cuda(src, src_ids, dst, dst_ids, stream, path="staged", staging_bytes=staging)
+    stream.synchronize()
+    assert path == "staged"
+    for got, want in zip(_snapshot(dst), expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_auto_stages_small_rows_of_a_page_first_host_pool():
+    gpu = _pool(4, (32 * KiB, 32 * KiB), "cuda", seed=24, layer_first=True)
+    host = _pool(4, (32 * KiB, 32 * KiB), "host", seed=25, layer_first=False)
+    assert choose_path(host, gpu) == choose_path(gpu, host) == "staged"
+    small = _pool(4, (16 * KiB, 16 * KiB), "cuda", seed=26, layer_first=True)
+    small_host = _pool(4, (16 * KiB, 16 * KiB), "host", seed=27, layer_first=False)
+    assert choose_path(small_host, small) == "kernel"  # 32 KiB pages: below the copy engines
+    other = _pool(4, (32 * KiB, 32 * KiB), "cuda", seed=28, layer_first=True)
+    assert choose_path(gpu, other) == "kernel"  # GPU to GPU
+    big = _pool(4, (64 * KiB,), "cuda", seed=29, layer_first=False)
+    big_host = _pool(4, (64 * KiB,), "host", seed=30, layer_first=False)
+    assert choose_path(big_host, big) == "copy_engine"
+    with pytest.raises(ValueError, match="staged path needs one side in host memory"):
+        copy_pages_cuda(gpu, torch.tensor([0]), other, torch.tensor([1]), path="staged")
 
 
 @pytest.mark.parametrize("page_bytes", [16, 4 * 1024 * KiB + 16])

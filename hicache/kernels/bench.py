@@ -33,6 +33,8 @@ from hicache.kernels.cuda import (
     COPY_ENGINE_ROWS_PER_CALL,
     KERNEL_CHUNK_BYTES,
     KERNEL_MAX_BLOCKS,
+    STAGED_BLOCKS,
+    STAGING_BYTES,
     choose_path,
     copy_pages_cuda,
     copy_pages_loop,
@@ -99,15 +101,35 @@ def _copy(method: str, src, src_ids, dst, dst_ids, stream, **knobs) -> None:
         copy_pages_cuda(src, src_ids, dst, dst_ids, stream, path=method, **knobs)
 
 
-def measure(enqueue: Enqueue, streams: list[torch.cuda.Stream], reps: int) -> dict:
+def sleep_cycles_per_ms(device: torch.device) -> float:
+    """GPU clock cycles of ``torch.cuda._sleep`` per millisecond, measured."""
+    stream = torch.cuda.current_stream(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(SLEEP_CYCLES)  # warm-up
+    start.record(stream)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    end.record(stream)
+    end.synchronize()
+    return SLEEP_CYCLES / start.elapsed_time(end)
+
+
+def measure(
+    enqueue: Enqueue, streams: list[torch.cuda.Stream], reps: int, cycles_per_ms: float
+) -> dict:
     """Median device time (ms) of `enqueue`, which puts work on `streams`; also each stream's own
-    median time from the common start, and the host's enqueue time."""
+    median time from the common start, and the host's enqueue time.
+
+    The streams are held by a sleep kernel while the host enqueues, so that the time is the
+    device's: the warm-up run measures the enqueue, and the timed runs sleep 1.5 times as long
+    (at least `SLEEP_CYCLES`). ``host_ms`` says whether one host thread could feed the device
+    at that rate (it could where host_ms < ms)."""
     device_ms, host_ms, own_ms = [], [], []
+    sleep = SLEEP_CYCLES
     for rep in range(reps + 1):
         first = streams[0]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(first):
-            torch.cuda._sleep(SLEEP_CYCLES)
+            torch.cuda._sleep(sleep)
         start.record(first)
         for s in streams[1:]:
             s.wait_event(start)
@@ -125,6 +147,8 @@ def measure(enqueue: Enqueue, streams: list[torch.cuda.Stream], reps: int) -> di
             device_ms.append(start.elapsed_time(end))
             host_ms.append(host)
             own_ms.append([start.elapsed_time(e) for e in ends])
+        else:
+            sleep = max(SLEEP_CYCLES, int(1.5 * host * cycles_per_ms))
     return {
         "ms": statistics.median(device_ms),
         "ms_min": min(device_ms),
@@ -161,6 +185,7 @@ class Bench:
         self.pools = Pools(self.device)
         self.streams = [torch.cuda.Stream(self.device) for _ in range(3)]
         self.gen = torch.Generator().manual_seed(1234)
+        self.cycles_per_ms = sleep_cycles_per_ms(self.device)
         self.rows: list[dict] = []
         self.ceiling: dict[str, float] = {}
 
@@ -208,10 +233,10 @@ class Bench:
             return enqueue
 
         for direction in ("h2d", "d2h"):
-            t = measure(run([direction]), self.streams[:1], self.reps)
+            t = measure(run([direction]), self.streams[:1], self.reps, self.cycles_per_ms)
             self.ceiling[direction] = n / t["ms"] / 1e6
             self.add(_row("memcpy_contiguous", n, direction, n, t, self.ceiling[direction]))
-        t = measure(run(["h2d", "d2h"]), self.streams[:2], self.reps)
+        t = measure(run(["h2d", "d2h"]), self.streams[:2], self.reps, self.cycles_per_ms)
         self.ceiling["both"] = 2 * n / t["ms"] / 1e6
         self.add(_row("memcpy_contiguous", n, "both", 2 * n, t, self.ceiling["both"]))
 
@@ -227,7 +252,7 @@ class Bench:
             for (src, sid, dst, did), s in zip(jobs, streams, strict=False):
                 _copy(method, src, sid, dst, did, s, **knobs)
 
-        t = measure(enqueue, self.streams[: len(jobs)], self.reps)
+        t = measure(enqueue, self.streams[: len(jobs)], self.reps, self.cycles_per_ms)
         for src, sid, dst, did in jobs:
             _verify(src, sid, dst, did)
         each = (self.bytes // page_bytes) * page_bytes
@@ -249,7 +274,7 @@ class Bench:
         )
         return self.add(row)
 
-    def gemm(self, method: str, page_bytes: int, iters: int = 30, **knobs) -> None:
+    def gemm(self, method: str, page_bytes: int, iters: int = 30, layers: int = 0, **knobs) -> None:
         """Slowdown of a bf16 GEMM loop on one stream while copies run both ways on two others.
         Runs with and without copies alternate, so that both see the same clocks."""
         g = torch.Generator(device=self.device).manual_seed(7)
@@ -259,7 +284,7 @@ class Bench:
         gemm_stream, s1, s2 = self.streams
         jobs = []
         for d, s in (("h2d", s1), ("d2h", s2)):
-            src, dst = self.pair(d, page_bytes)
+            src, dst = self.pair(d, page_bytes, layers)
             sid, did = _ids(src, dst, self.bytes // page_bytes, self.gen)
             jobs.append((src, sid, dst, did, s))
 
@@ -321,6 +346,7 @@ class Bench:
                 gemm_ms_with_copies_range=[round(min(busy), 3), round(max(busy), 3)],
                 gemm_slowdown=round(busy_ms / alone_ms - 1, 4),
                 gemm_slowdown_of_minimums=round(min(busy) / min(alone) - 1, 4),
+                layout=f"{layers}x{page_bytes // layers // KiB}KiB" if layers else "page_first",
                 **knobs,
             )
         )
@@ -344,7 +370,7 @@ def run(args: argparse.Namespace) -> dict:
                 bench.safely(bench.pages, method, page_bytes, direction, case=f"small_{method}")
     # Segmented: 32 layers x 64 KiB and 64 (layer, K/V) x 32 KiB, against page-first 2 MiB pages.
     for direction in ("h2d", "d2h"):
-        for method in ("auto", "kernel", "copy_engine"):
+        for method in ("auto", "kernel", "copy_engine", "staged"):
             flat = bench.safely(bench.pages, method, 2 * MiB, direction, case=f"pages_{method}")
             for layers in (32, 64):
                 seg = bench.safely(
@@ -356,6 +382,7 @@ def run(args: argparse.Namespace) -> dict:
     for method in ("auto", "kernel", "copy_engine"):
         for page_bytes in (64 * KiB, 4 * MiB):
             bench.safely(bench.gemm, method, page_bytes)
+    bench.safely(bench.gemm, "auto", 2 * MiB, layers=64)  # the staged path
     if args.sweep:
         sweep(bench)
     props = torch.cuda.get_device_properties(bench.device)
@@ -373,6 +400,8 @@ def run(args: argparse.Namespace) -> dict:
             "kernel_chunk_bytes": KERNEL_CHUNK_BYTES,
             "copy_engine_min_row_bytes": COPY_ENGINE_MIN_ROW_BYTES,
             "copy_engine_rows_per_call": COPY_ENGINE_ROWS_PER_CALL,
+            "staging_bytes": STAGING_BYTES,
+            "staged_blocks": STAGED_BLOCKS,
         },
         "rows": bench.rows,
     }

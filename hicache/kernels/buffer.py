@@ -16,7 +16,7 @@ page-first buffer (such as a host pool) with another buffer's segment sizes at n
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -25,15 +25,18 @@ import torch
 ALIGNMENT = 16
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PagedBuffer:
     """Pages addressed by integer id; page `i` is row `i` of every segment, in order.
 
     Guarantees: every segment is a 2-D uint8 tensor with the same number of rows, on the same
-    device, with contiguous bytes inside a row. The buffer keeps its tensors alive.
+    device, with contiguous bytes inside a row. The buffer keeps its tensors alive. Buffers
+    compare and hash by identity; what is derived from the tensors is computed once.
     """
 
     segments: tuple[torch.Tensor, ...]
+    parent: PagedBuffer | None = field(default=None, repr=False)
+    """The single-segment buffer that `resegment` cut this one from, if any."""
 
     def __post_init__(self) -> None:
         if not self.segments:
@@ -80,11 +83,11 @@ class PagedBuffer:
     def num_pages(self) -> int:
         return int(self.segments[0].shape[0])
 
-    @property
+    @cached_property
     def seg_bytes(self) -> tuple[int, ...]:
         return tuple(int(s.shape[1]) for s in self.segments)
 
-    @property
+    @cached_property
     def page_bytes(self) -> int:
         return sum(self.seg_bytes)
 
@@ -110,9 +113,9 @@ class PagedBuffer:
         """What is not a multiple of `ALIGNMENT` bytes (a segment's address, row stride or row
         size), or None. Computed once per buffer."""
         for seg, (address, stride, size) in enumerate(self.rows.tolist()):
-            for field, value in (("row size", size), ("row stride", stride), ("address", address)):
+            for what, value in (("row size", size), ("row stride", stride), ("address", address)):
                 if value % ALIGNMENT:
-                    return f"segment {seg}: {field} {value} is not a multiple of {ALIGNMENT} bytes"
+                    return f"segment {seg}: {what} {value} is not a multiple of {ALIGNMENT} bytes"
         return None
 
     def resegment(self, seg_bytes: Sequence[int]) -> PagedBuffer:
@@ -136,7 +139,13 @@ class PagedBuffer:
         for size in seg_bytes:
             parts.append(rows[:, offset : offset + size])
             offset += size
-        return PagedBuffer(tuple(parts))
+        return PagedBuffer(tuple(parts), parent=self)
+
+    @property
+    def whole_pages(self) -> PagedBuffer | None:
+        """The same pages as one segment of whole, contiguous pages, where they are (a page-first
+        buffer, or one re-segmented from it); None for a layer-first buffer."""
+        return self if len(self.segments) == 1 else self.parent
 
 
 def _rows_contiguous(t: torch.Tensor) -> bool:

@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+import weakref
 from pathlib import Path
 
 import torch
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("page_copy.cu")
 _EXTENSION = "hicache_page_copy"
-_PATHS = ("auto", "kernel", "copy_engine")
+_PATHS = ("auto", "kernel", "copy_engine", "staged")
 
 #: Blocks of the kernel's grid (16 warps each): 4 already reach the kernel's best rate over
 #: PCIe, 8 keep it with a margin; the rest of the SMs stay free.
@@ -48,6 +49,11 @@ KERNEL_CHUNK_BYTES = 16 * 1024
 COPY_ENGINE_MIN_ROW_BYTES = 64 * 1024
 #: Rows per cudaMemcpyBatchAsync call: the engines start while later rows are being enqueued.
 COPY_ENGINE_ROWS_PER_CALL = 2048
+#: The staged path's two GPU staging buffers hold at most this many bytes of pages together.
+STAGING_BYTES = 32 << 20
+#: Blocks of the kernel that moves rows between the staging buffer and the GPU pool (GPU memory
+#: on both sides: a short burst at HBM speed, so that it adds little to the PCIe time).
+STAGED_BLOCKS = 32
 
 
 def toolchain_problem(cuda_home: str | None, cxx: str | None = None) -> str | None:
@@ -117,22 +123,52 @@ def _device(src: PagedBuffer, dst: PagedBuffer) -> torch.device:
 
 
 def choose_path(src: PagedBuffer, dst: PagedBuffer) -> str:
-    """The path that ``"auto"`` takes: ``"copy_engine"`` when every row (one segment of one
-    page) has at least `COPY_ENGINE_MIN_ROW_BYTES`, ``"kernel"`` otherwise.
+    """The path that ``"auto"`` takes.
 
-    From 64 KiB rows on, the copy engines reach the PCIe limit and leave the SMs to the model;
-    below, the driver's cost per row (about a microsecond of host time) bounds them, while the
-    kernel keeps 94-95 % of the link whatever the row size.
+    - ``"copy_engine"`` when every row (one segment of one page) has at least
+      `COPY_ENGINE_MIN_ROW_BYTES`: from there the copy engines reach the PCIe limit and leave
+      the SMs to the model.
+    - ``"staged"`` when rows are smaller but whole pages are not, and the host side holds each
+      page contiguously (a page-first host pool): the copy engines move whole pages between the
+      host and a GPU staging buffer, and the kernel moves the rows on the GPU. Below 64 KiB the
+      driver's cost per row (about a microsecond of host time) bounds the copy engines, and the
+      kernel alone stops at 94-95 % of the link.
+    - ``"kernel"`` otherwise (small pages, GPU to GPU, layer-first on both sides).
     """
     if min(src.seg_bytes) >= COPY_ENGINE_MIN_ROW_BYTES:
         return "copy_engine"
+    if _staging_host(src, dst) is not None and src.page_bytes >= COPY_ENGINE_MIN_ROW_BYTES:
+        return "staged"
     return "kernel"
+
+
+def _staging_host(src: PagedBuffer, dst: PagedBuffer) -> PagedBuffer | None:
+    """The host side's whole pages, when exactly one side is host memory and holds them."""
+    cpu = [b for b in (src, dst) if b.device.type == "cpu"]
+    return cpu[0].whole_pages if len(cpu) == 1 else None
+
+
+_TABLES: weakref.WeakKeyDictionary[PagedBuffer, dict] = weakref.WeakKeyDictionary()
 
 
 def _segment_table(
     src: PagedBuffer, dst: PagedBuffer, chunk_bytes: int
 ) -> tuple[torch.Tensor, int]:
-    """The table of struct Segment rows (int64 ``[S, 6]``) and the number of chunks per page."""
+    """The table of struct Segment rows (int64 ``[S, 6]``) and the number of chunks per page,
+    made once per pair of buffers and chunk size (a copy between the same pools reuses it)."""
+    per_src = _TABLES.setdefault(src, {})
+    key = (id(dst), chunk_bytes)
+    cached = per_src.get(key)
+    if cached is not None and cached[0]() is dst:
+        return cached[1], cached[2]
+    table, chunks = _make_table(src, dst, chunk_bytes)
+    for stale in [k for k, (ref, _, _) in per_src.items() if ref() is None]:
+        del per_src[stale]
+    per_src[key] = (weakref.ref(dst), table, chunks)
+    return table, chunks
+
+
+def _make_table(src: PagedBuffer, dst: PagedBuffer, chunk_bytes: int) -> tuple[torch.Tensor, int]:
     s, d = src.rows, dst.rows
     chunks = (s[:, 2] + chunk_bytes - 1) // chunk_bytes
     first = torch.cumsum(chunks, 0) - chunks
@@ -151,6 +187,7 @@ def copy_pages_cuda(
     max_blocks: int = KERNEL_MAX_BLOCKS,
     chunk_bytes: int = KERNEL_CHUNK_BYTES,
     rows_per_call: int = COPY_ENGINE_ROWS_PER_CALL,
+    staging_bytes: int = STAGING_BYTES,
 ) -> str:
     """Enqueue the copy on `stream` (default: the current stream of the CUDA device); returns the
     path taken. Arguments were checked by `hicache.kernels.copy_pages`, except what only matters
@@ -168,48 +205,161 @@ def copy_pages_cuda(
         raise ValueError("a CUDA page copy addresses at most 2**31 - 1 pages per buffer (int32)")
     if path == "auto":
         path = choose_path(src, dst)
-    n = int(src_ids.numel())
-    if n == 0:
+    if path == "staged" and _staging_host(src, dst) is None:
+        raise ValueError("the staged path needs one side in host memory that holds whole pages")
+    if src_ids.numel() == 0:
         return path
     ext = load_extension()
     src32 = src_ids.to(torch.int32).contiguous()
     dst32 = dst_ids.to(torch.int32).contiguous()
-    table, chunks_per_page = _segment_table(src, dst, chunk_bytes)
     if path == "copy_engine":
-        ext.copy_batch(
-            table.data_ptr(),
-            table.shape[0],
-            src32.data_ptr(),
-            dst32.data_ptr(),
-            n,
-            rows_per_call,
-            stream.cuda_stream,
-            device.index,
-        )
-        return path
-    # Stage [table | src ids | dst ids] in one pinned buffer, then one non-blocking copy on the
-    # stream. The host block is not reused before that copy ran (torch's pinned allocator records
-    # an event on it); the device block belongs to `stream`, so its reuse is ordered after us.
-    words = table.numel() * 2
-    staged = torch.empty(words + 2 * n, dtype=torch.int32, pin_memory=True)
-    staged[:words].view(torch.int64).copy_(table.view(-1))
-    staged[words : words + n].copy_(src32)
-    staged[words + n :].copy_(dst32)
-    with torch.cuda.stream(stream):
-        on_device = staged.to(device, non_blocking=True)
+        _by_copy_engine(ext, src, src32, dst, dst32, stream, rows_per_call)
+    elif path == "kernel":
+        _by_kernel(ext, src, src32, dst, dst32, stream, chunk_bytes, max_blocks)
+    else:
+        _staged(ext, src, src32, dst, dst32, stream, staging_bytes, rows_per_call)
+    return path
+
+
+def _by_copy_engine(ext, src, src32, dst, dst32, stream, rows_per_call: int) -> None:
+    table, _ = _segment_table(src, dst, KERNEL_CHUNK_BYTES)
+    ext.copy_batch(
+        table.data_ptr(),
+        table.shape[0],
+        src32.data_ptr(),
+        dst32.data_ptr(),
+        src32.numel(),
+        rows_per_call,
+        stream.cuda_stream,
+        stream.device.index,
+    )
+
+
+def _by_kernel(ext, src, src32, dst, dst32, stream, chunk_bytes: int, max_blocks: int) -> None:
+    table, chunks_per_page = _segment_table(src, dst, chunk_bytes)
+    on_device, offsets = _to_device([table, src32, dst32], stream)
     base = on_device.data_ptr()
     ext.launch_kernel(
         base,
         table.shape[0],
-        base + 4 * words,
-        n,
+        base + offsets[1],
+        src32.numel(),
         chunks_per_page,
         chunk_bytes,
         max_blocks,
         stream.cuda_stream,
-        device.index,
+        stream.device.index,
     )
-    return path
+
+
+def _to_device(parts: list[torch.Tensor], stream) -> tuple[torch.Tensor, list[int]]:
+    """`parts` (int64 tables and int32 ids) packed into one pinned buffer and copied to the
+    device with one non-blocking copy on `stream`; returns the device buffer and each part's
+    byte offset in it. The host block is not reused before that copy ran (torch's pinned
+    allocator records an event on it); the device block belongs to `stream`, so its reuse is
+    ordered after the kernels that read it."""
+    words = [t.numel() * t.element_size() // 4 for t in parts]
+    staged = torch.empty(sum(words), dtype=torch.int32, pin_memory=True)
+    offsets, at = [], 0
+    for t, w in zip(parts, words, strict=True):
+        staged[at : at + w].copy_(t.reshape(-1).view(torch.int32))
+        offsets.append(4 * at)
+        at += w
+    with torch.cuda.stream(stream):
+        return staged.to(stream.device, non_blocking=True), offsets
+
+
+def _staged(ext, src, src32, dst, dst32, stream, staging_bytes: int, rows_per_call: int) -> None:
+    """Whole pages between the host and GPU staging buffers on the copy engines; rows between
+    the staging buffers and the GPU pool with the kernel, on a side stream.
+
+    Two staging buffers of up to `staging_bytes` / 2 each take turns, so that the copy engines
+    fill (or drain) one while the kernel drains (or fills) the other: the PCIe transfer runs
+    back to back. The kernel's tables and ids for every part go to the device in one copy
+    before the first part (a small host-to-GPU copy queued behind a large one would hold the
+    kernel back). Events order the two streams; the side stream first waits for everything
+    enqueued on `stream` before the call, and `stream` waits for the side stream's last part.
+    The buffers come from torch's caching allocator on `stream` and are marked as used by the
+    side stream, so they are handed out again only once both streams have passed these copies.
+    """
+    host = _staging_host(src, dst)
+    to_gpu = src.device.type == "cpu"
+    gpu = dst if to_gpu else src
+    n = src32.numel()
+    per_part = min(n, max(1, staging_bytes // (2 * gpu.page_bytes)))
+    starts = list(range(0, n, per_part))
+    side = _side_stream(stream.device)
+    side.wait_stream(stream)
+    buffers = []
+    with torch.cuda.stream(stream):
+        for _ in range(min(2, len(starts))):
+            flat = torch.empty((per_part, gpu.page_bytes), dtype=torch.uint8, device=gpu.device)
+            flat.record_stream(side)
+            whole = PagedBuffer.page_first(flat)
+            buffers.append((whole, whole.resegment(gpu.seg_bytes), torch.cuda.Event()))
+    # the kernel's arguments: per buffer its table, per part its (src ids, dst ids)
+    tables = [
+        _segment_table(rows, dst, KERNEL_CHUNK_BYTES)
+        if to_gpu
+        else _segment_table(src, rows, KERNEL_CHUNK_BYTES)
+        for _, rows, _ in buffers
+    ]
+    order = torch.arange(per_part, dtype=torch.int32)
+    ids = []
+    for begin in starts:
+        k = min(per_part, n - begin)
+        pool_ids = (dst32 if to_gpu else src32)[begin : begin + k]
+        ids += [order[:k], pool_ids] if to_gpu else [pool_ids, order[:k]]
+    args, offsets = _to_device([t for t, _ in tables] + ids, side)
+    base = args.data_ptr()
+    for part, begin in enumerate(starts):
+        whole, _, free = buffers[part % 2]
+        k = min(per_part, n - begin)
+        table, chunks = tables[part % 2]
+        kernel_args = (
+            base + offsets[part % 2],
+            table.shape[0],
+            base + offsets[len(tables) + 2 * part],
+            k,
+            chunks,
+            KERNEL_CHUNK_BYTES,
+            STAGED_BLOCKS,
+            side.cuda_stream,
+            side.device.index,
+        )
+        ready = torch.cuda.Event()
+        if to_gpu:  # copy engines: host -> staging; then the kernel: staging -> pool rows
+            if part >= 2:
+                stream.wait_event(free)
+            _by_copy_engine(
+                ext, host, src32[begin : begin + k], whole, order[:k], stream, rows_per_call
+            )
+            ready.record(stream)
+            side.wait_event(ready)
+            ext.launch_kernel(*kernel_args)
+            free.record(side)
+        else:  # the kernel: pool rows -> staging; then copy engines: staging -> host
+            if part >= 2:
+                side.wait_event(free)
+            ext.launch_kernel(*kernel_args)
+            ready.record(side)
+            stream.wait_event(ready)
+            _by_copy_engine(
+                ext, whole, order[:k], host, dst32[begin : begin + k], stream, rows_per_call
+            )
+            free.record(stream)
+    stream.wait_stream(side)
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream of `device` that runs the staged path's kernel beside the caller's stream."""
+    stream = _SIDE_STREAMS.get(device.index)
+    if stream is None:
+        stream = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
+    return stream
 
 
 def copy_pages_loop(
