@@ -187,11 +187,15 @@ class HiCache:
             )
         req = self._request(request_id, tokens, salt)
         req.drop_pins()
-        keys = req.chain.keys[: n // P]
         first = computed_tokens // P
-        slots = self.host.page_slots.prefix(keys[first:])
-        found = first + len(slots)
         cap = max(0, n - self.policy.min_recompute_tokens) // P
+        if self._l3 is None:
+            slots = self._host_prefix(req.chain, first)
+            keys = req.chain.hashed
+        else:  # the look-ahead names every group up to the cap
+            keys = req.chain.upto(n // P)
+            slots = self.host.page_slots.prefix(keys[first:])
+        found = first + len(slots)
         hit = min(found, cap)
         pending = self._look_ahead(req, keys, found, cap)
         state_slot = None
@@ -225,6 +229,20 @@ class HiCache:
         self._stats.matched(m, n)
         self._stats.latency["hicache_match_seconds"].observe(time.perf_counter() - started)
         return m
+
+    def _host_prefix(self, chain: KeyChain, first: int) -> list[int]:
+        """Host slots of the pages from `first` on, up to the first miss, hashing the prompt only
+        that far (in steps that double, from 16 pages: most prompts stop in the first one)."""
+        pool, slots = self.host.page_slots, []
+        begin, step = first, 16
+        while begin < chain.pages:
+            end = min(chain.pages, begin + step)
+            found = pool.prefix(chain.upto(end)[begin:])
+            slots += found
+            if len(found) < end - begin:
+                break
+            begin, step = end, 2 * step
+        return slots
 
     def _look_ahead(self, req: Request, keys: list[bytes], found: int, cap: int) -> bool:
         """Start an L3 fetch for the pages after the host hit; True while the request waits."""
@@ -346,7 +364,7 @@ class HiCache:
         ids = self.gpu.block_ids(block_ids, n_pages, what)
         if self._hooks is not None and state_slot is None and n_pages:
             raise ValueError(f"{what}: the layout has states, give state_slot")
-        keys = req.chain.keys[:n_pages]
+        keys = req.chain.upto(n_pages)
         pool = self.host.page_slots
         found = pool.lookup(keys)
         present = [s for s in found if s is not None]

@@ -129,13 +129,15 @@ def _page_keys_python(seed: bytes, pages: np.ndarray) -> list[bytes]:
 
 
 class KeyChain:
-    """The tokens of one sequence and the keys of its full pages.
+    """The tokens of one sequence and the keys of its full pages, hashed when first asked for.
 
-    A prompt is hashed once; `extend` hashes only the new full pages, from the last key. With a
-    `PrefixMemo`, the pages it shares with a recent sequence are not hashed at all.
+    Each page is hashed at most once, from the last key hashed: `upto(n)` hashes only the pages
+    it has not hashed yet. With a `PrefixMemo`, the pages a sequence shares with a recent one are
+    not hashed at all. So `match` hashes a prompt only as far as the tiers could hit, and `store`
+    hashes the rest.
     """
 
-    __slots__ = ("keys", "page_tokens", "seed", "tokens")
+    __slots__ = ("_keys", "page_tokens", "seed", "tokens")
 
     def __init__(
         self, seed: bytes, page_tokens: int, tokens: np.ndarray, memo: PrefixMemo | None = None
@@ -143,11 +145,27 @@ class KeyChain:
         self.seed = seed
         self.page_tokens = page_tokens
         self.tokens = tokens
-        known = memo.shared_keys(seed, tokens) if memo is not None else []
-        prev = known[-1] if known else seed
-        self.keys: list[bytes] = known + page_keys(
-            prev, tokens[len(known) * page_tokens :], page_tokens
-        )
+        self._keys: list[bytes] = memo.shared_keys(seed, tokens) if memo is not None else []
+
+    @property
+    def pages(self) -> int:
+        """Full pages in the tokens held."""
+        return self.tokens.shape[0] // self.page_tokens
+
+    @property
+    def hashed(self) -> list[bytes]:
+        """The keys hashed so far: those of the first ``len(hashed)`` pages. Do not modify."""
+        return self._keys
+
+    def upto(self, n: int) -> list[bytes]:
+        """The keys of the first `n` full pages (at most `pages`), hashing those not hashed yet."""
+        keys = self._keys
+        have = len(keys)
+        if n > have:
+            P = self.page_tokens
+            prev = keys[-1] if keys else self.seed
+            keys += page_keys(prev, self.tokens[have * P : min(n, self.pages) * P], P)
+        return keys[:n]
 
     def extend(self, tokens: np.ndarray) -> None:
         """Grow to `tokens`, which must start with the tokens held now."""
@@ -157,9 +175,6 @@ class KeyChain:
                 "tokens must extend the request's earlier tokens (the prompt given to match)"
             )
         self.tokens = tokens
-        done = len(self.keys) * self.page_tokens
-        prev = self.keys[-1] if self.keys else self.seed
-        self.keys.extend(page_keys(prev, tokens[done:], self.page_tokens))
 
 
 class PrefixMemo:
@@ -196,13 +211,13 @@ class PrefixMemo:
         limit = tokens.shape[0] // self.page_tokens
         best: list[bytes] = []
         for chain in chains:  # most recent first
-            pages = min(len(chain.keys), limit)
+            pages = min(len(chain.hashed), limit)
             if pages <= len(best):
                 continue
             n = pages * self.page_tokens
             same = native.common_tokens(chain.tokens[:n], tokens[:n]) // self.page_tokens
             if same > len(best):
-                best = chain.keys[:same]
+                best = chain.hashed[:same]
                 if same == limit:
                     break
         self.reused_pages += len(best)
@@ -211,7 +226,7 @@ class PrefixMemo:
     def remember(self, chain: KeyChain) -> None:
         """Keep `chain` (a finished request's) for later prompts; the oldest go first."""
         head = self._head(chain.seed, chain.tokens)
-        if head is None or not chain.keys:
+        if head is None or not chain.hashed:
             return
         chains = self._heads.setdefault(head, [])
         self._heads.move_to_end(head)
@@ -219,9 +234,10 @@ class PrefixMemo:
         for i, old in enumerate(chains):
             theirs = old.tokens
             same = native.common_tokens(theirs, mine)
-            if same == mine.shape[0]:
+            more_keys = len(chain.hashed) >= len(old.hashed)
+            if same == mine.shape[0] and not more_keys:
                 return  # a remembered sequence already covers this one
-            if same == theirs.shape[0]:  # this one extends it: replace
+            if same == theirs.shape[0] and more_keys:  # this one extends it: replace
                 del chains[i]
                 self._count -= 1
                 break

@@ -109,15 +109,20 @@ def test_a_key_names_its_whole_prefix():
     assert all(x != y for x, y in zip(a, b))
 
 
-def test_extending_a_chain_hashes_only_new_pages(monkeypatch):
-    chain = KeyChain(SEED, 4, TOKENS[:6])
-    assert len(chain.keys) == 1
+def test_a_chain_hashes_each_page_once_and_only_when_asked(monkeypatch):
+    want = page_keys(SEED, TOKENS, 4)
     hashed = []
     real = native.chain_keys
     monkeypatch.setattr(native, "chain_keys", lambda s, p: hashed.append(p.shape[0]) or real(s, p))
+    chain = KeyChain(SEED, 4, TOKENS[:6])
+    assert hashed == [] and chain.pages == 1
+    assert chain.upto(1) == want[:1]
     chain.extend(TOKENS)
-    assert hashed == [3]  # pages 1..3 from key 0; page 0 was not hashed again
-    assert chain.keys == page_keys(SEED, TOKENS, 4)
+    assert chain.pages == 4 and len(chain.hashed) == 1  # extending hashes nothing yet
+    hashed.clear()
+    assert chain.upto(3) == want[:3]
+    assert chain.upto(9) == want  # never past the full pages held
+    assert hashed == [2, 1]  # pages 1..2 from key 0, then page 3; none twice
     with pytest.raises(ValueError, match="must extend"):
         chain.extend(TOKENS[::-1].copy())
 
@@ -171,22 +176,24 @@ def test_prefix_memo_reuses_exactly_the_keys_hashing_gives(monkeypatch):
     memo = PrefixMemo(page_tokens=4)
     rng = np.random.default_rng(5)
     base = rng.integers(0, 1000, 40, dtype=np.int32)  # 10 pages
-    memo.remember(KeyChain(SEED, 4, base, memo))
+    first = KeyChain(SEED, 4, base, memo)
+    first.upto(first.pages)
+    memo.remember(first)
     hashed = []
     real = native.chain_keys
     monkeypatch.setattr(native, "chain_keys", lambda s, p: hashed.append(p.shape[0]) or real(s, p))
     longer = np.concatenate([base, rng.integers(0, 1000, 9, dtype=np.int32)])
     chain = KeyChain(SEED, 4, longer, memo)
-    assert chain.keys == _page_keys_python(SEED, longer[:48].reshape(12, 4))
+    assert chain.upto(chain.pages) == _page_keys_python(SEED, longer[:48].reshape(12, 4))
     assert hashed == [2]  # only the two new pages
     diverged = base.copy()
     diverged[22] += 1  # inside page 5: pages 0..4 are shared
     hashed.clear()
-    assert KeyChain(SEED, 4, diverged, memo).keys == page_keys(SEED, diverged, 4)
+    assert KeyChain(SEED, 4, diverged, memo).upto(10) == page_keys(SEED, diverged, 4)
     assert hashed == [5, 10]  # 5 pages from the divergence on; then the check hashes all 10
     other_tenant = chain_seed(fingerprint(LAYOUT), "t")
     hashed.clear()
-    KeyChain(other_tenant, 4, longer, memo)
+    KeyChain(other_tenant, 4, longer, memo).upto(12)
     assert hashed == [12]  # another namespace never reuses keys
     assert memo.reused_pages == 10 + 5
 
@@ -194,13 +201,18 @@ def test_prefix_memo_reuses_exactly_the_keys_hashing_gives(monkeypatch):
 def test_prefix_memo_is_bounded():
     from hicache.keys import PrefixMemo
 
+    def hashed(tokens: np.ndarray) -> KeyChain:
+        chain = KeyChain(SEED, 4, tokens)
+        chain.upto(chain.pages)
+        return chain
+
     memo = PrefixMemo(page_tokens=4, max_sequences=3, per_head=2)
     for i in range(10):
-        memo.remember(KeyChain(SEED, 4, np.arange(i, i + 8, dtype=np.int32)))
+        memo.remember(hashed(np.arange(i, i + 8, dtype=np.int32)))
     assert sum(len(c) for c in memo._heads.values()) == 3
     same_head = [
         np.concatenate([np.arange(4, dtype=np.int32), np.full(4, i, np.int32)]) for i in range(5)
     ]
     for t in same_head:
-        memo.remember(KeyChain(SEED, 4, t))
+        memo.remember(hashed(t))
     assert len(memo._heads[SEED + same_head[0][:4].tobytes()]) == 2
