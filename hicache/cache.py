@@ -134,6 +134,7 @@ class HiCache:
             group_pages=cfg.group_pages,
             key_prefix=cfg.key_prefix,
             queue_depth=cfg.write_queue_depth,
+            reserve_pages=cfg.fetch_reserve // self.layout.page_size,
         )
         return L3(
             store,

@@ -131,6 +131,11 @@ class StoreTierConfig(TierConfig):
     """First part of every object name (separates hicache from other users of the store)."""
     write_queue_depth: int = Field(default=256, ge=1)
     """Put batches waiting for the write-behind worker; beyond this, work is dropped and counted."""
+    fetch_reserve: Bytes = 64 << 20
+    """Host memory kept free for fetches from the store (at most an eighth of the host tier). A
+    fetch that fits in it is one call on the worker thread (a get into these slots, no exists
+    before it) and reaches the host tier one engine step sooner; larger ones (and layouts with
+    states) ask exists first. 0: always ask first."""
 
 
 class Policy(_Strict):

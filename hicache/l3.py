@@ -58,6 +58,8 @@ class L3Settings:
     group_pages: int
     key_prefix: str
     queue_depth: int
+    reserve_pages: int = 0
+    """Host page slots kept reserved for fetches that skip the exists (`fetch_reserve`)."""
 
 
 @dataclass
@@ -108,6 +110,8 @@ class _Job:
     lease: Lease | _Leases | None = None
     groups: int = 0
     """For a get: how many page groups it reads (a state, if any, comes after them)."""
+    unprobed: bool = False
+    """A get asked without an exists: a missing group ends the hit and is no failure."""
     started: float = 0.0
     finished: float = 0.0
 
@@ -148,6 +152,8 @@ class L3:
         self._registered = threading.Event()
         self._results: deque[tuple[_Job, object]] = deque()
         self._parked: list[tuple[threading.Event, Fetch | _Job]] = []  # timed-out transfers
+        self._reserve: Lease | None = None  # free host slots a fetch can get into at once
+        self._lent = 0  # reserve slots that unprobed gets are reading into now
         self.jobs_in_flight = 0
         """Jobs handed to the workers whose results `poll` has not applied yet."""
         self._fetch_jobs: queue.Queue[_Job | None] = queue.Queue()
@@ -188,14 +194,57 @@ class L3:
         if not self.usable():
             self.stats.l3_skipped += 1
             return None
+        if not self._worth_fetching():
+            return None
         now = self.clock()
         fetch = Fetch(first, keys[: last * self.G], now + self.policy.l3_max_wait_ms / 1e3, now)
         names = [self._group_key(keys, g) for g in range(first, last)]
+        self.stats.l3_probes += 1
+        pages = (last - first) * self.G
+        if self._can_get_at_once(pages):
+            # One call: get every group into reserved slots; the leading run that arrives is the
+            # hit (a missing object reads as a miss). No exists, no second trip to this thread.
+            fetch.lease, fetch.phase = self._reserve.split(pages), "get"  # type: ignore[union-attr]
+            self._lent += pages
+            slots = fetch.lease.slots
+            buffers = [
+                [self._page_piece(s) for s in slots[i : i + self.G]]
+                for i in range(0, pages, self.G)
+            ]
+            job = _Job("get", names, buffers, fetch=fetch, groups=len(names), started=now)
+            job.unprobed = True
+            self._submit(self._fetch_jobs, job)
+            return fetch
         if self.layout.state_bytes:
             names += [self._state_key(keys, (g + 1) * self.G) for g in range(first, last)]
-        self._submit(self._fetch_jobs, _Job("probe", names, fetch=fetch, started=self.clock()))
-        self.stats.l3_probes += 1
+        self._submit(self._fetch_jobs, _Job("probe", names, fetch=fetch, started=now))
         return fetch
+
+    def _can_get_at_once(self, pages: int) -> bool:
+        """Whether a fetch of `pages` pages can skip the exists: no states to find (a state's
+        boundary decides the run), a store that tells a miss from a failure, room in the
+        reserve."""
+        return (
+            not self.layout.state_bytes
+            and self.store.missing_code is not None
+            and self._reserve is not None
+            and len(self._reserve) >= pages
+        )
+
+    def refill(self) -> None:
+        """Top the fetch reserve up to `reserve_pages` free host slots (evicting if needed), at
+        most an eighth of the host tier."""
+        if not self.host.ready:
+            return
+        want = min(self.settings.reserve_pages, self.host.page_slots.capacity // 8) - self._lent
+        have = len(self._reserve) if self._reserve is not None else 0
+        if have >= want:
+            return
+        fresh = self.host.page_slots.reserve(want - have)
+        if self._reserve is None:
+            self._reserve = fresh
+        else:
+            self._reserve.absorb(fresh)
 
     def waiting(self, fetch: Fetch) -> bool:
         """True while the request should wait for `fetch` (policy 'wait', before its deadline)."""
@@ -291,6 +340,7 @@ class L3:
                 self._on_get(job, None if failed else outcome, outcome)  # type: ignore[arg-type]
             else:
                 self._on_put(job, None if failed else outcome, outcome)  # type: ignore[arg-type]
+        self.refill()
 
     def _on_probe(self, job: _Job, present: list[bool] | None) -> None:
         fetch = job.fetch
@@ -312,7 +362,7 @@ class L3:
                     state_slot_key = fetch.keys[pages - 1]
                     break
                 run -= 1
-        if run == 0 or not self.host.ready or not self._worth_fetching(run * self.G):
+        if run == 0 or not self.host.ready:
             fetch.phase = "done"
             return
         first_page = fetch.first_group * self.G
@@ -355,11 +405,13 @@ class L3:
     def _on_get(self, job: _Job, codes: list[int] | None, outcome: object = None) -> None:
         fetch = job.fetch
         run = job.groups
+        if job.unprobed:  # its slots are the fetch's now (or free again): the reserve may refill
+            self._lent -= run * self.G
         ok = 0
         if codes is not None:
             while ok < run and codes[ok] >= 0:
                 ok += 1
-            if ok < run:
+            if ok < run and not (job.unprobed and codes[ok] == self.store.missing_code):
                 self.stats.l3_get_failed += run - ok
         state_ok = fetch.state_lease is not None and codes is not None and codes[-1] >= 0
         if fetch.state_lease is not None and not state_ok:
@@ -436,10 +488,11 @@ class L3:
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    def _worth_fetching(self, pages: int) -> bool:
-        """Loading `pages` from L3 must be cheaper than recomputing their tokens."""
-        fetch_s = pages * self.layout.page_size / (self.policy.l3_read_gbps * 1e9)
-        recompute_s = pages * self.layout.page_tokens / self.policy.prefill_tokens_per_s
+    def _worth_fetching(self) -> bool:
+        """Loading a page from L3 must be cheaper than recomputing its tokens (both costs grow
+        with the page count alike, so this holds for every run or for none)."""
+        fetch_s = self.layout.page_size / (self.policy.l3_read_gbps * 1e9)
+        recompute_s = self.layout.page_tokens / self.policy.prefill_tokens_per_s
         if fetch_s < recompute_s:
             return True
         self.stats.l3_skipped_slow += 1
@@ -493,4 +546,7 @@ class L3:
         for t in self._threads:
             t.join(timeout=30)
         self.poll()
+        if self._reserve is not None:
+            self._reserve.release()
+            self._reserve = None
         self.store.close()

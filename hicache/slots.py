@@ -50,6 +50,23 @@ class Lease:
     def __len__(self) -> int:
         return len(self.slots)
 
+    def split(self, n: int) -> Lease:
+        """Move the first `n` slots, with their pins, into a new lease (no pin is taken or
+        dropped). Raises ValueError on a released lease or one with fewer slots."""
+        if self._pool is None or n > len(self.slots):
+            raise ValueError(
+                f"cannot split {n} slots off a lease of {len(self.slots)} (held: {self.held})"
+            )
+        taken, self.slots = self.slots[:n], self.slots[n:]
+        return Lease(self._pool, taken)
+
+    def absorb(self, other: Lease) -> None:
+        """Move `other`'s slots and pins into this lease; `other` is left released and empty."""
+        if self._pool is None or other._pool is not self._pool:
+            raise ValueError("leases of different pools, or a released one, cannot be merged")
+        self.slots = self.slots + other.slots
+        other._pool, other.slots = None, []
+
 
 class SlotPool:
     """`capacity` slots indexed by 16-byte key, with pins and LRU eviction of unpinned slots."""

@@ -24,9 +24,12 @@ P = 4
 HERE = Path(__file__).resolve().parent
 
 
-def l3_config(master, *, group_pages: int = 2, **policy) -> dict:
+def l3_config(master, *, group_pages: int = 2, fetch_reserve: int | None = None, **policy) -> dict:
     cfg = config(host_pages=64, **policy)
-    cfg["tiers"].append({"type": "mooncake", **master.tier_config, "group_pages": group_pages})
+    tier = {"type": "mooncake", **master.tier_config, "group_pages": group_pages}
+    if fetch_reserve is not None:
+        tier["fetch_reserve"] = fetch_reserve
+    cfg["tiers"].append(tier)
     return cfg
 
 
@@ -61,6 +64,41 @@ def engines(mooncake_master) -> Iterator[Callable[..., FakeEngine]]:
 
 def prompt(seed: int, n: int = 42) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 30_000, n, dtype=np.int32)
+
+
+def test_a_fetch_that_fits_the_reserve_is_one_get_and_a_missing_group_ends_it(
+    mooncake_master, engines
+):
+    writer = engines()
+    p = prompt(4)
+    writer.run("w", p)
+    settled(writer)
+    from hicache.keys import chain_seed, l3_key, page_keys
+
+    keys = page_keys(chain_seed(writer.cache.fingerprint), p, P)
+    victim = l3_key("hicache", writer.cache.fingerprint, keys[5], 2)  # group 2: pages 4, 5
+    assert writer.cache._l3.store.remove([victim], force=True) == [0]
+    reader = engines(l3_config(mooncake_master, fetch_reserve=16 * 64))  # 16 pages of 64 bytes
+    reader.cache.poll()  # fills the reserve
+    assert len(reader.cache._l3._reserve) == 8  # an eighth of the 64 host pages
+    m = reader.cache.match("r", p[:34])  # 8 full pages: fits the reserve
+    assert m.pending
+    wait_until(lambda: not reader.cache.match("r", p[:34]).pending, reader)
+    m = reader.cache.match("r", p[:34])
+    assert (m.hit_tokens, m.l3_tokens) == (16, 16)  # groups 0, 1; group 2 is missing
+    s = reader.cache.stats()
+    assert s["l3_probes"] == 1 and s["l3_get_failed"] == 0 and s["l3_pages_fetched"] == 4
+    h = reader.cache.histograms()
+    assert h["hicache_l3_exists_seconds"]["buckets"][-1][1] == 0  # no exists was asked
+    assert h["hicache_l3_get_seconds"]["buckets"][-1][1] == 1
+    blocks = reader.allocate(9)
+    reader.cache.load(m, blocks)
+    for i in range(4):
+        assert np.array_equal(reader.page(blocks[i]), kv_bytes(p, (i + 1) * P, 64))
+    reader.cache.release("r")
+    reader.cache.poll()
+    assert len(reader.cache._l3._reserve) == 8  # refilled
+    reader.cache.host.page_slots.check()
 
 
 def test_a_fresh_process_hits_from_l3_with_exact_bytes_and_puts_nothing_again(
@@ -130,7 +168,7 @@ def test_an_object_removed_between_exists_and_get_is_never_a_hit(mooncake_master
     p = prompt(3)
     writer.run("w", p)
     settled(writer)
-    reader = engines()
+    reader = engines(l3_config(mooncake_master, fetch_reserve=0))  # exists, then get
     cache, l3 = reader.cache, reader.cache._l3
     m = cache.match("r", p)
     assert m.pending

@@ -64,6 +64,9 @@ class StoreTier(Tier):
 
     addressable = False
     blocking = True
+    missing_code: int | None = None
+    """The per-key code `get_into` gives for an object the store does not hold, if it has one:
+    then a get may be asked without an exists first, and a miss is not counted as a failure."""
 
     @abstractmethod
     def start(self) -> None:

@@ -286,6 +286,7 @@ class MooncakeStore(StoreTier):
 
     shared = True
     persistent = True
+    missing_code = -704  # StoreCode.OBJECT_NOT_FOUND (defined below)
 
     def __init__(
         self,
