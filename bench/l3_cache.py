@@ -4,7 +4,9 @@
 
 1. Throughput, for objects of 512 KiB and of 4 MiB, round by round: raw
    `batch_put_from_multi_buffers` / `batch_get_into_multi_buffers` of 32 objects (one contiguous
-   piece each, and 4 scattered pieces each as hicache's groups are), then hicache's write-behind (a
+   piece each, and 4 scattered pieces each as hicache's groups are; one client puts them and
+   another reads them, as hicache's writer and reader are two caches: on loopback TCP a client
+   reads what it put itself twice as fast), then hicache's write-behind (a
    `store` of 128 pages = 32 groups of 4 = 32 objects, timed from `store` returning until every
    put has been applied) and fill (a fresh cache's `match` of the same prompt, timed until the
    pages are in its host tier and the match is no longer pending). Objects live in a segment of
@@ -19,9 +21,11 @@ Prints JSON; with --out also writes it.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import platform
+import pstats
 import statistics
 import sys
 import time
@@ -42,6 +46,7 @@ KiB, MiB = 1 << 10, 1 << 20
 DEVICE = "cpu"  # --device cuda puts the engine's pool on the GPU (copies: the CUDA paths)
 CUDA = False
 ENGINE_PAGE = 4 * KiB  # page size of the engine-thread timings (64 KiB on CUDA: copy engines)
+PROFILE = False  # --profile: cProfile the engine-thread stores
 
 
 def make_cache(master: MooncakeMaster | None, page_bytes: int, pages: int, **store) -> HiCache:
@@ -55,7 +60,8 @@ def make_cache(master: MooncakeMaster | None, page_bytes: int, pages: int, **sto
         "breaker_reprobe_s": 0.5,
         **store,
     }
-    host = {"type": "host", "size": 4 * pages * page_bytes, "pin": "yes" if CUDA else "no"}
+    # a host tier of 16 stores' pages: its eighth, the fetch reserve, holds one whole fetch
+    host = {"type": "host", "size": 16 * pages * page_bytes, "pin": "yes" if CUDA else "no"}
     cfg = load_config(
         {
             "layout": {
@@ -83,10 +89,12 @@ def until_idle(cache: HiCache) -> None:
 
 
 def raw_pieces(
-    client, base: int, obj: int, pieces: int, batch: int, tag: str
+    client, base: int, obj: int, pieces: int, batch: int, tag: str, reader, reader_base: int
 ) -> tuple[float, float]:
     """One raw batch put + get of `batch` objects, each from/into `pieces` separate buffers (as
-    hicache's groups are: one piece per page slot). Returns (put_s, get_s)."""
+    hicache's groups are: one piece per page slot). `client` puts from `base`, `reader` (another
+    client, as hicache's reader is another cache) gets into `reader_base`. Returns (put_s,
+    get_s)."""
     from mooncake.store import ReplicateConfig
 
     rep = ReplicateConfig()
@@ -94,16 +102,13 @@ def raw_pieces(
     part = obj // pieces
     # scatter the pieces: object i's piece j lies at slot j * batch + i, like slots of a pool
     src = [[base + (j * batch + i) * part for j in range(pieces)] for i in range(batch)]
-    dst = [
-        [base + (pieces * batch + j * batch + i) * part for j in range(pieces)]
-        for i in range(batch)
-    ]
+    dst = [[reader_base + (j * batch + i) * part for j in range(pieces)] for i in range(batch)]
     sizes = [[part] * pieces for _ in range(batch)]
     keys = [f"raw/{tag}/{i}" for i in range(batch)]
     t0 = time.perf_counter()
     put = client.batch_put_from_multi_buffers(keys, src, sizes, rep)
     t1 = time.perf_counter()
-    got = client.batch_get_into_multi_buffers(keys, dst, sizes)
+    got = reader.batch_get_into_multi_buffers(keys, dst, sizes)
     t2 = time.perf_counter()
     client.batch_remove(keys, True)
     if any(c != 0 for c in put) or any(c != obj for c in got):
@@ -119,17 +124,22 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
     obj = 4 * page_bytes
     writer = make_cache(master, page_bytes, pages)
     reader = make_cache(master, page_bytes, pages)
-    client = raw_client(master.address, 0)
+    client, raw_reader = raw_client(master.address, 0), raw_client(master.address, 0)
     buf = torch.randint(0, 255, (2 * 32 * obj,), dtype=torch.uint8)  # src half, dst half
+    rbuf = torch.zeros(32 * obj, dtype=torch.uint8)
     if client.register_buffer(buf.data_ptr(), buf.numel()) != 0:
         raise SystemExit("register_buffer failed")
+    if raw_reader.register_buffer(rbuf.data_ptr(), rbuf.numel()) != 0:
+        raise SystemExit("register_buffer failed")
     rng = np.random.default_rng(0)
-    keys = ("raw_put", "raw_get", "raw4_put", "raw4_get", "put", "fill")
+    keys = ("raw_put", "raw_get", "raw4_put", "raw4_get", "put", "fill", "fill_get_call")
     t: dict[str, list[float]] = {k: [] for k in keys}
     try:
         for r in range(rounds + 1):
-            one = measure(client, buf.data_ptr(), obj, 32, rounds=1, warmup=0)
-            put4, get4 = raw_pieces(client, buf.data_ptr(), obj, 4, 32, str(r))
+            one = measure(client, buf.data_ptr(), obj, 32, 1, 0, raw_reader, rbuf.data_ptr())
+            put4, get4 = raw_pieces(
+                client, buf.data_ptr(), obj, 4, 32, str(r), raw_reader, rbuf.data_ptr()
+            )
             tokens = rng.integers(0, 50_000, pages * 16 + 1, dtype=np.int32)
             before = writer.stats()["l3_put_bytes"]
             writer.store(f"w{r}", tokens, list(range(pages)))
@@ -140,6 +150,7 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
             if writer.stats()["l3_put_bytes"] - before != pages * page_bytes:
                 raise SystemExit(f"round {r}: not every page group was put")
             before = reader.stats()["l3_get_bytes"]
+            get_before = reader.histograms()["hicache_l3_get_seconds"]["sum"]
             t0 = time.perf_counter()
             m = reader.match(f"r{r}", tokens)
             while m.pending:
@@ -147,6 +158,7 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
                 time.sleep(0.0005)
                 m = reader.match(f"r{r}", tokens)
             fill_s = time.perf_counter() - t0
+            get_s = reader.histograms()["hicache_l3_get_seconds"]["sum"] - get_before
             reader.release(f"r{r}")
             got = reader.stats()["l3_get_bytes"] - before
             if m.l3_tokens != pages * 16 or got != pages * page_bytes:
@@ -158,8 +170,10 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
                 t["raw4_get"].append(get4)
                 t["put"].append(put_s)
                 t["fill"].append(fill_s)
+                t["fill_get_call"].append(get_s)
     finally:
         client.close()
+        raw_reader.close()
         writer.close()
         reader.close()
     nbytes = 32 * obj
@@ -169,15 +183,17 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
         "object_bytes": obj,
         "rounds": rounds,
         "median_gbps": gbps,
+        "median_ms": {k: round(statistics.median(v) * 1e3, 2) for k, v in t.items()},
         "ratio_put_vs_raw_same_pieces": round(gbps["put"] / gbps["raw4_put"], 3),
         "ratio_fill_vs_raw_same_pieces": round(gbps["fill"] / gbps["raw4_get"], 3),
         "ratio_put_vs_raw_one_piece": round(gbps["put"] / gbps["raw_put"], 3),
         "ratio_fill_vs_raw_one_piece": round(gbps["fill"] / gbps["raw_get"], 3),
         "notes": "put: store() returning -> every put applied (write-behind worker, poll); "
-        "fill: first match -> match no longer pending (one batched exists, one batched get, "
-        "two hand-offs to the worker thread); raw: one batch call each, objects of one "
-        "contiguous piece (raw_*) or of 4 scattered 128 KiB pieces as hicache's groups of 4 "
-        "page slots are (raw4_*)",
+        "fill: first match -> match no longer pending (a fetch that fits the reserve is one "
+        "batched get and one hand-off; a larger one asks exists first); raw: one batch call "
+        "each, objects of one contiguous piece (raw_*) or of 4 scattered pieces as hicache's "
+        "groups of 4 page slots are (raw4_*), put by one client and read by another, as "
+        "hicache's writer and reader are two caches",
     }
 
 
@@ -190,9 +206,14 @@ def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -
         f"{c}_{k}": [] for c in ("store", "match", "poll") for k in ("wall_us", "cpu_us")
     }
 
+    profile = cProfile.Profile() if PROFILE else None
+
     def timed(name: str, fn) -> None:
         w0, c0 = time.perf_counter(), time.thread_time()
-        fn()
+        if profile is not None and name == "store":
+            profile.runcall(fn)
+        else:
+            fn()
         times[f"{name}_wall_us"].append((time.perf_counter() - w0) * 1e6)
         times[f"{name}_cpu_us"].append((time.thread_time() - c0) * 1e6)
 
@@ -208,6 +229,9 @@ def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -
             cache.release(f"m{i}")
             timed("poll", cache.poll)
         stats = cache.stats()
+        if profile is not None:
+            print(f"== profile of store, {phase}", file=sys.stderr)
+            pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(20)
     finally:
         if phase == "down":
             master.restart()
@@ -237,19 +261,27 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=400)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda for a GPU pool")
     ap.add_argument("--out")
+    ap.add_argument(
+        "--parts", default="throughput,engine", help="throughput, engine (comma-separated)"
+    )
+    ap.add_argument("--profile", action="store_true", help="cProfile of store on stderr")
     args = ap.parse_args()
-    global DEVICE, CUDA, ENGINE_PAGE
-    DEVICE, CUDA = args.device, args.device.startswith("cuda")
+    parts = set(args.parts.split(","))
+    global DEVICE, CUDA, ENGINE_PAGE, PROFILE
+    DEVICE, CUDA, PROFILE = args.device, args.device.startswith("cuda"), args.profile
     if CUDA:
         torch.cuda.set_stream(torch.cuda.Stream())  # an engine's own stream
         ENGINE_PAGE = 64 * KiB
     master = MooncakeMaster().start()
     holder = _SegmentHolder(master.address, 3 << 30)
     try:
-        flow = [throughput(master, args.rounds, size) for size in (128 * KiB, 1 * MiB)]
-        baseline = engine_thread_times(None, args.calls, "host_only")
-        saturated = engine_thread_times(master, args.calls, "saturated")
-        down = engine_thread_times(master, args.calls, "down")
+        flow, baseline, saturated, down = [], None, None, None
+        if "throughput" in parts:
+            flow = [throughput(master, args.rounds, size) for size in (128 * KiB, 1 * MiB)]
+        if "engine" in parts:
+            baseline = engine_thread_times(None, args.calls, "host_only")
+            saturated = engine_thread_times(master, args.calls, "saturated")
+            down = engine_thread_times(master, args.calls, "down")
     finally:
         holder.close()
         master.stop()

@@ -50,21 +50,32 @@ def raw_client(master: str, segment_bytes: int, local_hostname: str = "127.0.0.1
 
 
 def measure(
-    client: Any, base_ptr: int, obj_bytes: int, batch: int, rounds: int, warmup: int = 1
+    client: Any,
+    base_ptr: int,
+    obj_bytes: int,
+    batch: int,
+    rounds: int,
+    warmup: int = 1,
+    reader: Any = None,
+    reader_ptr: int = 0,
 ) -> dict[str, Any]:
     """Batched put then get of `batch` objects of `obj_bytes`, `rounds` times (after `warmup`).
 
     `base_ptr` must point at ``2 * batch * obj_bytes`` bytes registered with `client`: objects are
-    put from the first half and read into the second. Every round uses fresh keys and removes
-    them afterwards (force), so the store never fills. Returns GB/s (1e9 bytes per second) of the
-    aggregate and of the median round, for put and get.
+    put from the first half and read into the second. With `reader`, another client reads them
+    instead, into ``batch * obj_bytes`` bytes at `reader_ptr` registered with it (a client reads
+    objects it put itself about twice as fast as others do, on loopback TCP). Every round uses
+    fresh keys and removes them afterwards (force), so the store never fills. Returns GB/s (1e9
+    bytes per second) of the aggregate and of the median round, for put and get.
     """
     from mooncake.store import ReplicateConfig
 
     rep = ReplicateConfig()
     rep.replica_num = 1
     src = [[base_ptr + i * obj_bytes] for i in range(batch)]
-    dst = [[base_ptr + (batch + i) * obj_bytes] for i in range(batch)]
+    getter = reader if reader is not None else client
+    dst_ptr = reader_ptr if reader is not None else base_ptr + batch * obj_bytes
+    dst = [[dst_ptr + i * obj_bytes] for i in range(batch)]
     sizes = [[obj_bytes] for _ in range(batch)]
     times: dict[str, list[float]] = {"put": [], "get": []}
     run = uuid.uuid4().hex[:8]
@@ -73,7 +84,7 @@ def measure(
         t0 = time.perf_counter()
         put = client.batch_put_from_multi_buffers(keys, src, sizes, rep)
         t1 = time.perf_counter()
-        got = client.batch_get_into_multi_buffers(keys, dst, sizes)
+        got = getter.batch_get_into_multi_buffers(keys, dst, sizes)
         t2 = time.perf_counter()
         client.batch_remove(keys, True)
         if any(c != 0 for c in put) or any(c != obj_bytes for c in got):
