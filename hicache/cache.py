@@ -233,9 +233,22 @@ class HiCache:
 
     def _host_prefix(self, chain: KeyChain, first: int) -> list[int]:
         """Host slots of the pages from `first` on, up to the first miss, hashing the prompt only
-        that far (in steps that double, from 16 pages: most prompts stop in the first one)."""
-        pool, slots = self.host.page_slots, []
-        begin, step = first, 16
+        that far: the compiled walk hashes and looks up pair by pair; without it, steps that
+        double from 16 pages."""
+        pool = self.host.page_slots
+        chain.upto(first)  # the pages the engine computed are hashed, not looked up
+        known = chain.hashed
+        slots = pool.prefix(known[first:]) if len(known) > first else []
+        begin = len(known)
+        if first + len(slots) < len(known) or begin >= chain.pages:
+            return slots
+        prev = known[-1] if known else chain.seed
+        walked = pool.walk(prev, chain.rows(begin))
+        if walked is not None:
+            keys, found = walked
+            chain.append(keys)
+            return slots + found
+        step = 16
         while begin < chain.pages:
             end = min(chain.pages, begin + step)
             found = pool.prefix(chain.upto(end)[begin:])

@@ -82,6 +82,8 @@ def as_tokens(tokens: Any) -> np.ndarray:
 
     Accepts a sequence of ints, a numpy array or a CPU torch tensor. Token ids must fit int32.
     """
+    if type(tokens) is np.ndarray and tokens.dtype == np.int32 and tokens.ndim == 1:
+        return tokens if tokens.flags.c_contiguous else np.ascontiguousarray(tokens)
     if hasattr(tokens, "numpy") and hasattr(tokens, "device"):  # a torch tensor
         if tokens.device.type != "cpu":
             raise ValueError(f"tokens must be on the CPU, got a tensor on {tokens.device}")
@@ -166,6 +168,18 @@ class KeyChain:
             prev = keys[-1] if keys else self.seed
             keys += page_keys(prev, self.tokens[have * P : min(n, self.pages) * P], P)
         return keys[:n]
+
+    def rows(self, begin: int) -> np.ndarray:
+        """The tokens of full pages `begin`.. as a C-contiguous int32 [pages, page_tokens]."""
+        P = self.page_tokens
+        return np.ascontiguousarray(self.tokens[begin * P : self.pages * P]).reshape(-1, P)
+
+    def append(self, keys: list[bytes]) -> None:
+        """Take the keys of the pages right after `hashed`, hashed elsewhere from `hashed[-1]`
+        (or the seed) in this format: the host walk hashes while it looks up."""
+        if len(self._keys) + len(keys) > self.pages:
+            raise ValueError("more keys than the chain has full pages")
+        self._keys += keys
 
     def extend(self, tokens: np.ndarray) -> None:
         """Grow to `tokens`, which must start with the tokens held now."""

@@ -95,6 +95,12 @@ class SlotPool:
         miss are never looked up)."""
         return self._index.prefix(keys)
 
+    def walk(self, prev: bytes, pages: np.ndarray) -> tuple[list[bytes], list[int]] | None:
+        """Hash `pages` (int32 [n, page_tokens]) chained from key `prev` while this pool holds
+        their keys: the keys hashed (up to the pair with the first miss) and the slots of the
+        leading run held. None where the compiled helpers are missing."""
+        return self._index.walk(prev, pages)
+
     def slot_of(self, key: bytes) -> int | None:
         return self._index.get(key)
 

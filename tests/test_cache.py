@@ -42,6 +42,23 @@ def test_miss_then_full_hit_capped_to_leave_one_token():
     books_are_clean(e)
 
 
+@pytest.mark.parametrize("walk", ["compiled", "steps"])
+def test_hits_stop_at_the_first_missing_page_with_or_without_the_compiled_walk(walk, monkeypatch):
+    if walk == "steps":  # no compiled walk: match hashes in steps of 16, 32, ... pages
+        monkeypatch.setattr("hicache.slots.SlotPool.walk", lambda self, prev, pages: None)
+    e = FakeEngine(config(host_pages=256))
+    long = toks((0, 200))  # 50 pages
+    e.run("a", long)
+    other = long.copy()
+    other[37 * P + 1] += 1  # page 37 differs: pages 0..36 are shared
+    m = e.run("b", other)
+    assert (m.hit_tokens, m.load_pages) == (37 * P, 37)
+    m = e.cache.match("c", long[: 20 * P + 3], computed_tokens=8 * P)  # the engine holds 8
+    assert (m.computed_tokens, m.first_page, m.load_pages, m.hit_tokens) == (32, 8, 12, 80)
+    e.cache.release("c")
+    books_are_clean(e)
+
+
 def test_partial_hit_on_a_shared_prefix():
     e = FakeEngine(config())
     e.run("a", toks((0, 10)))  # pages 0, 1 stored (2 tokens left over)

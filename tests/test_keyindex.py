@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from hicache.native.index import _DictIndex, _TableIndex, key_index
@@ -97,3 +98,27 @@ def test_the_table_refuses_to_fill_up() -> None:
     index.insert([_key(rng) for _ in range(15)], list(range(15)))
     with pytest.raises(RuntimeError, match="key index full"):
         index.insert([_key(rng)], [15])
+
+
+def test_the_walk_hashes_pairs_until_the_first_missing_key():
+    from hicache.keys import page_keys
+
+    rng = np.random.default_rng(9)
+    tokens = rng.integers(0, 50_000, 10 * 4, dtype=np.int32)
+    seed = bytes(16)
+    keys = page_keys(seed, tokens, 4)
+    pages = tokens.reshape(10, 4)
+    index = _new("compiled", 64)
+    index.insert(keys[:3] + keys[5:], [10, 11, 12, 15, 16, 17, 18, 19])  # page 3 missing
+    hashed, slots = index.walk(seed, pages)
+    assert hashed == keys[:4] and slots == [10, 11, 12]  # stops after the pair (2, 3)
+    index.insert([keys[3]], [13])
+    index.remove([keys[4]])
+    hashed, slots = index.walk(seed, pages)
+    assert hashed == keys[:6] and slots == [10, 11, 12, 13]  # pair (4, 5) holds the miss
+    index.insert([keys[4]], [14])
+    hashed, slots = index.walk(seed, pages[:9])  # an odd count: the last page alone
+    assert hashed == keys[:9] and slots == list(range(10, 19))
+    hashed, slots = index.walk(keys[1], pages[2:5])  # from a known key, mid-chain
+    assert hashed == keys[2:5] and slots == [12, 13, 14]
+    assert _new("dict", 8).walk(seed, pages) is None  # the caller hashes in steps instead

@@ -31,57 +31,71 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def build(source_name: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """Compile `source_name` (a C file of this package) into a shared library and load it.
+SOURCES = ("chainhash.c", "keyindex.c", "prefix.c", "walk.c")
+"""The C files of this package, built into one library (they share native.h)."""
 
-    The library is cached under `cache_dir()` by a digest of the source, the flags and the
-    platform, so it is built once per machine. Returns None (and logs why) when no C compiler is
-    found or the build fails; callers then take their pure-Python path.
+
+def build(sources: tuple[str, ...] = SOURCES, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """Compile `sources` (C files of this package) into one shared library and load it.
+
+    The library is cached under `cache_dir()` by a digest of the sources, native.h, the flags
+    and the platform, so it is built once per machine. Returns None (and logs why) when no C
+    compiler is found or the build fails; callers then take their pure-Python path.
     """
-    source = Path(__file__).with_name(source_name)
-    text = source.read_bytes()
-    tag = hashlib.sha256(text + " ".join(flags).encode() + sys.platform.encode()).hexdigest()[:16]
-    target = cache_dir() / f"{source.stem}-{tag}.so"
+    here = Path(__file__).parent
+    digest = hashlib.sha256(" ".join(flags).encode() + sys.platform.encode())
+    for name in (*sources, "native.h"):
+        digest.update((here / name).read_bytes())
+    target = cache_dir() / f"hicache-native-{digest.hexdigest()[:16]}.so"
     if not target.exists():
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if compiler is None:
-            log.warning("hicache: no C compiler found for %s; using the Python path", source.name)
+            log.warning("hicache: no C compiler found; using the Python paths (slower)")
             return None
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            cmd = [compiler, "-O2", *flags, "-shared", "-fPIC", "-o", str(built), str(source)]
+            files = [str(here / name) for name in sources]
+            cmd = [compiler, "-O2", *flags, "-shared", "-fPIC", "-o", str(built), *files]
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if done.returncode != 0:
-                log.warning("hicache: building %s failed: %s", source.name, done.stderr.strip())
+                log.warning("hicache: building %s failed: %s", sources, done.stderr.strip())
                 return None
             os.replace(built, target)  # atomic: concurrent builders all end with one good file
     return ctypes.CDLL(str(target))
 
 
 @cache
+def library() -> ctypes.CDLL | None:
+    """The compiled helpers with their signatures declared, or None where they can't be built."""
+    lib = build()
+    if lib is None:
+        return None
+    p, i64, u64, size = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_size_t
+    signatures = {
+        "hicache_chain": (ctypes.c_int, [p, p, p, ctypes.c_char_p, p, size, size, p]),
+        "hicache_chain_force_portable": (ctypes.c_int, [ctypes.c_int]),
+        "hicache_index_find": (i64, [p, u64, ctypes.c_char_p, i64, p, ctypes.c_int]),
+        "hicache_index_insert": (i64, [p, u64, ctypes.c_char_p, p, i64, p]),
+        "hicache_index_remove": (i64, [p, u64, ctypes.c_char_p, i64]),
+        "hicache_common_prefix": (size, [p, p, size]),
+        "hicache_walk": (i64, [p, p, p, ctypes.c_char_p, p, size, size, p, u64, p, p, p]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+@cache
 def _library() -> tuple[ctypes.CDLL, tuple[int, int, int]] | None:
+    """The library and OpenSSL's SHA-256 functions, which the chain needs where SHA-NI is not."""
     sha256 = _openssl_sha256()
     if sha256 is None:
         log.info("hicache: OpenSSL's SHA256 not found in this process; keys hashed in Python")
         return None
-    lib = build("chainhash.c")
-    if lib is None:
-        return None
-    lib.hicache_chain.restype = ctypes.c_int
-    lib.hicache_chain.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_char_p,
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_size_t,
-        ctypes.c_void_p,
-    ]
-    lib.hicache_chain_force_portable.restype = ctypes.c_int
-    lib.hicache_chain_force_portable.argtypes = [ctypes.c_int]
-    return lib, sha256
+    lib = library()
+    return None if lib is None else (lib, sha256)
 
 
 def _openssl_sha256() -> tuple[int, int, int] | None:
@@ -142,21 +156,41 @@ def chain_keys(seed: bytes, pages: np.ndarray) -> bytes | None:
     return out.tobytes()
 
 
-@cache
-def _prefix_library() -> ctypes.CDLL | None:
-    lib = build("prefix.c")
-    if lib is not None:
-        lib.hicache_common_prefix.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-        lib.hicache_common_prefix.restype = ctypes.c_size_t
-    return lib
-
-
 def common_tokens(a: np.ndarray, b: np.ndarray) -> int:
     """How many leading tokens two C-contiguous int32 arrays share (compiled where possible)."""
     n = min(a.shape[0], b.shape[0])
-    lib = _prefix_library()
+    lib = library()
     if lib is None:
         diff = np.flatnonzero(a[:n] != b[:n])
         return int(diff[0]) if diff.size else n
     same = lib.hicache_common_prefix(a.ctypes.data, b.ctypes.data, 4 * n)
     return same // 4
+
+
+def walk(
+    prev: bytes, pages: np.ndarray, table: int, mask: int, out_keys: int, out_slots: int
+) -> tuple[int, int] | None:
+    """Hash `pages` (C-contiguous [n, page_tokens] int32) chained from `prev` and look each key
+    up in the key index table at address `table` (mask + 1 entries), stopping after the pair of
+    pages that holds the first miss. Writes the keys hashed (16 bytes each) to `out_keys` and
+    the slots of the leading run found (int32) to `out_slots`, which hold room for n of each.
+    Returns (pages hashed, run found); None when the compiled helpers are not available."""
+    loaded = _library()
+    if loaded is None:
+        return None
+    lib, sha256 = loaded
+    n = pages.shape[0]
+    found = ctypes.c_int64()
+    hashed = lib.hicache_walk(
+        *sha256,
+        prev,
+        pages.ctypes.data,
+        pages.shape[1] * 4,
+        n,
+        table,
+        mask,
+        out_keys,
+        out_slots,
+        ctypes.byref(found),
+    )
+    return hashed, found.value

@@ -23,6 +23,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "native.h"
+
 typedef int (*init_fn)(void *ctx);
 typedef int (*update_fn)(void *ctx, const void *data, size_t len);
 typedef int (*final_fn)(unsigned char *md, void *ctx);

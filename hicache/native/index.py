@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 from array import array
 from collections.abc import Iterator, Sequence
-from functools import cache
 
 import numpy as np
 
@@ -21,21 +20,6 @@ __all__ = ["KeyIndex", "key_index"]
 
 KEY_BYTES = 16
 _ENTRY = np.dtype([("k0", "<u8"), ("k1", "<u8"), ("slot", "<i8")])
-
-
-@cache
-def _library() -> ctypes.CDLL | None:
-    lib = native.build("keyindex.c")
-    if lib is None:
-        return None
-    p, u64, i64 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64
-    lib.hicache_index_find.argtypes = [p, u64, ctypes.c_char_p, i64, p, ctypes.c_int]
-    lib.hicache_index_find.restype = i64
-    lib.hicache_index_insert.argtypes = [p, u64, ctypes.c_char_p, p, i64, p]
-    lib.hicache_index_insert.restype = i64
-    lib.hicache_index_remove.argtypes = [p, u64, ctypes.c_char_p, i64]
-    lib.hicache_index_remove.restype = i64
-    return lib
 
 
 def _packed(keys: Sequence[bytes]) -> bytes:
@@ -59,6 +43,8 @@ class _TableIndex:
         self._remove = lib.hicache_index_remove
         self._out = array("i")  # reused result buffers: slots and new-key flags
         self._fresh = array("B")
+        self._keys = np.empty(0, dtype=f"V{KEY_BYTES}")  # the walk's keys
+        self._keys_addr = 0
         self._len = 0
 
     def _buffers(self, n: int) -> tuple[int, int]:
@@ -102,6 +88,18 @@ class _TableIndex:
 
     def remove(self, keys: Sequence[bytes]) -> None:
         self._len -= self._remove(self._addr, self._mask, _packed(keys), len(keys))
+
+    def walk(self, prev: bytes, pages: np.ndarray) -> tuple[list[bytes], list[int]] | None:
+        n = pages.shape[0]
+        if self._keys.shape[0] < n:
+            self._keys = np.empty(max(n, 2 * self._keys.shape[0]), dtype=f"V{KEY_BYTES}")
+            self._keys_addr = self._keys.ctypes.data
+        slots, _ = self._buffers(n)
+        walked = native.walk(prev, pages, self._addr, self._mask, self._keys_addr, slots)
+        if walked is None:
+            return None
+        hashed, found = walked
+        return self._keys[:hashed].tolist(), self._out[:found].tolist()
 
     def __len__(self) -> int:
         return self._len
@@ -151,6 +149,9 @@ class _DictIndex:
         for k in keys:
             self._map.pop(k, None)
 
+    def walk(self, prev: bytes, pages: np.ndarray) -> None:
+        return None  # no compiled helpers: the caller hashes and looks up in steps
+
     def __len__(self) -> int:
         return len(self._map)
 
@@ -165,9 +166,11 @@ def key_index(capacity: int, *, compiled: bool = True) -> KeyIndex:
     """An index for at most `capacity` keys: the compiled table when it can be built (and
     `compiled`), else the dict. Methods: ``prefix(keys)`` (slots of the leading run of keys
     held), ``lookup(keys)`` (slot or None each), ``get``, ``in``, ``insert(keys, slots)`` (adds
-    the keys not held; says which were new), ``remove(keys)``, ``len``, ``items()``.
+    the keys not held; says which were new), ``remove(keys)``, ``len``, ``items()``, and
+    ``walk(prev, pages)``: hash pages chained from `prev` while their keys are held (see
+    `hicache.native.walk`; None from the dict, which has no compiled helpers).
 
     The caller keeps at most `capacity` keys in it (the table's load factor depends on it).
     """
-    lib = _library() if compiled else None
+    lib = native.library() if compiled else None
     return _TableIndex(capacity, lib) if lib is not None else _DictIndex(capacity)

@@ -16,10 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef struct {
-    uint64_t k0, k1;
-    int64_t slot; /* < 0: empty */
-} Entry;
+#include "native.h" /* Entry: {k0, k1, slot}; slot < 0: empty */
 
 enum { AHEAD = 8 }; /* how many keys ahead a batch lookup prefetches */
 
