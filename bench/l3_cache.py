@@ -47,6 +47,7 @@ DEVICE = "cpu"  # --device cuda puts the engine's pool on the GPU (copies: the C
 CUDA = False
 ENGINE_PAGE = 4 * KiB  # page size of the engine-thread timings (64 KiB on CUDA: copy engines)
 PROFILE = False  # --profile: cProfile the engine-thread stores
+STREAM = 4  # requests at once in the streamed throughput
 
 
 def make_cache(master: MooncakeMaster | None, page_bytes: int, pages: int, **store) -> HiCache:
@@ -132,7 +133,19 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
     if raw_reader.register_buffer(rbuf.data_ptr(), rbuf.numel()) != 0:
         raise SystemExit("register_buffer failed")
     rng = np.random.default_rng(0)
-    keys = ("raw_put", "raw_get", "raw4_put", "raw4_get", "put", "fill", "fill_get_call")
+    keys = (
+        "raw_put",
+        "raw_get",
+        "raw4_put",
+        "raw4_get",
+        "put",
+        "fill",
+        "fill_get_call",
+        "raw4_put_x4",
+        "raw4_get_x4",
+        "put_x4",
+        "fill_x4",
+    )
     t: dict[str, list[float]] = {k: [] for k in keys}
     try:
         for r in range(rounds + 1):
@@ -163,7 +176,22 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
             got = reader.stats()["l3_get_bytes"] - before
             if m.l3_tokens != pages * 16 or got != pages * page_bytes:
                 raise SystemExit(f"round {r}: fetched {got} bytes, hit {m.l3_tokens} tokens")
+            # four requests at once: their hand-offs to the engine thread overlap the calls
+            raw_x4 = [
+                raw_pieces(
+                    client, buf.data_ptr(), obj, 4, 32, f"{r}x{i}", raw_reader, rbuf.data_ptr()
+                )
+                for i in range(STREAM)
+            ]
+            prompts = [
+                rng.integers(0, 50_000, pages * 16 + 1, dtype=np.int32) for _ in range(STREAM)
+            ]
+            put_x4, fill_x4 = streamed(writer, reader, prompts, pages, f"{r}")
             if r:  # round 0 warms up
+                t["raw4_put_x4"].append(sum(p for p, _ in raw_x4))
+                t["raw4_get_x4"].append(sum(g for _, g in raw_x4))
+                t["put_x4"].append(put_x4)
+                t["fill_x4"].append(fill_x4)
                 t["raw_put"].append(one["put_ms_median_round"] / 1e3)
                 t["raw_get"].append(one["get_ms_median_round"] / 1e3)
                 t["raw4_put"].append(put4)
@@ -177,7 +205,10 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
         writer.close()
         reader.close()
     nbytes = 32 * obj
-    gbps = {k: round(nbytes / statistics.median(v) / 1e9, 3) for k, v in t.items()}
+    gbps = {
+        k: round(nbytes * (STREAM if k.endswith("_x4") else 1) / statistics.median(v) / 1e9, 3)
+        for k, v in t.items()
+    }
     return {
         "objects_per_batch": 32,
         "object_bytes": obj,
@@ -186,6 +217,8 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
         "median_ms": {k: round(statistics.median(v) * 1e3, 2) for k, v in t.items()},
         "ratio_put_vs_raw_same_pieces": round(gbps["put"] / gbps["raw4_put"], 3),
         "ratio_fill_vs_raw_same_pieces": round(gbps["fill"] / gbps["raw4_get"], 3),
+        "ratio_put_x4_vs_raw_same_pieces": round(gbps["put_x4"] / gbps["raw4_put_x4"], 3),
+        "ratio_fill_x4_vs_raw_same_pieces": round(gbps["fill_x4"] / gbps["raw4_get_x4"], 3),
         "ratio_put_vs_raw_one_piece": round(gbps["put"] / gbps["raw_put"], 3),
         "ratio_fill_vs_raw_one_piece": round(gbps["fill"] / gbps["raw_get"], 3),
         "notes": "put: store() returning -> every put applied (write-behind worker, poll); "
@@ -193,8 +226,37 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
         "batched get and one hand-off; a larger one asks exists first); raw: one batch call "
         "each, objects of one contiguous piece (raw_*) or of 4 scattered pieces as hicache's "
         "groups of 4 page slots are (raw4_*), put by one client and read by another, as "
-        "hicache's writer and reader are two caches",
+        "hicache's writer and reader are two caches; *_x4: four requests at once (four "
+        "stores, then four matches), against four raw batch calls one after the other",
     }
+
+
+def streamed(writer: HiCache, reader: HiCache, prompts: list, pages: int, tag: str):
+    """Seconds to put, then to fill, the pages of several requests at once: from all stores
+    returning until every put is applied; from the first match until none is pending."""
+    for i, tokens in enumerate(prompts):
+        writer.store(f"sw{tag}.{i}", tokens, list(range(pages)))
+    t0 = time.perf_counter()  # as for one store: from the stores returning
+    until_idle(writer)
+    put_s = time.perf_counter() - t0
+    for i in range(len(prompts)):
+        writer.release(f"sw{tag}.{i}")
+    got_before = reader.stats()["l3_get_bytes"]
+    t0 = time.perf_counter()
+    pending = {i: reader.match(f"sr{tag}.{i}", p).pending for i, p in enumerate(prompts)}
+    while any(pending.values()):
+        reader.poll()
+        time.sleep(0.0005)
+        for i in [i for i, waiting in pending.items() if waiting]:
+            pending[i] = reader.match(f"sr{tag}.{i}", prompts[i]).pending
+    fill_s = time.perf_counter() - t0
+    for i in range(len(prompts)):
+        reader.release(f"sr{tag}.{i}")
+    got = reader.stats()["l3_get_bytes"] - got_before
+    want = len(prompts) * pages * writer.layout.page_size
+    if got != want:
+        raise SystemExit(f"streamed requests fetched {got} bytes from L3, not {want}")
+    return put_s, fill_s
 
 
 def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -> dict:
@@ -273,7 +335,7 @@ def main() -> None:
         torch.cuda.set_stream(torch.cuda.Stream())  # an engine's own stream
         ENGINE_PAGE = 64 * KiB
     master = MooncakeMaster().start()
-    holder = _SegmentHolder(master.address, 3 << 30)
+    holder = _SegmentHolder(master.address, 8 << 30)  # holds every round without eviction
     try:
         flow, baseline, saturated, down = [], None, None, None
         if "throughput" in parts:
