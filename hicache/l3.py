@@ -449,11 +449,13 @@ class L3:
         emit(self.events, "stored", "l3", stored)
 
     def gauges(self) -> dict[str, int]:
-        """Gauges for `HiCache.stats`: store availability (1 available, 0 not) and queue depth."""
+        """Gauges for `HiCache.stats`: store availability (1 available, 0 not), queue depth, jobs
+        in flight, and the free host slots held for fetches (counted in host_pinned too)."""
         return {
             "l3_available": int(self.store.available),
             "l3_queue_depth": self._put_jobs.qsize(),
             "l3_jobs_in_flight": self.jobs_in_flight,
+            "l3_fetch_reserve": len(self._reserve) if self._reserve is not None else 0,
         }
 
     @property

@@ -82,6 +82,9 @@ FAMILIES: dict[str, Family] = {
     ),
     "hicache_l3_queue_depth": Family("gauge", "Puts waiting in the write-behind queue."),
     "hicache_l3_jobs_in_flight": Family("gauge", "L3 jobs whose results are not applied yet."),
+    "hicache_l3_fetch_reserve_slots": Family(
+        "gauge", "Free host page slots held for fetches from L3 (pinned, so in pinned slots too)."
+    ),
 }
 
 METRICS: dict[str, tuple[str, dict[str, str]]] = {
@@ -121,6 +124,7 @@ METRICS: dict[str, tuple[str, dict[str, str]]] = {
     "l3_available": ("hicache_l3_available", {}),
     "l3_queue_depth": ("hicache_l3_queue_depth", {}),
     "l3_jobs_in_flight": ("hicache_l3_jobs_in_flight", {}),
+    "l3_fetch_reserve": ("hicache_l3_fetch_reserve_slots", {}),
 }
 """Stats key -> (family, labels). Keys absent from a cache's stats are simply not exported."""
 

@@ -80,7 +80,7 @@ def test_a_fetch_that_fits_the_reserve_is_one_get_and_a_missing_group_ends_it(
     assert writer.cache._l3.store.remove([victim], force=True) == [0]
     reader = engines(l3_config(mooncake_master, fetch_reserve=16 * 64))  # 16 pages of 64 bytes
     reader.cache.poll()  # fills the reserve
-    assert len(reader.cache._l3._reserve) == 8  # an eighth of the 64 host pages
+    assert reader.cache.stats()["l3_fetch_reserve"] == 8  # an eighth of the 64 host pages
     m = reader.cache.match("r", p[:34])  # 8 full pages: fits the reserve
     assert m.pending
     wait_until(lambda: not reader.cache.match("r", p[:34]).pending, reader)
@@ -97,7 +97,7 @@ def test_a_fetch_that_fits_the_reserve_is_one_get_and_a_missing_group_ends_it(
         assert np.array_equal(reader.page(blocks[i]), kv_bytes(p, (i + 1) * P, 64))
     reader.cache.release("r")
     reader.cache.poll()
-    assert len(reader.cache._l3._reserve) == 8  # refilled
+    assert reader.cache.stats()["l3_fetch_reserve"] == 8  # refilled
     reader.cache.host.page_slots.check()
 
 
