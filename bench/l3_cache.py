@@ -90,12 +90,21 @@ def until_idle(cache: HiCache) -> None:
 
 
 def raw_pieces(
-    client, base: int, obj: int, pieces: int, batch: int, tag: str, reader, reader_base: int
+    client,
+    base: int,
+    obj: int,
+    pieces: int,
+    batch: int,
+    tag: str,
+    reader,
+    reader_base: int,
+    batches: int = 1,
 ) -> tuple[float, float]:
-    """One raw batch put + get of `batch` objects, each from/into `pieces` separate buffers (as
-    hicache's groups are: one piece per page slot). `client` puts from `base`, `reader` (another
-    client, as hicache's reader is another cache) gets into `reader_base`. Returns (put_s,
-    get_s)."""
+    """Raw batch puts, then gets, of `batches` batches of `batch` objects, each object from/into
+    `pieces` separate buffers (as hicache's groups are: one piece per page slot). `client` puts
+    from `base`, `reader` (another client, as hicache's reader is another cache) gets into
+    `reader_base`; all puts go out before the first get, as hicache's stores do before its
+    matches. Returns (put seconds, get seconds) summed over the batches."""
     from mooncake.store import ReplicateConfig
 
     rep = ReplicateConfig()
@@ -105,16 +114,49 @@ def raw_pieces(
     src = [[base + (j * batch + i) * part for j in range(pieces)] for i in range(batch)]
     dst = [[reader_base + (j * batch + i) * part for j in range(pieces)] for i in range(batch)]
     sizes = [[part] * pieces for _ in range(batch)]
-    keys = [f"raw/{tag}/{i}" for i in range(batch)]
+    names = [[f"raw/{tag}/{b}/{i}" for i in range(batch)] for b in range(batches)]
     t0 = time.perf_counter()
-    put = client.batch_put_from_multi_buffers(keys, src, sizes, rep)
+    put = [client.batch_put_from_multi_buffers(keys, src, sizes, rep) for keys in names]
     t1 = time.perf_counter()
-    got = reader.batch_get_into_multi_buffers(keys, dst, sizes)
+    got = [reader.batch_get_into_multi_buffers(keys, dst, sizes) for keys in names]
     t2 = time.perf_counter()
-    client.batch_remove(keys, True)
-    if any(c != 0 for c in put) or any(c != obj for c in got):
-        raise SystemExit(f"raw pieces: put {set(put)}, get {set(got)}")
+    for keys in names:
+        client.batch_remove(keys, True)
+    if any(c != 0 for codes in put for c in codes) or any(c != obj for g in got for c in g):
+        raise SystemExit(f"raw pieces: put {put}, get {got}")
     return t1 - t0, t2 - t1
+
+
+def touch_segment(master: MooncakeMaster, segment_bytes: int) -> float:
+    """Put objects until 90 % of the store's segment has been written, then remove them.
+
+    The segment's memory is mapped lazily: the first put into a region pays its page faults
+    (several times the copy), so whichever side of a comparison wrote first would lose. After
+    this, raw calls and hicache both write into memory that has been touched. Returns seconds.
+    """
+    from mooncake.store import ReplicateConfig
+
+    client = raw_client(master.address, 0)
+    obj, batch = 4 * MiB, 32
+    buf = torch.zeros(obj, dtype=torch.uint8)
+    if client.register_buffer(buf.data_ptr(), buf.numel()) != 0:
+        raise SystemExit("register_buffer failed")
+    rep = ReplicateConfig()
+    rep.replica_num = 1
+    names: list[list[str]] = []
+    t0 = time.perf_counter()
+    try:
+        while len(names) * batch * obj < 0.9 * segment_bytes:
+            keys = [f"touch/{len(names)}/{i}" for i in range(batch)]
+            client.batch_put_from_multi_buffers(
+                keys, [[buf.data_ptr()]] * batch, [[obj]] * batch, rep
+            )
+            names.append(keys)
+        for keys in names:
+            client.batch_remove(keys, True)
+    finally:
+        client.close()
+    return time.perf_counter() - t0
 
 
 def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
@@ -177,19 +219,16 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
             if m.l3_tokens != pages * 16 or got != pages * page_bytes:
                 raise SystemExit(f"round {r}: fetched {got} bytes, hit {m.l3_tokens} tokens")
             # four requests at once: their hand-offs to the engine thread overlap the calls
-            raw_x4 = [
-                raw_pieces(
-                    client, buf.data_ptr(), obj, 4, 32, f"{r}x{i}", raw_reader, rbuf.data_ptr()
-                )
-                for i in range(STREAM)
-            ]
+            raw_x4 = raw_pieces(
+                client, buf.data_ptr(), obj, 4, 32, f"{r}x", raw_reader, rbuf.data_ptr(), STREAM
+            )
             prompts = [
                 rng.integers(0, 50_000, pages * 16 + 1, dtype=np.int32) for _ in range(STREAM)
             ]
             put_x4, fill_x4 = streamed(writer, reader, prompts, pages, f"{r}")
             if r:  # round 0 warms up
-                t["raw4_put_x4"].append(sum(p for p, _ in raw_x4))
-                t["raw4_get_x4"].append(sum(g for _, g in raw_x4))
+                t["raw4_put_x4"].append(raw_x4[0])
+                t["raw4_get_x4"].append(raw_x4[1])
                 t["put_x4"].append(put_x4)
                 t["fill_x4"].append(fill_x4)
                 t["raw_put"].append(one["put_ms_median_round"] / 1e3)
@@ -335,10 +374,12 @@ def main() -> None:
         torch.cuda.set_stream(torch.cuda.Stream())  # an engine's own stream
         ENGINE_PAGE = 64 * KiB
     master = MooncakeMaster().start()
-    holder = _SegmentHolder(master.address, 8 << 30)  # holds every round without eviction
+    segment = 8 << 30  # holds every round without eviction
+    holder = _SegmentHolder(master.address, segment)
     try:
         flow, baseline, saturated, down = [], None, None, None
         if "throughput" in parts:
+            touch_segment(master, segment)
             flow = [throughput(master, args.rounds, size) for size in (128 * KiB, 1 * MiB)]
         if "engine" in parts:
             baseline = engine_thread_times(None, args.calls, "host_only")
