@@ -188,6 +188,8 @@ class HiCache:
             )
         req = self._request(request_id, tokens, salt)
         req.drop_pins()
+        if req.fetch is not None and req.fetch.busy:  # its answer may have come since poll
+            self._l3.apply()  # type: ignore[union-attr]
         first = computed_tokens // P
         cap = max(0, n - self.policy.min_recompute_tokens) // P
         if self._l3 is None:

@@ -317,7 +317,8 @@ class L3:
     # -- engine thread: results -------------------------------------------------------------------
 
     def poll(self) -> None:
-        """Apply the results the workers have posted. Never blocks."""
+        """Apply the results the workers have posted, release slots of timed-out calls that have
+        returned, refill the fetch reserve. Never blocks."""
         if self._parked:
             still = []
             for finished, holder in self._parked:
@@ -326,6 +327,12 @@ class L3:
                 else:
                     still.append((finished, holder))
             self._parked = still
+        self.apply()
+        self.refill()
+
+    def apply(self) -> None:
+        """Apply the results the workers have posted (engine thread). `match` calls it for a
+        request whose fetch is running, so that an answer posted since the last `poll` counts."""
         while self._results:
             job, outcome = self._results.popleft()
             self.jobs_in_flight -= 1
@@ -340,7 +347,6 @@ class L3:
                 self._on_get(job, None if failed else outcome, outcome)  # type: ignore[arg-type]
             else:
                 self._on_put(job, None if failed else outcome, outcome)  # type: ignore[arg-type]
-        self.refill()
 
     def _on_probe(self, job: _Job, present: list[bool] | None) -> None:
         fetch = job.fetch
