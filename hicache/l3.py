@@ -183,7 +183,8 @@ class L3:
     def start_fetch(self, keys: list[bytes], host_pages: int, max_pages: int) -> Fetch | None:
         """Begin a fetch of the groups after `host_pages`, up to `max_pages` pages in all.
 
-        Returns None when no whole group lies in that range or the store is not available.
+        Returns None when no whole group lies in that range, the store is not available, or
+        fetching is slower than recomputing (`policy.l3_read_gbps`, `prefill_tokens_per_s`).
         """
         first = host_pages // self.G
         # groups [first, last): every whole group that starts below max_pages (the hit is capped
@@ -211,8 +212,9 @@ class L3:
                 [self._page_piece(s) for s in slots[i : i + self.G]]
                 for i in range(0, pages, self.G)
             ]
-            job = _Job("get", names, buffers, fetch=fetch, groups=len(names), started=now)
-            job.unprobed = True
+            job = _Job(
+                "get", names, buffers, fetch=fetch, groups=len(names), started=now, unprobed=True
+            )
             self._submit(self._fetch_jobs, job)
             return fetch
         if self.layout.state_bytes:
