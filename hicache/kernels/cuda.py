@@ -1,6 +1,6 @@
 """The CUDA page copy: building the extension at first use, packing arguments, choosing the path.
 
-Two paths move the rows (one segment of one page) of a page list between a CUDA buffer and a
+Three paths move the rows (one segment of one page) of a page list between a CUDA buffer and a
 pinned host buffer, or between two CUDA buffers of one device, enqueued on the caller's stream:
 
 - ``"copy_engine"``: ``cudaMemcpyBatchAsync`` over all rows, in calls of at most
@@ -12,6 +12,10 @@ pinned host buffer, or between two CUDA buffers of one device, enqueued on the c
   The segment table and the ids are staged to the device through a pinned buffer, with a
   non-blocking copy on the same stream (torch's pinned allocator keeps the host block until
   that copy has run; the device block belongs to the stream).
+- ``"staged"``: whole pages between the host and two GPU staging buffers on the copy engines,
+  rows between those and the GPU pool with the kernel on a side stream, the two taking turns
+  (`_staged`). For small rows of a page-first host pool: the link's rate without the copy
+  engines' cost per row.
 
 `choose_path` says which one ``"auto"`` takes, and why; the README has the measurements.
 Nothing here synchronizes the device.
