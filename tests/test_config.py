@@ -49,6 +49,10 @@ LAYOUT = "layout: {model: m, kv_dtype: bf16, page_bytes: 64}\n"
         ),
         ("tiers: [{type: host, size: 1GiB}]\nmystery: 1", "mystery: unknown key"),
         (
+            "tiers: [{type: host, size: 1GiB}, {type: mooncake, fetch_reserve: 1XB}]",
+            "tiers.1.fetch_reserve: could not interpret byte unit: XB",
+        ),
+        (
             LAYOUT.replace("page_bytes: 64", "page_bytes: 64, segments: [16, 16]")
             + "tiers: [{type: host, size: 1GiB}]",
             "layout: segments add up to 32 bytes but page_bytes is 64",
@@ -102,3 +106,11 @@ def test_cli_config_check(tmp_path: Path):
     assert done.stderr.strip().splitlines() == [
         f"error: {bad}: tiers.0.size: Input should be greater than 0"
     ]
+
+
+def test_the_fetch_reserve_takes_a_byte_size(tmp_path: Path):
+    text = "tiers: [{type: host, size: 1GiB}, {type: mooncake, fetch_reserve: 32MiB}]"
+    cfg = load_config(write(tmp_path, text), env={})
+    assert cfg.tiers[1].fetch_reserve == 32 << 20
+    default = load_config(write(tmp_path, text.replace(", fetch_reserve: 32MiB", "")), env={})
+    assert default.tiers[1].fetch_reserve == 64 << 20

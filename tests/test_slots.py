@@ -70,3 +70,35 @@ def test_unpinning_more_than_pinned_is_an_error():
     slots = fill(pool, [k(0)])
     with pytest.raises(RuntimeError, match="unpinned more often"):
         pool._unpin(slots)
+
+
+def test_a_lease_split_and_merged_keeps_every_pin_exactly_once():
+    pool = SlotPool(8)
+    whole = pool.reserve(6)
+    part = whole.split(4)  # the pins move with the slots; none is taken or dropped
+    assert len(part) == 4 and len(whole) == 2 and pool.pinned == 6
+    more = pool.reserve(1)
+    whole.absorb(more)
+    assert len(whole) == 3 and not more.held and pool.pinned == 7
+    more.release()  # released with the merge: releasing it again does nothing
+    assert pool.pinned == 7
+    part.release()
+    whole.release()
+    assert pool.pinned == 0 and pool.free == 8
+    pool.check()
+    with pytest.raises(ValueError, match=r"cannot split 1 slots off a lease of 3 \(held: False\)"):
+        whole.split(1)
+    with pytest.raises(ValueError, match="different pools, or a released one"):
+        pool.reserve(1).absorb(SlotPool(2).reserve(1))
+
+
+def test_eviction_passes_over_pinned_slots_and_moves_them_to_the_end():
+    evicted: list[bytes] = []
+    pool = SlotPool(6, on_evict=evicted.extend)
+    slots = fill(pool, [k(i) for i in range(6)])
+    held = pool.lease(slots[:3])  # the three oldest are in use
+    lease = pool.reserve(2)
+    assert evicted == [k(5), k(4)]  # the least recent unpinned ones, tail first
+    held.release()
+    lease.release()
+    pool.check()
