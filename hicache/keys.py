@@ -224,12 +224,16 @@ class PrefixMemo:
         self._heads.move_to_end(head)  # type: ignore[arg-type]
         limit = tokens.shape[0] // self.page_tokens
         best: list[bytes] = []
+        P = self.page_tokens
         for chain in chains:  # most recent first
             pages = min(len(chain.hashed), limit)
             if pages <= len(best):
                 continue
-            n = pages * self.page_tokens
-            same = native.common_tokens(chain.tokens[:n], tokens[:n]) // self.page_tokens
+            b = len(best) * P  # to beat `best`, the chain must share the page after it too
+            if best and not np.array_equal(chain.tokens[b : b + P], tokens[b : b + P]):
+                continue
+            n = pages * P
+            same = native.common_tokens(chain.tokens[:n], tokens[:n]) // P
             if same > len(best):
                 best = chain.hashed[:same]
                 if same == limit:

@@ -216,3 +216,25 @@ def test_prefix_memo_is_bounded():
     for t in same_head:
         memo.remember(hashed(t))
     assert len(memo._heads[SEED + same_head[0][:4].tobytes()]) == 2
+
+
+def test_the_memo_takes_the_longest_shared_run_not_the_most_recent_sequence(monkeypatch):
+    from hicache.keys import PrefixMemo
+
+    memo = PrefixMemo(page_tokens=4)
+    rng = np.random.default_rng(11)
+    a = rng.integers(0, 1000, 40, dtype=np.int32)  # 10 pages
+    b = a.copy()
+    b[13] += 1  # shares pages 0..2 with a; remembered after a, so tried first
+    for tokens in (a, b):
+        chain = KeyChain(SEED, 4, tokens, memo)
+        chain.upto(chain.pages)
+        memo.remember(chain)
+    prompt = np.concatenate([a, rng.integers(0, 1000, 8, dtype=np.int32)])  # a's next turn
+    hashed = []
+    real = native.chain_keys
+    monkeypatch.setattr(native, "chain_keys", lambda s, p: hashed.append(p.shape[0]) or real(s, p))
+    chain = KeyChain(SEED, 4, prompt, memo)
+    assert len(chain.hashed) == 10  # all of a's pages, found behind b's 3
+    assert chain.upto(12) == _page_keys_python(SEED, prompt.reshape(12, 4))
+    assert hashed[0] == 2  # only the two new pages were hashed by the chain
