@@ -438,14 +438,9 @@ class HiCache:
         boundaries = list(range(len(keys), 0, -1)[: self.policy.state_boundaries])
         if self._l3 is not None:  # L3 keeps whole groups: a state at a group end can be fetched
             boundaries.append(len(keys) // self._l3.G * self._l3.G)
-        wanted = sorted(
-            {
-                b
-                for b in boundaries
-                if b and b * P >= oldest and keys[b - 1] not in self.host.state_slots
-            },
-            reverse=True,
-        )
+        boundaries = sorted({b for b in boundaries if b and b * P >= oldest}, reverse=True)
+        held = self.host.state_slots.lookup([keys[b - 1] for b in boundaries])
+        wanted = [b for b, slot in zip(boundaries, held) if slot is None]
         if not wanted:
             return None
         lease = self.host.state_slots.reserve(len(wanted))

@@ -66,6 +66,17 @@ def prompt(seed: int, n: int = 42) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 30_000, n, dtype=np.int32)
 
 
+def remove_group(writer: FakeEngine, tokens: np.ndarray, last_page: int) -> None:
+    """Remove from the store the group of 2 pages that ends at `last_page` of `tokens`, as
+    another client would."""
+    from hicache.keys import chain_seed, l3_key, page_keys
+
+    fp = writer.cache.fingerprint
+    keys = page_keys(chain_seed(fp), tokens, P)
+    name = l3_key("hicache", fp, keys[last_page], 2)
+    assert writer.cache._l3.store.remove([name], force=True) == [0]
+
+
 def test_a_fetch_that_fits_the_reserve_is_one_get_and_a_missing_group_ends_it(
     mooncake_master, engines
 ):
@@ -73,11 +84,7 @@ def test_a_fetch_that_fits_the_reserve_is_one_get_and_a_missing_group_ends_it(
     p = prompt(4)
     writer.run("w", p)
     settled(writer)
-    from hicache.keys import chain_seed, l3_key, page_keys
-
-    keys = page_keys(chain_seed(writer.cache.fingerprint), p, P)
-    victim = l3_key("hicache", writer.cache.fingerprint, keys[5], 2)  # group 2: pages 4, 5
-    assert writer.cache._l3.store.remove([victim], force=True) == [0]
+    remove_group(writer, p, 5)  # group 2: pages 4, 5
     reader = engines(l3_config(mooncake_master, fetch_reserve=16 * 64))  # 16 pages of 64 bytes
     reader.cache.poll()  # fills the reserve
     assert reader.cache.stats()["l3_fetch_reserve"] == 8  # an eighth of the 64 host pages
@@ -173,12 +180,7 @@ def test_an_object_removed_between_exists_and_get_is_never_a_hit(mooncake_master
     m = cache.match("r", p)
     assert m.pending
     wait_until(lambda: len(l3._results) == 1)  # the probe answered; the get is not asked yet
-    # another client removes the third group (pages 4, 5) before the get
-    from hicache.keys import chain_seed, l3_key, page_keys
-
-    keys = page_keys(chain_seed(cache.fingerprint), p, P)
-    victim = l3_key("hicache", cache.fingerprint, keys[5], 2)
-    assert writer.cache._l3.store.remove([victim], force=True) == [0]
+    remove_group(writer, p, 5)  # another client removes group 2 (pages 4, 5) before the get
     m = reader.match("r", p)
     # groups 0 and 1 arrived; group 2 failed, and groups after it are not used
     assert (m.hit_tokens, m.l3_tokens) == (16, 16)
