@@ -382,9 +382,7 @@ class HiCache:
             raise ValueError(f"{what}: the layout has states, give state_slot")
         keys = req.chain.upto(n_pages)
         pool = self.host.page_slots
-        found = pool.lookup(keys)
-        present = [s for s in found if s is not None]
-        missing = [i for i, s in enumerate(found) if s is None]
+        present, missing = pool.split(keys)
         keep = pool.lease(present)  # the sequence's own pages must not be evicted for its tail
         try:
             pages = self._store_pages(keys, ids, missing)
@@ -423,7 +421,7 @@ class HiCache:
             raise
         fresh = pool.publish(lease.slots, [keys[i] for i in missing])
         if self._events is not None:
-            emit(self._events, "stored", "host", [pool.key_of(s) for s in fresh])
+            emit(self._events, "stored", "host", pool.keys_of(fresh))
         self._stats.stored(len(missing))
         return lease
 

@@ -428,7 +428,7 @@ class L3:
         if ok:
             got = fetch.keys[first_page : first_page + ok * self.G]
             fresh = self.host.page_slots.publish(fetch.lease.slots[: ok * self.G], got)
-            emit(self.events, "stored", "host", [self.host.page_slots.key_of(s) for s in fresh])
+            emit(self.events, "stored", "host", self.host.page_slots.keys_of(fresh))
             for g in range(ok):
                 self._remember(self._group_key(fetch.keys, fetch.first_group + g))
             if fetch.state_lease is not None:

@@ -69,9 +69,11 @@ class Transfers:
         dst_ids: torch.Tensor,
         latency: Histogram | None = None,
     ) -> None:
+        """Enqueue `copy_pages`. The caller guarantees every id is in range: block ids checked
+        by `GpuTier.block_ids`, host slots handed out by the host tier's pool."""
         if not self.on_cuda:
             started = time.perf_counter()
-            copy_pages(src, src_ids, dst, dst_ids)
+            copy_pages(src, src_ids, dst, dst_ids, ids_in_range=True)
             if latency is not None:
                 latency.observe(time.perf_counter() - started)
             return
@@ -80,7 +82,7 @@ class Transfers:
         if latency is not None:
             start = torch.cuda.Event(enable_timing=True)
             start.record(stream)
-        copy_pages(src, src_ids, dst, dst_ids, stream=stream)
+        copy_pages(src, src_ids, dst, dst_ids, stream=stream, ids_in_range=True)
         if start is not None:
             self._timing = (latency, start)
 

@@ -1,13 +1,17 @@
-"""The CPU twin of the page-copy kernel: the same contract, done with numpy fancy indexing.
+"""The CPU twin of the page-copy kernel: the same contract, one memcpy a row.
 
-numpy rather than torch index ops: torch's would wake its intra-op thread pool on every call,
-which costs more than the copy for the small batches an engine step moves.
+The rows are copied by a compiled helper (hicache/native/copyrows.c) where a C compiler is
+present, else by numpy fancy indexing (a gather and a scatter, about three times slower). Not
+torch index ops: torch's would wake its intra-op thread pool on every call, which costs more
+than the copy for the small batches an engine step moves.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from hicache import native
 from hicache.kernels.buffer import PagedBuffer
 
 
@@ -22,5 +26,19 @@ def copy_pages_cpu(
         return
     src_index = src_ids.numpy()
     dst_index = dst_ids.numpy()
-    for s_seg, d_seg in zip(src.segments, dst.segments, strict=True):
-        d_seg.numpy()[dst_index] = s_seg.numpy()[src_index]
+    lib = native.library()
+    if lib is None:
+        for s_seg, d_seg in zip(src.segments, dst.segments, strict=True):
+            d_seg.numpy()[dst_index] = s_seg.numpy()[src_index]
+        return
+    src_index = np.ascontiguousarray(src_index, dtype=np.int32)
+    dst_index = np.ascontiguousarray(dst_index, dtype=np.int32)
+    src_rows, dst_rows = src.rows, dst.rows  # cached per buffer
+    lib.hicache_copy_pages_cpu(
+        src_rows.data_ptr(),
+        dst_rows.data_ptr(),
+        src_rows.shape[0],
+        src_index.ctypes.data,
+        dst_index.ctypes.data,
+        src_index.shape[0],
+    )

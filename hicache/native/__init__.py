@@ -31,7 +31,7 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-SOURCES = ("chainhash.c", "keyindex.c", "prefix.c", "walk.c")
+SOURCES = ("chainhash.c", "keyindex.c", "prefix.c", "walk.c", "slotbook.c", "copyrows.c")
 """The C files of this package, built into one library (they share native.h)."""
 
 
@@ -80,6 +80,12 @@ def library() -> ctypes.CDLL | None:
         "hicache_index_remove": (i64, [p, u64, ctypes.c_char_p, i64]),
         "hicache_common_prefix": (size, [p, p, size]),
         "hicache_walk": (i64, [p, p, p, ctypes.c_char_p, p, size, size, p, u64, p, p, p]),
+        "hicache_books_pin": (i64, [p, p, i64]),
+        "hicache_books_unpin": (i64, [p, p, i64]),
+        "hicache_books_reserve": (i64, [p, i64, p, p, p]),
+        "hicache_books_publish": (i64, [p, p, ctypes.c_char_p, i64, p]),
+        "hicache_books_lru": (i64, [p, p]),
+        "hicache_copy_pages_cpu": (None, [p, p, i64, p, p, i64]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)

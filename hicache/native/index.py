@@ -45,7 +45,9 @@ class _TableIndex:
         self._fresh = array("B")
         self._keys = np.empty(0, dtype=f"V{KEY_BYTES}")  # the walk's keys
         self._keys_addr = 0
-        self._len = 0
+        self.count = np.zeros(1, dtype=np.int64)
+        """The number of keys held; the slot books (books.py) update it when they insert or
+        remove keys in the table themselves."""
 
     def _buffers(self, n: int) -> tuple[int, int]:
         """Addresses of the slot and flag buffers, grown to hold `n` entries."""
@@ -67,6 +69,13 @@ class _TableIndex:
         self._find(self._addr, self._mask, _packed(keys), n, out, 0)
         return [None if s < 0 else s for s in self._out[:n].tolist()]
 
+    def split(self, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
+        n = len(keys)
+        self._buffers(n)
+        self._find(self._addr, self._mask, _packed(keys), n, self._out.buffer_info()[0], 0)
+        out = np.frombuffer(self._out, dtype=np.int32, count=n)
+        return out[out >= 0].tolist(), np.flatnonzero(out < 0).tolist()
+
     def get(self, key: bytes) -> int | None:
         return self.lookup((key,))[0]
 
@@ -77,17 +86,17 @@ class _TableIndex:
         n = len(keys)
         if len(slots) != n:
             raise ValueError(f"{n} keys but {len(slots)} slots")
-        if self._len + n > self._mask:  # a full table would never end a probe
-            raise RuntimeError(f"hicache: key index full ({self._len} keys)")
+        if len(self) + n > self._mask:  # a full table would never end a probe
+            raise RuntimeError(f"hicache: key index full ({len(self)} keys)")
         slot_arr = array("i", slots)
         _, fresh = self._buffers(n)
-        self._len += self._insert(
+        self.count[0] += self._insert(
             self._addr, self._mask, _packed(keys), slot_arr.buffer_info()[0], n, fresh
         )
         return self._fresh[:n].tolist()  # type: ignore[return-value]  # 0/1, as good as bools
 
     def remove(self, keys: Sequence[bytes]) -> None:
-        self._len -= self._remove(self._addr, self._mask, _packed(keys), len(keys))
+        self.count[0] -= self._remove(self._addr, self._mask, _packed(keys), len(keys))
 
     def walk(self, prev: bytes, pages: np.ndarray) -> tuple[list[bytes], list[int]] | None:
         n = pages.shape[0]
@@ -102,7 +111,12 @@ class _TableIndex:
         return self._keys[:hashed].tolist(), self._out[:found].tolist()
 
     def __len__(self) -> int:
-        return self._len
+        return int(self.count[0])
+
+    @property
+    def table(self) -> tuple[int, int]:
+        """Address of the table and its mask (its size - 1), for compiled code that shares it."""
+        return self._addr, self._mask
 
     def items(self) -> Iterator[tuple[bytes, int]]:
         used = self._table[self._table["slot"] >= 0]
@@ -127,6 +141,10 @@ class _DictIndex:
 
     def lookup(self, keys: Sequence[bytes]) -> list[int | None]:
         return list(map(self._map.get, keys))
+
+    def split(self, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
+        found = self.lookup(keys)
+        return [s for s in found if s is not None], [i for i, s in enumerate(found) if s is None]
 
     def get(self, key: bytes) -> int | None:
         return self._map.get(key)
@@ -165,7 +183,8 @@ KeyIndex = _TableIndex | _DictIndex
 def key_index(capacity: int, *, compiled: bool = True) -> KeyIndex:
     """An index for at most `capacity` keys: the compiled table when it can be built (and
     `compiled`), else the dict. Methods: ``prefix(keys)`` (slots of the leading run of keys
-    held), ``lookup(keys)`` (slot or None each), ``get``, ``in``, ``insert(keys, slots)`` (adds
+    held), ``lookup(keys)`` (slot or None each), ``split(keys)`` (the slots of the keys held,
+    and the positions of the others), ``get``, ``in``, ``insert(keys, slots)`` (adds
     the keys not held; says which were new), ``remove(keys)``, ``len``, ``items()``, and
     ``walk(prev, pages)``: hash pages chained from `prev` while their keys are held (see
     `hicache.native.walk`; None from the dict, which has no compiled helpers).

@@ -19,5 +19,8 @@ int hicache_chain(void *init, void *update, void *final, const unsigned char *se
 
 int64_t hicache_index_find(const Entry *t, uint64_t mask, const unsigned char *keys, int64_t n,
                            int32_t *out, int stop_at_miss);
+int64_t hicache_index_insert(Entry *t, uint64_t mask, const unsigned char *keys,
+                             const int32_t *slots, int64_t n, uint8_t *fresh);
+int64_t hicache_index_remove(Entry *t, uint64_t mask, const unsigned char *keys, int64_t n);
 
 #endif
