@@ -454,18 +454,15 @@ class HiCache:
         return lease
 
     def _after_store(self, keys: list[bytes], *leases: Lease | None) -> None:
-        """Once the store's copies completed: unpin, then hand new groups to write-behind."""
+        """Unpin once the store's copies have completed; hand the new groups to write-behind now
+        (its worker waits for the copies before it reads the host slots)."""
         held = [lease for lease in leases if lease is not None]
-        l3 = self._l3
-        if not held and l3 is None:
+        if not held and self._l3 is None:
             return
-
-        def done() -> None:
-            _release(held)
-            if l3 is not None:
-                l3.write_behind(keys, len(keys), list(range(l3.G, len(keys) + 1, l3.G)))
-
-        self._transfers.then(done)
+        copied = self._transfers.then(lambda: _release(held))
+        if self._l3 is not None:
+            G = self._l3.G
+            self._l3.write_behind(keys, len(keys), list(range(G, len(keys) + 1, G)), copied)
 
     def _call_hook(self, name: str, state_slot: int | None, boundary: int, host_slot: int) -> None:
         try:

@@ -33,13 +33,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from hicache.backends.base import Piece, StoreTier, StoreUnavailable
+import numpy as np
+
+from hicache.backends.base import Buffers, StoreTier, StoreUnavailable
 from hicache.backends.host import HostTier
 from hicache.config import Layout, Policy
 from hicache.events import EventSink, emit
 from hicache.keys import l3_key
 from hicache.slots import Lease
 from hicache.stats import Stats
+from hicache.transfers import DONE, Completion
 
 log = logging.getLogger(__name__)
 
@@ -105,13 +108,15 @@ class _Leases:
 class _Job:
     kind: str  # "probe" | "get" | "put"
     keys: list[str]
-    buffers: list[list[Piece]] = field(default_factory=list)
+    buffers: Buffers = field(default_factory=lambda: Buffers([], []))
     fetch: Fetch = None  # type: ignore[assignment]  # probe and get jobs only
     lease: Lease | _Leases | None = None
     groups: int = 0
     """For a get: how many page groups it reads (a state, if any, comes after them)."""
     unprobed: bool = False
     """A get asked without an exists: a missing group ends the hit and is no failure."""
+    ready: Completion = DONE
+    """For a put: the host write-through it sends; the worker waits for it before reading."""
     started: float = 0.0
     finished: float = 0.0
 
@@ -207,11 +212,7 @@ class L3:
             # hit (a missing object reads as a miss). No exists, no second trip to this thread.
             fetch.lease, fetch.phase = self._reserve.split(pages), "get"  # type: ignore[union-attr]
             self._lent += pages
-            slots = fetch.lease.slots
-            buffers = [
-                [self._page_piece(s) for s in slots[i : i + self.G]]
-                for i in range(0, pages, self.G)
-            ]
+            buffers = self._buffers(fetch.lease.slots)
             job = _Job(
                 "get", names, buffers, fetch=fetch, groups=len(names), started=now, unprobed=True
             )
@@ -267,8 +268,14 @@ class L3:
 
     # -- engine thread: write-behind --------------------------------------------------------------
 
-    def write_behind(self, keys: list[bytes], n_pages: int, state_pages: list[int]) -> None:
-        """Queue puts of the full groups of `keys[:n_pages]` (and states) L3 does not hold."""
+    def write_behind(
+        self, keys: list[bytes], n_pages: int, state_pages: list[int], ready: Completion = DONE
+    ) -> None:
+        """Queue puts of the full groups of `keys[:n_pages]` (and states) L3 does not hold.
+
+        Called by `store` at once, with `ready` marking the host write-through: the worker waits
+        for it before reading the slots, which stay pinned until the put has returned.
+        """
         groups = [
             (g, name)
             for g in range(n_pages // self.G)
@@ -280,14 +287,12 @@ class L3:
         held = (groups[-1][0] + 1) * self.G if groups else 0
         page_slots = self.host.page_slots.lookup(keys[:held])
         names: list[str] = []
-        buffers: list[list[Piece]] = []
         pin: list[int] = []
         for g, name in groups:
             slots = page_slots[g * self.G : (g + 1) * self.G]
             if None in slots:  # a page was evicted meanwhile: this group can't be put
                 continue
             names.append(name)
-            buffers.append([self._page_piece(s) for s in slots])  # type: ignore[arg-type]
             pin.extend(slots)  # type: ignore[arg-type]
         state_pins: list[int] = []
         state_pages = [p for p in state_pages if p % self.G == 0]
@@ -301,12 +306,12 @@ class L3:
             if name in self._known:
                 continue
             names.append(name)
-            buffers.append([self._state_piece(slot)])
             state_pins.append(slot)
         if not names:
             return
         lease = _Leases(self.host.page_slots.lease(pin), self.host.state_slots.lease(state_pins))
-        job = _Job("put", names, buffers, lease=lease, started=self.clock())
+        buffers = self._buffers(pin, state_pins)
+        job = _Job("put", names, buffers, lease=lease, started=self.clock(), ready=ready)
         try:
             self._submit(self._put_jobs, job)
         except queue.Full:
@@ -389,13 +394,9 @@ class L3:
             self.stats.l3_no_space += 1
             return
         names = [self._group_key(fetch.keys, fetch.first_group + g) for g in range(run)]
-        buffers = [
-            [self._page_piece(s) for s in lease.slots[g * self.G : (g + 1) * self.G]]
-            for g in range(run)
-        ]
         if state_lease is not None:
             names.append(self._state_key(fetch.keys, first_page + run * self.G))
-            buffers.append([self._state_piece(state_lease.slots[0])])
+        buffers = self._buffers(lease.slots, state_lease.slots if state_lease is not None else ())
         fetch.lease, fetch.state_lease, fetch.phase = lease, state_lease, "get"
         self._submit(
             self._fetch_jobs,
@@ -445,10 +446,10 @@ class L3:
     def _on_put(self, job: _Job, codes: list[int] | None, outcome: object = None) -> None:
         self._release(job, outcome)
         stored: list[bytes] = []
-        for name, pieces, code in zip(job.keys, job.buffers, codes or [-1] * len(job.keys)):
+        for i, (name, code) in enumerate(zip(job.keys, codes or [-1] * len(job.keys))):
             if code >= 0:
                 self.stats.l3_objects_put += 1
-                self.stats.l3_put_bytes += sum(size for _, size in pieces)
+                self.stats.l3_put_bytes += job.buffers.nbytes(i)
                 if "/g" in name:
                     stored.append(bytes.fromhex(name.rsplit("/", 1)[1]))
             else:
@@ -488,6 +489,7 @@ class L3:
                 elif job.kind == "get":
                     outcome = self.store.get_into(job.keys, job.buffers)
                 else:  # an object the store holds already is not sent again: it answers 0
+                    job.ready.wait()  # the host copy of the pages (a CUDA event; released GIL)
                     outcome = self.store.put_from(job.keys, job.buffers)
             except Exception as err:  # reported to the engine thread as a failed job
                 if not isinstance(err, StoreUnavailable):
@@ -521,13 +523,18 @@ class L3:
         rows = self.host.pages.segments[0]
         return rows.data_ptr(), rows.stride(0), rows.shape[1]
 
-    def _page_piece(self, slot: int) -> Piece:
+    def _buffers(self, page_slots: list[int], state_slots: list[int] | tuple[()] = ()) -> Buffers:
+        """Where the objects lie in the host pools: a page group per `G` consecutive entries of
+        `page_slots` (one piece per page), then one state per entry of `state_slots`."""
         base, stride, size = self._page_rows
-        return base + slot * stride, size
-
-    def _state_piece(self, slot: int) -> Piece:
-        row = self.host.state(slot)
-        return row.data_ptr(), row.numel()
+        rows = base + stride * np.asarray(page_slots, dtype=np.int64)
+        ptrs = rows.reshape(-1, self.G).tolist()
+        sizes = [[size] * self.G for _ in ptrs]
+        for slot in state_slots:
+            row = self.host.state(slot)
+            ptrs.append([row.data_ptr()])
+            sizes.append([row.numel()])
+        return Buffers(ptrs, sizes)
 
     def _register(self) -> None:
         """Register the host pools with the store, off the engine thread (registering tens of

@@ -22,7 +22,7 @@ from hicache.stats import Histogram
 
 
 class Completion:
-    """Tells whether the copies behind it have finished. Never blocks."""
+    """Tells whether the copies behind it have finished."""
 
     __slots__ = ("event",)
 
@@ -30,7 +30,14 @@ class Completion:
         self.event = event
 
     def done(self) -> bool:
+        """Never blocks."""
         return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        """Block until the copies have finished, sleeping (the event is a blocking one) with the
+        GIL released. For hicache's worker threads only: never call it on the engine thread."""
+        if self.event is not None:
+            self.event.synchronize()
 
 
 DONE = Completion(None)
@@ -93,7 +100,7 @@ class Transfers:
             return DONE
         timing, self._timing = self._timing, None
         stream, self._used = self._used or self.stream(), None
-        event = torch.cuda.Event(enable_timing=timing is not None)
+        event = torch.cuda.Event(enable_timing=timing is not None, blocking=True)
         event.record(stream)
         done = Completion(event)
         self._waiting.append((done, callback, timing))

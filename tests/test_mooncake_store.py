@@ -26,6 +26,7 @@ import pytest
 import torch
 from mooncake_master import MooncakeMaster
 
+from hicache.backends.base import Buffers
 from hicache.backends.breaker import BreakerState, CircuitBreaker
 from hicache.backends.mooncake import (
     MooncakeConfig,
@@ -235,7 +236,7 @@ def test_timed_out_call_raises_and_reports_when_buffers_are_free() -> None:
         store.register(mem)
         fake.gate.clear()
         with pytest.raises(StoreTimeout) as err:
-            store.get_into(["k"], [[(mem.data_ptr(), 4 * KiB)]])
+            store.get_into(["k"], Buffers.of([[(mem.data_ptr(), 4 * KiB)]]))
         assert not err.value.finished.is_set()  # Mooncake still owns the buffer
         fake.gate.set()
         assert err.value.finished.wait(5)
@@ -309,10 +310,20 @@ def test_bad_arguments_are_refused_before_any_call() -> None:
     mem = torch.zeros(4 * KiB, dtype=torch.uint8)
     store.register(mem)
     p = mem.data_ptr()
-    with pytest.raises(ValueError, match="outside registered memory"):
-        store.put_from(["k"], [[(p + 4 * KiB - 8, 16)]])
+    with pytest.raises(
+        ValueError, match=r"key 'k': piece \(0x[0-9a-f]+, 16\) is outside registered"
+    ):
+        store.put_from(["k"], Buffers.of([[(p + 4 * KiB - 8, 16)]]))
+    with pytest.raises(ValueError, match="key 'b': piece size must be > 0, got 0"):
+        store.put_from(["a", "b"], Buffers.of([[(p, 8)], [(p + 8, 8), (p + 16, 0)]]))
+    with pytest.raises(ValueError, match="key 'b' has no pieces"):
+        store.put_from(["a", "b"], Buffers([[p], []], [[8], []]))
+    with pytest.raises(ValueError, match="as many sizes as pointers"):
+        store.put_from(["a"], Buffers([[p, p + 8]], [[8]]))
+    with pytest.raises(TypeError, match="buffers must be Buffers"):
+        store.put_from(["a"], [[(p, 8)]])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="2 keys but 1"):
-        store.get_into(["a", "b"], [[(p, 8)]])
+        store.get_into(["a", "b"], Buffers.of([[(p, 8)]]))
     with pytest.raises(TypeError):
         store.exists("abc")
     with pytest.raises(ValueError, match="overlaps"):
@@ -386,9 +397,9 @@ def test_round_trip_gives_the_exact_bytes(
         for i in range(4)
     ]
     mem[2 * MiB :].zero_()
-    assert store.put_from(keys, src) == [StoreCode.OK] * 4
+    assert store.put_from(keys, Buffers.of(src)) == [StoreCode.OK] * 4
     assert store.exists(keys) == [True] * 4
-    assert store.get_into(keys, dst) == [96 * KiB] * 4
+    assert store.get_into(keys, Buffers.of(dst)) == [96 * KiB] * 4
     for s, d in zip(src, dst, strict=True):
         for (sp, n), (dp, _) in zip(s, d, strict=True):
             assert torch.equal(mem[dp - base : dp - base + n], mem[sp - base : sp - base + n])
@@ -411,13 +422,13 @@ def test_missing_keys_and_wrong_sizes_are_codes_not_exceptions(
     store.register(mem)
     p = mem.data_ptr()
     present, missing = _names(2)
-    assert store.put_from([present], [[(p, 1000)]]) == [StoreCode.OK]
+    assert store.put_from([present], Buffers.of([[(p, 1000)]])) == [StoreCode.OK]
     assert store.exists([missing, present]) == [False, True]
-    got = store.get_into([missing, present], [[(p + 4096, 1000)], [(p + 8192, 1000)]])
+    got = store.get_into([missing, present], Buffers.of([[(p + 4096, 1000)], [(p + 8192, 1000)]]))
     assert got == [StoreCode.OBJECT_NOT_FOUND, 1000]
-    assert store.get_into([present], [[(p + 4096, 2000)]]) == [StoreCode.TRANSFER_FAIL]
-    assert store.get_into([present], [[(p + 4096, 500)]]) == [StoreCode.INVALID_PARAMS]
-    assert store.get_into([present], [[(p + 4096, 400), (p + 9000, 600)]]) == [1000]
+    assert store.get_into([present], Buffers.of([[(p + 4096, 2000)]])) == [StoreCode.TRANSFER_FAIL]
+    assert store.get_into([present], Buffers.of([[(p + 4096, 500)]])) == [StoreCode.INVALID_PARAMS]
+    assert store.get_into([present], Buffers.of([[(p + 4096, 400), (p + 9000, 600)]])) == [1000]
     assert store.remove([missing]) == [StoreCode.OBJECT_NOT_FOUND]
     assert store.remove([present]) == [StoreCode.OBJECT_HAS_LEASE]  # read just now
     assert store.remove([present], force=True) == [StoreCode.OK]
@@ -434,9 +445,9 @@ def test_put_of_an_existing_key_keeps_the_first_bytes(
     store.register(mem)
     p = mem.data_ptr()
     (key,) = _names(1)
-    assert store.put_from([key], [[(p, 4096)]]) == [StoreCode.OK]
-    assert store.put_from([key], [[(p + 4096, 4096)]]) == [StoreCode.OK]
-    assert store.get_into([key], [[(p + 65536, 4096)]]) == [4096]
+    assert store.put_from([key], Buffers.of([[(p, 4096)]])) == [StoreCode.OK]
+    assert store.put_from([key], Buffers.of([[(p + 4096, 4096)]])) == [StoreCode.OK]
+    assert store.get_into([key], Buffers.of([[(p + 65536, 4096)]])) == [4096]
     assert torch.equal(mem[65536 : 65536 + 4096], mem[:4096])
     assert not torch.equal(mem[4096:8192], mem[:4096])
 
@@ -444,6 +455,7 @@ def test_put_of_an_existing_key_keeps_the_first_bytes(
 _READER = """
 import hashlib, json, sys
 import torch
+from hicache.backends.base import Buffers
 from hicache.backends.mooncake import MooncakeConfig, MooncakeStore
 address, keys, size = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 store = MooncakeStore(MooncakeConfig(master_address=address, global_segment_size=0,
@@ -455,7 +467,7 @@ mem = torch.zeros(size * len(keys), dtype=torch.uint8)
 store.register(mem)
 base = mem.data_ptr()
 found = store.exists(keys)
-codes = store.get_into(keys, [[(base + i * size, size)] for i in range(len(keys))])
+codes = store.get_into(keys, Buffers.of([[(base + i * size, size)] for i in range(len(keys))]))
 digests = [hashlib.sha256(mem[i * size:(i + 1) * size].numpy().tobytes()).hexdigest()
            for i in range(len(keys))]
 store.close()
@@ -473,7 +485,9 @@ def test_another_process_reads_what_this_one_put(
     mem = _memory(3 * size, seed=4)
     store.register(mem)
     keys = _names(3)
-    assert store.put_from(keys[:2], [[(mem.data_ptr() + i * size, size)] for i in range(2)]) == [
+    assert store.put_from(
+        keys[:2], Buffers.of([[(mem.data_ptr() + i * size, size)] for i in range(2)])
+    ) == [
         0,
         0,
     ]
@@ -509,7 +523,10 @@ def test_object_larger_than_any_segment_is_no_space(
     store.register(mem)
     big, small = _names(2)
     p = mem.data_ptr()
-    assert store.put_from([big, small], [[(p, 20 * MiB)], [(p, MiB)]]) == [StoreCode.NO_SPACE, 0]
+    assert store.put_from([big, small], Buffers.of([[(p, 20 * MiB)], [(p, MiB)]])) == [
+        StoreCode.NO_SPACE,
+        0,
+    ]
     assert store.exists([big, small]) == [False, True]
 
 
@@ -527,7 +544,7 @@ def test_filling_the_store_gives_no_space_or_eviction_never_an_exception(
     pieces = [[(mem.data_ptr() + (i % 8) * obj, obj)] for i in range(8)]
     codes: list[int] = []
     for start in range(0, len(keys), 8):
-        codes += store.put_from(keys[start : start + 8], pieces)
+        codes += store.put_from(keys[start : start + 8], Buffers.of(pieces))
     assert set(codes) <= {StoreCode.OK, StoreCode.NO_SPACE}
     assert codes.count(StoreCode.OK) >= segment // obj // 2  # the store took a fair share
     live = sum(store.exists(keys))
@@ -546,7 +563,7 @@ def test_killed_master_opens_the_breaker_and_a_restart_is_found_again(
     store.register(mem)
     p = mem.data_ptr()
     old, new = _names(2)
-    assert store.put_from([old], [[(p, 4096)]]) == [0]
+    assert store.put_from([old], Buffers.of([[(p, 4096)]])) == [0]
 
     master.kill()
     raised: list[StoreUnavailable] = []
@@ -559,7 +576,7 @@ def test_killed_master_opens_the_breaker_and_a_restart_is_found_again(
     assert store.state is StoreState.DOWN
     refused = store.stats().refused
     with pytest.raises(StoreUnavailable, match="breaker open"):
-        store.put_from([new], [[(p, 4096)]])
+        store.put_from([new], Buffers.of([[(p, 4096)]]))
     assert store.stats().refused == refused + 1
     for err in raised:  # a timed-out call ends on its own (Mooncake's ~4.3 s)
         if isinstance(err, StoreTimeout):
@@ -570,7 +587,7 @@ def test_killed_master_opens_the_breaker_and_a_restart_is_found_again(
     put: list[int] = []
     while time.monotonic() < deadline:
         try:
-            put = store.put_from([new], [[(p, 4096)]])
+            put = store.put_from([new], Buffers.of([[(p, 4096)]]))
         except StoreUnavailable:
             put = []
         if put == [StoreCode.OK]:
@@ -578,7 +595,7 @@ def test_killed_master_opens_the_breaker_and_a_restart_is_found_again(
         time.sleep(0.2)  # until the breaker lets a probe through / the segment is remounted
     assert put == [StoreCode.OK]
     assert store.state is StoreState.READY
-    assert store.get_into([new], [[(p + 8192, 4096)]]) == [4096]
+    assert store.get_into([new], Buffers.of([[(p + 8192, 4096)]])) == [4096]
     assert store.exists([old]) == [False]  # the new master knows nothing of the old objects
 
 
@@ -592,7 +609,7 @@ def test_a_stalled_master_never_holds_a_caller_past_the_bound_and_service_resume
     mem = _memory(MiB, seed=8)
     store.register(mem)
     key, fresh = _names(2)
-    assert store.put_from([key], [[(mem.data_ptr(), 4096)]]) == [0]
+    assert store.put_from([key], Buffers.of([[(mem.data_ptr(), 4096)]])) == [0]
     master.pause()
     try:
         # Mooncake answers some calls without its master (what the client knows already), so
@@ -600,11 +617,11 @@ def test_a_stalled_master_never_holds_a_caller_past_the_bound_and_service_resume
         # the bound (a stalled master's own RPC timeout is 30 s by default)
         started = time.monotonic()
         with contextlib.suppress(StoreUnavailable):
-            store.put_from([fresh], [[(mem.data_ptr(), 4096)]])
+            store.put_from([fresh], Buffers.of([[(mem.data_ptr(), 4096)]]))
         assert time.monotonic() - started < store.config.call_timeout_s + 1.0
     finally:
         master.resume()
-    assert store.get_into([key], [[(mem.data_ptr() + 8192, 4096)]]) == [4096]
+    assert store.get_into([key], Buffers.of([[(mem.data_ptr() + 8192, 4096)]])) == [4096]
     assert store.state is StoreState.READY
 
 

@@ -22,12 +22,42 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 from hicache.kernels import PagedBuffer
 
 Piece = tuple[int, int]
 """(address, size) of a run of bytes inside memory the store has registered."""
+
+
+@dataclass(frozen=True)
+class Buffers:
+    """Where the objects of one store call lie in registered memory: object ``i`` is the bytes of
+    its pieces, ``sizes[i][j]`` bytes at address ``ptrs[i][j]``, in order.
+
+    This is the form Mooncake's batch calls take, so a call passes the lists as they are; hicache
+    builds them with a few numpy calls per batch rather than a Python step per piece. The lists
+    are not copied: the caller must not change them while a call uses them.
+    """
+
+    ptrs: list[list[int]]
+    sizes: list[list[int]]
+
+    @classmethod
+    def of(cls, pieces: Sequence[Sequence[Piece]]) -> Buffers:
+        """From (address, size) pairs, object by object."""
+        return cls(
+            [[int(ptr) for ptr, _ in obj] for obj in pieces],
+            [[int(size) for _, size in obj] for obj in pieces],
+        )
+
+    def __len__(self) -> int:
+        return len(self.ptrs)
+
+    def nbytes(self, i: int) -> int:
+        """The size of object `i`."""
+        return sum(self.sizes[i])
 
 
 class Tier(ABC):
@@ -88,11 +118,11 @@ class StoreTier(Tier):
         """Which of `keys` the store holds, in one batched call."""
 
     @abstractmethod
-    def get_into(self, keys: Sequence[str], buffers: Sequence[Sequence[Piece]]) -> list[int]:
+    def get_into(self, keys: Sequence[str], buffers: Buffers) -> list[int]:
         """Read each object into its pieces; per key the bytes read or a negative code."""
 
     @abstractmethod
-    def put_from(self, keys: Sequence[str], buffers: Sequence[Sequence[Piece]]) -> list[int]:
+    def put_from(self, keys: Sequence[str], buffers: Buffers) -> list[int]:
         """Write each object from its pieces; per key 0 or a negative code."""
 
     @abstractmethod

@@ -40,12 +40,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Literal, TypeVar
 
+import numpy as np
 import torch
 from pydantic import Field, field_validator
 
-from hicache.backends.base import Piece, StoreTier, StoreUnavailable
+from hicache.backends.base import Buffers, StoreTier, StoreUnavailable
 from hicache.backends.breaker import BreakerState, BreakerStats, CircuitBreaker
 from hicache.backends.registry import register_tier
 from hicache.config import Bytes, Layout, StoreTierConfig
@@ -311,6 +313,8 @@ class MooncakeStore(StoreTier):
         self._setups = 0
         self._regions: list[_Region] = []  # sorted by start
         self._starts: list[int] = []
+        self._bounds = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        """Starts and ends of the registered regions, as arrays (for `_check_buffers`)."""
         self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_reprobe_s)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.io_threads, thread_name_prefix="hicache-l3-io"
@@ -518,6 +522,10 @@ class MooncakeStore(StoreTier):
                 raise ValueError("register: the tensor overlaps memory registered already")
             self._regions.insert(i, region)
             self._starts.insert(i, region.start)
+            self._bounds = (
+                np.array(self._starts, dtype=np.int64),
+                np.array([r.start + r.size for r in self._regions], dtype=np.int64),
+            )
             client = self._client
         if client is not None:
             self._register_raw(client, region)
@@ -528,30 +536,37 @@ class MooncakeStore(StoreTier):
         if rc != 0:
             raise RuntimeError(f"mooncake register_buffer of {region.size} bytes failed: {rc}")
 
-    def _check_pieces(self, keys: Sequence[str], buffers: Sequence[Sequence[Piece]]) -> tuple:
-        if len(keys) != len(buffers):
-            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffer lists")
-        ptrs: list[list[int]] = []
-        sizes: list[list[int]] = []
+    def _check_buffers(self, keys: Sequence[str], buffers: Buffers) -> None:
+        """ValueError naming the first piece that is empty or outside registered memory (one
+        vectorized pass over all pieces: this runs on every put and get)."""
+        if not isinstance(buffers, Buffers):
+            raise TypeError(f"buffers must be Buffers, got {type(buffers).__name__}")
+        if len(keys) != len(buffers.ptrs) or len(keys) != len(buffers.sizes):
+            raise ValueError(
+                f"{len(keys)} keys but {len(buffers.ptrs)} pointer lists and "
+                f"{len(buffers.sizes)} size lists"
+            )
+        counts = list(map(len, buffers.ptrs))
+        if counts != list(map(len, buffers.sizes)):
+            raise ValueError("every object needs as many sizes as pointers")
+        if 0 in counts:
+            raise ValueError(f"key {keys[counts.index(0)]!r} has no pieces")
+        total = sum(counts)
+        ptr = np.fromiter(chain.from_iterable(buffers.ptrs), dtype=np.int64, count=total)
+        size = np.fromiter(chain.from_iterable(buffers.sizes), dtype=np.int64, count=total)
         with self._lock:
-            starts, regions = self._starts, self._regions
-            for key, pieces in zip(keys, buffers, strict=True):
-                if not pieces:
-                    raise ValueError(f"key {key!r} has no pieces")
-                kp, ks = [], []
-                for ptr, size in pieces:
-                    if size <= 0:
-                        raise ValueError(f"key {key!r}: piece size must be > 0, got {size}")
-                    i = bisect.bisect_right(starts, ptr) - 1
-                    if i < 0 or ptr + size > regions[i].start + regions[i].size:
-                        raise ValueError(
-                            f"key {key!r}: piece ({ptr:#x}, {size}) is outside registered memory"
-                        )
-                    kp.append(int(ptr))
-                    ks.append(int(size))
-                ptrs.append(kp)
-                sizes.append(ks)
-        return ptrs, sizes
+            starts, ends = self._bounds
+        region = np.searchsorted(starts, ptr, side="right") - 1
+        outside = (region < 0) | (ptr + size > ends[np.maximum(region, 0)])
+        bad = np.flatnonzero(outside | (size <= 0))
+        if bad.size:
+            j = int(bad[0])
+            key = keys[int(np.searchsorted(np.cumsum(counts), j, side="right"))]
+            if size[j] <= 0:
+                raise ValueError(f"key {key!r}: piece size must be > 0, got {size[j]}")
+            raise ValueError(
+                f"key {key!r}: piece ({int(ptr[j]):#x}, {size[j]}) is outside registered memory"
+            )
 
     # -- calls -------------------------------------------------------------------------------
 
@@ -565,16 +580,17 @@ class MooncakeStore(StoreTier):
         codes = self._call("exists", lambda c: c.batch_is_exist(keys), len(keys))
         return [c == 1 for c in codes]
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[Sequence[Piece]]) -> list[int]:
+    def get_into(self, keys: Sequence[str], buffers: Buffers) -> list[int]:
         """Read each object into its pieces; per key the bytes read or a negative `StoreCode`.
 
         The pieces of a key must add up to the object's exact size (larger: TRANSFER_FAIL,
         smaller: INVALID_PARAMS); a missing key is OBJECT_NOT_FOUND.
         """
         keys = _check_keys(keys)
-        ptrs, sizes = self._check_pieces(keys, buffers)
+        self._check_buffers(keys, buffers)
         if not keys:
             return []
+        ptrs, sizes = buffers.ptrs, buffers.sizes
         codes = self._call(
             "get_into", lambda c: c.batch_get_into_multi_buffers(keys, ptrs, sizes), len(keys)
         )
@@ -584,17 +600,17 @@ class MooncakeStore(StoreTier):
             self._counts["bytes_got"] += sum(got)
         return codes
 
-    def put_from(self, keys: Sequence[str], buffers: Sequence[Sequence[Piece]]) -> list[int]:
+    def put_from(self, keys: Sequence[str], buffers: Buffers) -> list[int]:
         """Write each object from its pieces; per key OK or a negative `StoreCode`.
 
         A key that exists already is left as it is and reads OK (objects are named by content).
         NO_SPACE means no segment had room now; the object is simply not stored.
         """
         keys = _check_keys(keys)
-        ptrs, sizes = self._check_pieces(keys, buffers)
+        self._check_buffers(keys, buffers)
         if not keys:
             return []
-        rep = self._replicate
+        ptrs, sizes, rep = buffers.ptrs, buffers.sizes, self._replicate
         codes = self._call(
             "put_from",
             lambda c: c.batch_put_from_multi_buffers(keys, ptrs, sizes, rep),
