@@ -276,12 +276,15 @@ class L3:
         Called by `store` at once, with `ready` marking the host write-through: the worker waits
         for it before reading the slots, which stay pinned until the put has returned.
         """
+        if not self.usable():  # not connected, or the breaker is open: offer nothing
+            self.stats.l3_puts_skipped += n_pages // self.G
+            return
         groups = [
             (g, name)
             for g in range(n_pages // self.G)
             if (name := self._group_key(keys, g)) not in self._known
         ]
-        if self._put_jobs.full() or not self._registered.is_set():  # drop at once, build nothing
+        if self._put_jobs.full():  # drop at once, build nothing
             self.stats.l3_puts_dropped += len(groups)
             return
         held = (groups[-1][0] + 1) * self.G if groups else 0

@@ -109,6 +109,7 @@ METRICS: dict[str, tuple[str, dict[str, str]]] = {
     "l3_put_bytes": ("hicache_l3_bytes", {"op": "put"}),
     "l3_put_failed": ("hicache_errors", {"kind": "l3_put"}),
     "l3_puts_dropped": ("hicache_fallbacks", {"reason": "put_queue_full"}),
+    "l3_puts_skipped": ("hicache_fallbacks", {"reason": "put_store_unavailable"}),
     "l3_errors": ("hicache_errors", {"kind": "l3_call"}),
     "l3_skipped": ("hicache_fallbacks", {"reason": "breaker_open"}),
     "l3_skipped_slow": ("hicache_fallbacks", {"reason": "slower_than_recompute"}),

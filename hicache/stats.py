@@ -93,6 +93,9 @@ class Stats:
     """Objects the store refused (too large, no space) or lost to an error."""
     l3_puts_dropped: int = 0
     """Objects not queued because the write-behind queue was full."""
+    l3_puts_skipped: int = 0
+    """Page groups not offered to write-behind because the store was unavailable (not
+    connected yet, or its breaker open)."""
     l3_errors: int = 0
     """Store calls that failed as a whole (unreachable, breaker open): the request fell back."""
     l3_skipped: int = 0

@@ -5,6 +5,8 @@ Run on a machine with CUDA (skipped elsewhere): ``pytest -m cuda tests/test_cach
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -92,3 +94,49 @@ def test_calls_return_while_the_stream_is_busy():
     assert cache.stats()["copies_in_flight"] == 0
     cache.release("a")
     cache.close()
+
+
+@pytest.mark.mooncake
+def test_write_behind_queued_before_the_copy_ran_puts_the_copied_bytes(mooncake_master):
+    """store queues the L3 put at once, while the engine's stream still holds the copy back: the
+    put worker must wait for the copy's event, so another cache reads the GPU's bytes from L3,
+    never the stale host slots."""
+    layout = Layout(model="m", kv_dtype="uint8", page_tokens=P, page_bytes=64 << 10)
+    tier = {"type": "mooncake", **mooncake_master.tier_config, "group_pages": 4}
+
+    def cache_on(pages: PagedBuffer) -> HiCache:
+        host = {"type": "host", "size": 64 * layout.page_size}
+        cfg = load_config({"tiers": [host, tier], "policy": {"l3_read_gbps": 100}}, env={})
+        cache = HiCache(cfg, pages, layout=layout)
+        assert cache.wait_ready(60)
+        return cache
+
+    src = PagedBuffer.page_first(torch.zeros(64, 64 << 10, dtype=torch.uint8, device="cuda"))
+    dst = PagedBuffer.page_first(torch.zeros(64, 64 << 10, dtype=torch.uint8, device="cuda"))
+    writer, reader = cache_on(src), cache_on(dst)
+    prompt = np.arange(16 * P + 1, dtype=np.int32) + 7
+    blocks = list(range(8, 24))
+    fill(src, blocks, seed=3)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)  # the copy runs ~0.1 s after store returns
+        writer.store("w", prompt, blocks)
+        assert writer.stats()["l3_jobs_in_flight"] == 1  # queued already, before the copy ran
+    deadline = time.monotonic() + 30
+    while not writer.l3_idle and time.monotonic() < deadline:
+        writer.poll()
+        time.sleep(0.005)
+    assert writer.stats()["l3_objects_put"] == 4
+    m = reader.match("r", prompt)
+    while m.pending and time.monotonic() < deadline:
+        reader.poll()
+        time.sleep(0.005)
+        m = reader.match("r", prompt)
+    assert (m.hit_tokens, m.l3_tokens) == (16 * P, 16 * P)
+    out = list(range(40, 56))
+    reader.load(m, out)
+    torch.cuda.synchronize()
+    assert torch.equal(rows(dst, out), rows(src, blocks))
+    for cache, rid in ((writer, "w"), (reader, "r")):
+        cache.release(rid)
+        cache.close()

@@ -255,8 +255,9 @@ def test_a_killed_master_never_stalls_the_engine_and_l3_comes_back(start_mooncak
             assert m.hit_tokens == 0
         s = e.cache.stats()
         assert s["l3_errors"] + s["l3_skipped"] + s["l3_timeouts"] > 0
+        assert s["l3_puts_skipped"] > 0  # once the breaker opened, nothing is offered to it
         # no engine-thread call waited on the dead master (a store call takes seconds)
-        assert slowest < 0.5, f"an engine-thread call took {slowest * 1000:.0f} ms"
+        assert slowest < 0.05, f"an engine-thread call took {slowest * 1000:.0f} ms"
         master.restart()
         assert e.cache.wait_ready(60)
         p = prompt(99)
