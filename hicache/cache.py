@@ -192,15 +192,11 @@ class HiCache:
             self._l3.apply()  # type: ignore[union-attr]
         first = computed_tokens // P
         cap = max(0, n - self.policy.min_recompute_tokens) // P
-        if self._l3 is None:
-            slots = self._host_prefix(req.chain, first)
-            keys = req.chain.hashed
-        else:  # the look-ahead names every group up to the cap
-            keys = req.chain.upto(n // P)
-            slots = self.host.page_slots.prefix(keys[first:])
+        slots = self._host_prefix(req.chain, first)
+        keys = req.chain.hashed
         found = first + len(slots)
         hit = min(found, cap)
-        pending = self._look_ahead(req, keys, found, cap)
+        pending = self._look_ahead(req, found, cap)
         state_slot = None
         if self._hooks is not None and hit > first:
             hit, state_slot = self._snap_to_state(keys, first, hit)
@@ -260,12 +256,13 @@ class HiCache:
             begin, step = end, 2 * step
         return slots
 
-    def _look_ahead(self, req: Request, keys: list[bytes], found: int, cap: int) -> bool:
-        """Start an L3 fetch for the pages after the host hit; True while the request waits."""
+    def _look_ahead(self, req: Request, found: int, cap: int) -> bool:
+        """Start an L3 fetch for the pages after the host hit (its worker hashes them); True
+        while the request waits."""
         if self._l3 is None:
             return False
         if req.fetch is None and found < cap:
-            req.fetch = self._l3.start_fetch(keys, found, cap)
+            req.fetch = self._l3.start_fetch(req.chain, found, cap)
         return req.fetch is not None and self._l3.waiting(req.fetch)
 
     def _snap_to_state(self, keys: list[bytes], first: int, hit: int) -> tuple[int, int | None]:

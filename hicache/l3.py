@@ -39,7 +39,7 @@ from hicache.backends.base import Buffers, StoreTier, StoreUnavailable
 from hicache.backends.host import HostTier
 from hicache.config import Layout, Policy
 from hicache.events import EventSink, emit
-from hicache.keys import l3_key
+from hicache.keys import KeyChain, l3_key, page_keys
 from hicache.slots import Lease
 from hicache.stats import Stats
 from hicache.transfers import DONE, Completion
@@ -70,8 +70,10 @@ class Fetch:
     """One request's look-ahead from L3. Engine thread only."""
 
     first_group: int
-    keys: list[bytes]
-    """The request's page keys up to the last group the fetch may bring."""
+    groups: int
+    """How many page groups, from `first_group` on, the fetch may bring."""
+    first_page: int
+    """The first page of `first_group`."""
     deadline: float
     started: float
     phase: str = "probe"  # probe -> get -> done
@@ -81,6 +83,12 @@ class Fetch:
     state_lease: Lease | None = None
     pages: tuple[int, int] = (0, 0)
     """[first, end) pages published in the host tier by this fetch."""
+    keys: list[bytes] = field(default_factory=list)
+    """Keys of the pages from the first group's first page on, as the worker hashed them."""
+
+    def key_before(self, pages: int) -> bytes:
+        """The key of page ``pages - 1`` (a group end inside the fetch)."""
+        return self.keys[pages - 1 - self.first_page]
 
     @property
     def busy(self) -> bool:
@@ -107,7 +115,8 @@ class _Leases:
 @dataclass
 class _Job:
     kind: str  # "probe" | "get" | "put"
-    keys: list[str]
+    names: list[str]
+    """Object names; for a fetch's first job the worker makes them from `hash_from`."""
     buffers: Buffers = field(default_factory=lambda: Buffers([], []))
     fetch: Fetch = None  # type: ignore[assignment]  # probe and get jobs only
     lease: Lease | _Leases | None = None
@@ -117,6 +126,11 @@ class _Job:
     """A get asked without an exists: a missing group ends the hit and is no failure."""
     ready: Completion = DONE
     """For a put: the host write-through it sends; the worker waits for it before reading."""
+    hash_from: tuple[bytes, np.ndarray] | None = None
+    """For a fetch's first job: the key before its first page and the tokens of its pages. The
+    worker hashes them (the engine thread never hashes pages only L3 may hold)."""
+    page_keys: list[bytes] = field(default_factory=list)
+    """The keys the worker hashed from `hash_from`."""
     started: float = 0.0
     finished: float = 0.0
 
@@ -185,16 +199,18 @@ class L3:
         """Whether L3 can be used now: the host pools are registered and the store answers."""
         return self._registered.is_set() and self.store.available
 
-    def start_fetch(self, keys: list[bytes], host_pages: int, max_pages: int) -> Fetch | None:
-        """Begin a fetch of the groups after `host_pages`, up to `max_pages` pages in all.
+    def start_fetch(self, chain: KeyChain, host_pages: int, max_pages: int) -> Fetch | None:
+        """Begin a fetch of the groups after `host_pages` of `chain`, up to `max_pages` pages.
 
+        `chain` has hashed at least `host_pages` pages; the worker hashes the rest it needs.
         Returns None when no whole group lies in that range, the store is not available, or
         fetching is slower than recomputing (`policy.l3_read_gbps`, `prefill_tokens_per_s`).
         """
-        first = host_pages // self.G
+        G, P = self.G, chain.page_tokens
+        first = host_pages // G
         # groups [first, last): every whole group that starts below max_pages (the hit is capped
         # at max_pages afterwards, so a group may be fetched for only part of its pages)
-        last = min(-(-max_pages // self.G), len(keys) // self.G)
+        last = min(-(-max_pages // G), chain.pages // G)
         if last <= first:
             return None
         if not self.usable():
@@ -203,24 +219,21 @@ class L3:
         if not self._worth_fetching():
             return None
         now = self.clock()
-        fetch = Fetch(first, keys[: last * self.G], now + self.policy.l3_max_wait_ms / 1e3, now)
-        names = [self._group_key(keys, g) for g in range(first, last)]
+        deadline = now + self.policy.l3_max_wait_ms / 1e3
+        fetch = Fetch(first, last - first, first * G, deadline, now)
+        prev = chain.hashed[first * G - 1] if first else chain.seed
+        tokens = chain.tokens[first * G * P : last * G * P].copy()  # the caller may reuse its own
         self.stats.l3_probes += 1
-        pages = (last - first) * self.G
+        pages = (last - first) * G
+        job = _Job("probe", [], fetch=fetch, started=now, hash_from=(prev, tokens))
         if self._can_get_at_once(pages):
             # One call: get every group into reserved slots; the leading run that arrives is the
             # hit (a missing object reads as a miss). No exists, no second trip to this thread.
             fetch.lease, fetch.phase = self._reserve.split(pages), "get"  # type: ignore[union-attr]
             self._lent += pages
-            buffers = self._buffers(fetch.lease.slots)
-            job = _Job(
-                "get", names, buffers, fetch=fetch, groups=len(names), started=now, unprobed=True
-            )
-            self._submit(self._fetch_jobs, job)
-            return fetch
-        if self.layout.state_bytes:
-            names += [self._state_key(keys, (g + 1) * self.G) for g in range(first, last)]
-        self._submit(self._fetch_jobs, _Job("probe", names, fetch=fetch, started=now))
+            job.kind, job.groups, job.unprobed = "get", last - first, True
+            job.buffers = self._buffers(fetch.lease.slots)
+        self._submit(self._fetch_jobs, job)
         return fetch
 
     def _can_get_at_once(self, pages: int) -> bool:
@@ -360,10 +373,11 @@ class L3:
 
     def _on_probe(self, job: _Job, present: list[bool] | None) -> None:
         fetch = job.fetch
-        n_groups = len(fetch.keys) // self.G - fetch.first_group
+        n_groups = fetch.groups
         if present is None or fetch.abandoned:
             fetch.phase = "done"
             return
+        fetch.keys = job.page_keys
         run = 0
         while run < n_groups and present[run]:
             run += 1
@@ -371,17 +385,16 @@ class L3:
         if self.layout.state_bytes:  # snap to the deepest group end with a state somewhere
             states = self.host.state_slots
             while run > 0:
-                pages = (fetch.first_group + run) * self.G
-                if fetch.keys[pages - 1] in states:
+                key = fetch.key_before(fetch.first_page + run * self.G)
+                if key in states:
                     break
                 if present[n_groups + run - 1]:
-                    state_slot_key = fetch.keys[pages - 1]
+                    state_slot_key = key
                     break
                 run -= 1
         if run == 0 or not self.host.ready:
             fetch.phase = "done"
             return
-        first_page = fetch.first_group * self.G
         lease = self.host.page_slots.reserve(run * self.G)
         run = len(lease) // self.G
         state_lease = None
@@ -396,9 +409,10 @@ class L3:
             fetch.phase = "done"
             self.stats.l3_no_space += 1
             return
-        names = [self._group_key(fetch.keys, fetch.first_group + g) for g in range(run)]
+        names = job.names[:run]
         if state_lease is not None:
-            names.append(self._state_key(fetch.keys, first_page + run * self.G))
+            boundary = fetch.key_before(fetch.first_page + run * self.G)
+            names.append(self._state_names + boundary.hex())
         buffers = self._buffers(lease.slots, state_lease.slots if state_lease is not None else ())
         fetch.lease, fetch.state_lease, fetch.phase = lease, state_lease, "get"
         self._submit(
@@ -428,15 +442,17 @@ class L3:
         state_ok = fetch.state_lease is not None and codes is not None and codes[-1] >= 0
         if fetch.state_lease is not None and not state_ok:
             ok = 0  # without its state the run can't be resumed from
-        first_page = fetch.first_group * self.G
+        if job.hash_from is not None:
+            fetch.keys = job.page_keys
+        first_page = fetch.first_page
         if ok:
-            got = fetch.keys[first_page : first_page + ok * self.G]
+            got = fetch.keys[: ok * self.G]
             fresh = self.host.page_slots.publish(fetch.lease.slots[: ok * self.G], got)
             emit(self.events, "stored", "host", self.host.page_slots.keys_of(fresh))
-            for g in range(ok):
-                self._remember(self._group_key(fetch.keys, fetch.first_group + g))
+            for name in job.names[:ok]:
+                self._remember(name)
             if fetch.state_lease is not None:
-                boundary_key = fetch.keys[first_page + ok * self.G - 1]
+                boundary_key = got[-1]
                 self.host.state_slots.publish(fetch.state_lease.slots, [boundary_key])
             fetch.pages = (first_page, first_page + ok * self.G)
             self.stats.l3_pages_fetched += ok * self.G
@@ -449,7 +465,7 @@ class L3:
     def _on_put(self, job: _Job, codes: list[int] | None, outcome: object = None) -> None:
         self._release(job, outcome)
         stored: list[bytes] = []
-        for i, (name, code) in enumerate(zip(job.keys, codes or [-1] * len(job.keys))):
+        for i, (name, code) in enumerate(zip(job.names, codes or [-1] * len(job.names))):
             if code >= 0:
                 self.stats.l3_objects_put += 1
                 self.stats.l3_put_bytes += job.buffers.nbytes(i)
@@ -487,19 +503,32 @@ class L3:
             if job is None:
                 return
             try:
+                if job.hash_from is not None:
+                    self._name_fetch(job)
                 if job.kind == "probe":
-                    outcome: object = self.store.exists(job.keys)
+                    outcome: object = self.store.exists(job.names)
                 elif job.kind == "get":
-                    outcome = self.store.get_into(job.keys, job.buffers)
+                    outcome = self.store.get_into(job.names, job.buffers)
                 else:  # an object the store holds already is not sent again: it answers 0
                     job.ready.wait()  # the host copy of the pages (a CUDA event; released GIL)
-                    outcome = self.store.put_from(job.keys, job.buffers)
+                    outcome = self.store.put_from(job.names, job.buffers)
             except Exception as err:  # reported to the engine thread as a failed job
                 if not isinstance(err, StoreUnavailable):
                     log.warning("hicache L3 %s failed: %r", job.kind, err)
                 outcome = err
             job.finished = self.clock()
             self._results.append((job, outcome))
+
+    def _name_fetch(self, job: _Job) -> None:
+        """Worker thread: hash a fetch's pages and name its groups (and, for a probe of a state
+        layout, the states at the group ends). The hashing releases the GIL."""
+        prev, tokens = job.hash_from  # type: ignore[misc]
+        keys = page_keys(prev, tokens, self.layout.page_tokens)
+        ends = [k.hex() for k in keys[self.G - 1 :: self.G]]
+        job.page_keys = keys
+        job.names = [self._group_names + e for e in ends]
+        if job.kind == "probe" and self.layout.state_bytes:
+            job.names += [self._state_names + e for e in ends]
 
     # -- helpers ----------------------------------------------------------------------------------
 
