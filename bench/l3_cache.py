@@ -48,6 +48,7 @@ CUDA = False
 ENGINE_PAGE = 4 * KiB  # page size of the engine-thread timings (64 KiB on CUDA: copy engines)
 PROFILE = False  # --profile: cProfile the engine-thread stores
 STREAM = 4  # requests at once in the streamed throughput
+ROTATE = 16  # the raw calls' buffers: as many batches as a cache's host tier holds here
 
 
 def make_cache(master: MooncakeMaster | None, page_bytes: int, pages: int, **store) -> HiCache:
@@ -91,34 +92,37 @@ def until_idle(cache: HiCache) -> None:
 
 def raw_pieces(
     client,
-    base: int,
+    bases: list[int],
     obj: int,
     pieces: int,
     batch: int,
     tag: str,
     reader,
-    reader_base: int,
-    batches: int = 1,
+    reader_bases: list[int],
 ) -> tuple[float, float]:
-    """Raw batch puts, then gets, of `batches` batches of `batch` objects, each object from/into
-    `pieces` separate buffers (as hicache's groups are: one piece per page slot). `client` puts
-    from `base`, `reader` (another client, as hicache's reader is another cache) gets into
-    `reader_base`; all puts go out before the first get, as hicache's stores do before its
-    matches. Returns (put seconds, get seconds) summed over the batches."""
+    """Raw batch puts, then gets, of one batch of `batch` objects per entry of `bases`, each
+    object from/into `pieces` separate buffers (as hicache's groups are: one piece per page
+    slot). `client` puts batch b from `bases[b]`, `reader` (another client, as hicache's reader
+    is another cache) gets it into `reader_bases[b]`; all puts go out before the first get, as
+    hicache's stores do before its matches. Returns (put seconds, get seconds) summed."""
     from mooncake.store import ReplicateConfig
 
     rep = ReplicateConfig()
     rep.replica_num = 1
     part = obj // pieces
-    # scatter the pieces: object i's piece j lies at slot j * batch + i, like slots of a pool
-    src = [[base + (j * batch + i) * part for j in range(pieces)] for i in range(batch)]
-    dst = [[reader_base + (j * batch + i) * part for j in range(pieces)] for i in range(batch)]
+
+    def scattered(base: int) -> list[list[int]]:
+        # object i's piece j lies at slot j * batch + i, like slots of a pool
+        return [[base + (j * batch + i) * part for j in range(pieces)] for i in range(batch)]
+
+    src = [scattered(base) for base in bases]
+    dst = [scattered(base) for base in reader_bases]
     sizes = [[part] * pieces for _ in range(batch)]
-    names = [[f"raw/{tag}/{b}/{i}" for i in range(batch)] for b in range(batches)]
+    names = [[f"raw/{tag}/{b}/{i}" for i in range(batch)] for b in range(len(bases))]
     t0 = time.perf_counter()
-    put = [client.batch_put_from_multi_buffers(keys, src, sizes, rep) for keys in names]
+    put = [client.batch_put_from_multi_buffers(k, p, sizes, rep) for k, p in zip(names, src)]
     t1 = time.perf_counter()
-    got = [reader.batch_get_into_multi_buffers(keys, dst, sizes) for keys in names]
+    got = [reader.batch_get_into_multi_buffers(k, p, sizes) for k, p in zip(names, dst)]
     t2 = time.perf_counter()
     for keys in names:
         client.batch_remove(keys, True)
@@ -168,12 +172,26 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
     writer = make_cache(master, page_bytes, pages)
     reader = make_cache(master, page_bytes, pages)
     client, raw_reader = raw_client(master.address, 0), raw_client(master.address, 0)
-    buf = torch.randint(0, 255, (2 * 32 * obj,), dtype=torch.uint8)  # src half, dst half
-    rbuf = torch.zeros(32 * obj, dtype=torch.uint8)
+    # The raw calls move the same bytes between memory as large as the caches' host tiers (16
+    # batches), a batch at a time in turn: a cache's slots are not the few MiB that one reused
+    # buffer keeps in the CPU's caches, and a fair baseline is not either.
+    region = 32 * obj
+    buf = torch.full((ROTATE * region + region,), 7, dtype=torch.uint8)  # + the one-piece dst
+    rbuf = torch.zeros(ROTATE * region, dtype=torch.uint8)
     if client.register_buffer(buf.data_ptr(), buf.numel()) != 0:
         raise SystemExit("register_buffer failed")
     if raw_reader.register_buffer(rbuf.data_ptr(), rbuf.numel()) != 0:
         raise SystemExit("register_buffer failed")
+    turn = 0
+
+    def regions(n: int) -> tuple[list[int], list[int]]:
+        nonlocal turn
+        picks = [(turn + i) % ROTATE for i in range(n)]
+        turn += n
+        return (
+            [buf.data_ptr() + k * region for k in picks],
+            [rbuf.data_ptr() + k * region for k in picks],
+        )
     rng = np.random.default_rng(0)
     keys = (
         "raw_put",
@@ -192,10 +210,10 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
     t: dict[str, list[float]] = {k: [] for k in keys}
     try:
         for r in range(rounds + 1):
-            one = measure(client, buf.data_ptr(), obj, 32, 1, 0, raw_reader, rbuf.data_ptr())
-            put4, get4 = raw_pieces(
-                client, buf.data_ptr(), obj, 4, 32, str(r), raw_reader, rbuf.data_ptr()
-            )
+            src, dst = regions(1)
+            one = measure(client, src[0], obj, 32, 1, 0, raw_reader, dst[0])
+            src, dst = regions(1)
+            put4, get4 = raw_pieces(client, src, obj, 4, 32, str(r), raw_reader, dst)
             tokens = rng.integers(0, 50_000, pages * 16 + 1, dtype=np.int32)
             before = writer.stats()["l3_put_bytes"]
             put_before = writer.histograms()["hicache_l3_put_seconds"]["sum"]
@@ -222,9 +240,8 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
             if m.l3_tokens != pages * 16 or got != pages * page_bytes:
                 raise SystemExit(f"round {r}: fetched {got} bytes, hit {m.l3_tokens} tokens")
             # four requests at once: their hand-offs to the engine thread overlap the calls
-            raw_x4 = raw_pieces(
-                client, buf.data_ptr(), obj, 4, 32, f"{r}x", raw_reader, rbuf.data_ptr(), STREAM
-            )
+            src, dst = regions(STREAM)
+            raw_x4 = raw_pieces(client, src, obj, 4, 32, f"{r}x", raw_reader, dst)
             prompts = [
                 rng.integers(0, 50_000, pages * 16 + 1, dtype=np.int32) for _ in range(STREAM)
             ]

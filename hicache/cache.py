@@ -33,7 +33,7 @@ from hicache.errors import StateHookError
 from hicache.events import EventSink, emit
 from hicache.kernels import PagedBuffer, prepare
 from hicache.keys import KeyChain, PrefixMemo, as_tokens, chain_seed, fingerprint
-from hicache.l3 import L3, L3Settings
+from hicache.l3 import L3, Fetch, L3Settings
 from hicache.request import Match, Request
 from hicache.slots import Lease
 from hicache.stats import Stats
@@ -192,6 +192,8 @@ class HiCache:
             self._l3.apply()  # type: ignore[union-attr]
         first = computed_tokens // P
         cap = max(0, n - self.policy.min_recompute_tokens) // P
+        if req.fetch is not None and not req.fetch.busy:
+            _adopt_keys(req.chain, req.fetch)
         slots = self._host_prefix(req.chain, first)
         keys = req.chain.hashed
         found = first + len(slots)
@@ -540,6 +542,15 @@ class HiCache:
         if self.metrics_server is not None:
             self.metrics_server.close()
         self.host.close()
+
+
+def _adopt_keys(chain: KeyChain, fetch: Fetch) -> None:
+    """Take the keys a fetch's worker hashed into the request's chain, so that the walk over
+    the fetched pages looks them up instead of hashing them again. They chain from the key
+    before the fetch's first page, which the chain had hashed when the fetch began."""
+    have, first = len(chain.hashed), fetch.first_page
+    if first <= have < first + len(fetch.keys):
+        chain.append(fetch.keys[have - first :])
 
 
 def _int32(values: list[int]) -> torch.Tensor:

@@ -448,7 +448,8 @@ class L3:
         if ok:
             got = fetch.keys[: ok * self.G]
             fresh = self.host.page_slots.publish(fetch.lease.slots[: ok * self.G], got)
-            emit(self.events, "stored", "host", self.host.page_slots.keys_of(fresh))
+            if self.events is not None:
+                emit(self.events, "stored", "host", self.host.page_slots.keys_of(fresh))
             for name in job.names[:ok]:
                 self._remember(name)
             if fetch.state_lease is not None:
@@ -464,17 +465,26 @@ class L3:
 
     def _on_put(self, job: _Job, codes: list[int] | None, outcome: object = None) -> None:
         self._release(job, outcome)
-        stored: list[bytes] = []
-        for i, (name, code) in enumerate(zip(job.names, codes or [-1] * len(job.names))):
-            if code >= 0:
-                self.stats.l3_objects_put += 1
-                self.stats.l3_put_bytes += job.buffers.nbytes(i)
-                if "/g" in name:
-                    stored.append(bytes.fromhex(name.rsplit("/", 1)[1]))
-            else:
-                self._known.pop(name, None)
-                self.stats.l3_put_failed += 1
-        emit(self.events, "stored", "l3", stored)
+        codes = codes or [-1] * len(job.names)
+        ok = [code >= 0 for code in codes]
+        if all(ok):  # the usual case: counted in one step
+            self.stats.l3_objects_put += len(ok)
+            self.stats.l3_put_bytes += sum(map(sum, job.buffers.sizes))
+        else:
+            for i, (name, put) in enumerate(zip(job.names, ok)):
+                if put:
+                    self.stats.l3_objects_put += 1
+                    self.stats.l3_put_bytes += job.buffers.nbytes(i)
+                else:
+                    self._known.pop(name, None)
+                    self.stats.l3_put_failed += 1
+        if self.events is not None:
+            stored = [
+                bytes.fromhex(name.rsplit("/", 1)[1])
+                for name, put in zip(job.names, ok)
+                if put and name.startswith(self._group_names)
+            ]
+            emit(self.events, "stored", "l3", stored)
 
     def gauges(self) -> dict[str, int]:
         """Gauges for `HiCache.stats`: store availability (1 available, 0 not), queue depth, jobs
