@@ -6,7 +6,8 @@
    `batch_put_from_multi_buffers` / `batch_get_into_multi_buffers` of 32 objects (one contiguous
    piece each, and 4 scattered pieces each as hicache's groups are; one client puts them and
    another reads them, as hicache's writer and reader are two caches: on loopback TCP a client
-   reads what it put itself twice as fast), then hicache's write-behind (a
+   reads what it put itself twice as fast; the batches take turns over buffers as large as the
+   caches' host tiers, as a cache's slots do), then hicache's write-behind (a
    `store` of 128 pages = 32 groups of 4 = 32 objects, timed from `store` returning until every
    put has been applied) and fill (a fresh cache's `match` of the same prompt, timed until the
    pages are in its host tier and the match is no longer pending). Objects live in a segment of
@@ -192,6 +193,7 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
             [buf.data_ptr() + k * region for k in picks],
             [rbuf.data_ptr() + k * region for k in picks],
         )
+
     rng = np.random.default_rng(0)
     keys = (
         "raw_put",
