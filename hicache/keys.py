@@ -104,15 +104,18 @@ def as_tokens(tokens: Any) -> np.ndarray:
     return arr.astype(np.int32)
 
 
-def page_keys(seed: bytes, tokens: np.ndarray, page_tokens: int) -> list[bytes]:
-    """Keys of every full page of `tokens` (int32), chained from `seed`."""
+def page_keys(
+    seed: bytes, tokens: np.ndarray, page_tokens: int, release_gil: bool = False
+) -> list[bytes]:
+    """Keys of every full page of `tokens` (int32), chained from `seed`. `release_gil`: let
+    other threads run while the compiled chain hashes (for worker threads)."""
     n = tokens.shape[0] // page_tokens
     if n == 0:
         return []
     pages = np.ascontiguousarray(tokens[: n * page_tokens]).reshape(n, page_tokens)
     if pages.dtype.byteorder == ">":
         pages = pages.astype("<i4")
-    raw = native.chain_keys(seed, pages)
+    raw = native.chain_keys(seed, pages, release_gil)
     if raw is None:
         return _page_keys_python(seed, pages)
     return np.frombuffer(raw, dtype=f"V{KEY_BYTES}").tolist()

@@ -533,7 +533,7 @@ class L3:
         """Worker thread: hash a fetch's pages and name its groups (and, for a probe of a state
         layout, the states at the group ends). The hashing releases the GIL."""
         prev, tokens = job.hash_from  # type: ignore[misc]
-        keys = page_keys(prev, tokens, self.layout.page_tokens)
+        keys = page_keys(prev, tokens, self.layout.page_tokens, release_gil=True)
         ends = [k.hex() for k in keys[self.G - 1 :: self.G]]
         job.page_keys = keys
         job.names = [self._group_names + e for e in ends]

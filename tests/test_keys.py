@@ -26,6 +26,19 @@ SEED = chain_seed(fingerprint(LAYOUT))
 TOKENS = np.arange(1000, 1018, dtype=np.int32)  # 4 full pages and 2 tokens
 
 
+def count_hashed(monkeypatch) -> list[int]:
+    """Record how many pages each call of the compiled chain hashes."""
+    hashed: list[int] = []
+    real = native.chain_keys
+
+    def counting(seed, pages, *args):
+        hashed.append(pages.shape[0])
+        return real(seed, pages, *args)
+
+    monkeypatch.setattr(native, "chain_keys", counting)
+    return hashed
+
+
 def test_keys_follow_the_documented_chain():
     keys = page_keys(SEED, TOKENS, 4)
     prev, expected = SEED, []
@@ -111,9 +124,7 @@ def test_a_key_names_its_whole_prefix():
 
 def test_a_chain_hashes_each_page_once_and_only_when_asked(monkeypatch):
     want = page_keys(SEED, TOKENS, 4)
-    hashed = []
-    real = native.chain_keys
-    monkeypatch.setattr(native, "chain_keys", lambda s, p: hashed.append(p.shape[0]) or real(s, p))
+    hashed = count_hashed(monkeypatch)
     chain = KeyChain(SEED, 4, TOKENS[:6])
     assert hashed == [] and chain.pages == 1
     assert chain.upto(1) == want[:1]
@@ -179,9 +190,7 @@ def test_prefix_memo_reuses_exactly_the_keys_hashing_gives(monkeypatch):
     first = KeyChain(SEED, 4, base, memo)
     first.upto(first.pages)
     memo.remember(first)
-    hashed = []
-    real = native.chain_keys
-    monkeypatch.setattr(native, "chain_keys", lambda s, p: hashed.append(p.shape[0]) or real(s, p))
+    hashed = count_hashed(monkeypatch)
     longer = np.concatenate([base, rng.integers(0, 1000, 9, dtype=np.int32)])
     chain = KeyChain(SEED, 4, longer, memo)
     assert chain.upto(chain.pages) == _page_keys_python(SEED, longer[:48].reshape(12, 4))
@@ -231,9 +240,7 @@ def test_the_memo_takes_the_longest_shared_run_not_the_most_recent_sequence(monk
         chain.upto(chain.pages)
         memo.remember(chain)
     prompt = np.concatenate([a, rng.integers(0, 1000, 8, dtype=np.int32)])  # a's next turn
-    hashed = []
-    real = native.chain_keys
-    monkeypatch.setattr(native, "chain_keys", lambda s, p: hashed.append(p.shape[0]) or real(s, p))
+    hashed = count_hashed(monkeypatch)
     chain = KeyChain(SEED, 4, prompt, memo)
     assert len(chain.hashed) == 10  # all of a's pages, found behind b's 3
     assert chain.upto(12) == _page_keys_python(SEED, prompt.reshape(12, 4))

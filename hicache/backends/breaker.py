@@ -85,6 +85,12 @@ class CircuitBreaker:
         with self._lock:
             return self._state
 
+    @property
+    def closed(self) -> bool:
+        """Whether the breaker is closed, read without taking the lock (one attribute read: it
+        may be a moment stale). For the engine thread, which must never wait on a lock."""
+        return self._state is BreakerState.CLOSED
+
     def allow(self) -> bool:
         """True when a call may go ahead now; False (counted as refused) otherwise."""
         with self._lock:

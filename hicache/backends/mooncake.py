@@ -352,8 +352,9 @@ class MooncakeStore(StoreTier):
 
     @property
     def available(self) -> bool:
-        """Connected and the breaker closed: calls are expected to be answered now."""
-        return self.state is StoreState.READY
+        """Connected and the breaker closed: calls are expected to be answered now. Takes no
+        lock (the engine thread reads it); a change made a moment ago may not show yet."""
+        return self._client is not None and not self._closing and self._breaker.closed
 
     @property
     def state(self) -> StoreState:

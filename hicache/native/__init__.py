@@ -35,12 +35,17 @@ SOURCES = ("chainhash.c", "keyindex.c", "prefix.c", "walk.c", "slotbook.c", "cop
 """The C files of this package, built into one library (they share native.h)."""
 
 
-def build(sources: tuple[str, ...] = SOURCES, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+def build(
+    sources: tuple[str, ...] = SOURCES, flags: tuple[str, ...] = (), *, release_gil: bool = True
+) -> ctypes.CDLL | None:
     """Compile `sources` (C files of this package) into one shared library and load it.
 
     The library is cached under `cache_dir()` by a digest of the sources, native.h, the flags
     and the platform, so it is built once per machine. Returns None (and logs why) when no C
     compiler is found or the build fails; callers then take their pure-Python path.
+
+    With `release_gil` (ctypes' usual CDLL) every call drops the GIL while it runs; without it
+    (a PyDLL over the same library) calls keep it.
     """
     here = Path(__file__).parent
     digest = hashlib.sha256(" ".join(flags).encode() + sys.platform.encode())
@@ -62,13 +67,19 @@ def build(sources: tuple[str, ...] = SOURCES, flags: tuple[str, ...] = ()) -> ct
                 log.warning("hicache: building %s failed: %s", sources, done.stderr.strip())
                 return None
             os.replace(built, target)  # atomic: concurrent builders all end with one good file
-    return ctypes.CDLL(str(target))
+    return (ctypes.CDLL if release_gil else ctypes.PyDLL)(str(target))
 
 
 @cache
-def library() -> ctypes.CDLL | None:
-    """The compiled helpers with their signatures declared, or None where they can't be built."""
-    lib = build()
+def library(release_gil: bool = False) -> ctypes.CDLL | None:
+    """The compiled helpers with their signatures declared, or None where they can't be built.
+
+    By default calls keep the GIL: the engine thread's calls take microseconds, and a call that
+    dropped the GIL would let a worker thread take it and run Python for as long as it likes
+    before the engine thread gets it back. `release_gil=True` is for the long calls that worker
+    threads make (hashing a fetch's pages), so that the engine thread runs meanwhile.
+    """
+    lib = build(release_gil=release_gil)
     if lib is None:
         return None
     p, i64, u64, size = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_size_t
@@ -94,13 +105,13 @@ def library() -> ctypes.CDLL | None:
 
 
 @cache
-def _library() -> tuple[ctypes.CDLL, tuple[int, int, int]] | None:
+def _library(release_gil: bool = False) -> tuple[ctypes.CDLL, tuple[int, int, int]] | None:
     """The library and OpenSSL's SHA-256 functions, which the chain needs where SHA-NI is not."""
     sha256 = _openssl_sha256()
     if sha256 is None:
         log.info("hicache: OpenSSL's SHA256 not found in this process; keys hashed in Python")
         return None
-    lib = library()
+    lib = library(release_gil)
     return None if lib is None else (lib, sha256)
 
 
@@ -143,14 +154,15 @@ def force_portable(on: bool) -> bool:
     return loaded is not None and bool(loaded[0].hicache_chain_force_portable(int(on)))
 
 
-def chain_keys(seed: bytes, pages: np.ndarray) -> bytes | None:
+def chain_keys(seed: bytes, pages: np.ndarray, release_gil: bool = False) -> bytes | None:
     """Keys of `pages` (a C-contiguous [n, page_tokens] int32 array) chained from `seed`.
 
     The format is `hicache.keys`'s; every path (SHA-NI, OpenSSL, Python) gives the same bytes.
+    `release_gil`: drop the GIL while hashing (worker threads; see `library`).
 
     Returns n * 16 bytes, or None when the compiled helper is not available.
     """
-    loaded = _library()
+    loaded = _library(release_gil)
     if loaded is None:
         return None
     lib, sha256 = loaded
