@@ -10,7 +10,9 @@
    caches' host tiers, as a cache's slots do), then hicache's write-behind (a
    `store` of 128 pages = 32 groups of 4 = 32 objects, timed from its host copy's end (at once
    on the CPU) until every put has been applied) and fill (a fresh cache's `match` of the same
-   prompt, timed until the pages are in its host tier and the match is no longer pending).
+   prompt, timed until the pages are in its host tier and the match is no longer pending). The
+   caches stand in for idle engines: between steps they sleep until hicache's `wake` callback
+   says an L3 result was posted, 0.5 ms at most.
    Objects live in a segment of another process in both cases, so every byte crosses loopback
    TCP.
 2. Engine-thread time of `store` and `match` while the store is saturated (a write-behind queue of
@@ -30,6 +32,7 @@ import platform
 import pstats
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -80,10 +83,26 @@ def make_cache(master: MooncakeMaster | None, page_bytes: int, pages: int, **sto
         env={},
     )
     pool = torch.randint(0, 255, (pages, page_bytes), dtype=torch.uint8, device=DEVICE)
-    cache = HiCache(cfg, PagedBuffer.page_first(pool))
+    woken = threading.Event()
+    cache = HiCache(cfg, PagedBuffer.page_first(pool), wake=woken.set)
+    _WOKEN[cache] = woken
     if not cache.wait_ready(20):
         raise SystemExit("the host tier or the store did not become ready")
     return cache
+
+
+_WOKEN: dict[HiCache, threading.Event] = {}
+"""Each bench cache's wake event, set by its L3 workers (`HiCache(wake=...)`)."""
+
+
+def next_step(cache: HiCache) -> None:
+    """One step of an engine with nothing else to do: it sleeps until hicache wakes it (an L3
+    result was posted), 0.5 ms at most, then polls. Clear before asking: a result posted after
+    the clear is applied by this poll or the match after it."""
+    woken = _WOKEN[cache]
+    woken.wait(0.0005)
+    woken.clear()
+    cache.poll()
 
 
 def copied() -> None:
@@ -98,8 +117,7 @@ def copied() -> None:
 
 def until_idle(cache: HiCache) -> None:
     while not cache.l3_idle or cache.stats()["copies_in_flight"]:
-        cache.poll()
-        time.sleep(0.0005)
+        next_step(cache)
 
 
 def raw_pieces(
@@ -244,8 +262,7 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
             t0 = time.perf_counter()
             m = reader.match(f"r{r}", tokens)
             while m.pending:
-                reader.poll()
-                time.sleep(0.0005)
+                next_step(reader)
                 m = reader.match(f"r{r}", tokens)
             fill_s = time.perf_counter() - t0
             get_s = reader.histograms()["hicache_l3_get_seconds"]["sum"] - get_before
@@ -323,8 +340,7 @@ def streamed(writer: HiCache, reader: HiCache, prompts: list, pages: int, tag: s
     t0 = time.perf_counter()
     pending = {i: reader.match(f"sr{tag}.{i}", p).pending for i, p in enumerate(prompts)}
     while any(pending.values()):
-        reader.poll()
-        time.sleep(0.0005)
+        next_step(reader)
         for i in [i for i, waiting in pending.items() if waiting]:
             pending[i] = reader.match(f"sr{tag}.{i}", prompts[i]).pending
     fill_s = time.perf_counter() - t0
@@ -398,7 +414,8 @@ def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -
 def main() -> None:
     torch.set_num_threads(1)  # the CPU page copy stands in for a GPU kernel launch: no OMP pool
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--segment-gib", type=int, default=8, help="the store's segment (GiB)")
     ap.add_argument("--calls", type=int, default=400)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda for a GPU pool")
     ap.add_argument("--out")
@@ -414,7 +431,16 @@ def main() -> None:
         torch.cuda.set_stream(torch.cuda.Stream())  # an engine's own stream
         ENGINE_PAGE = 64 * KiB
     master = MooncakeMaster().start()
-    segment = 8 << 30  # holds every round without eviction
+    segment = args.segment_gib << 30
+    # hicache's objects stay in the store (the raw ones are removed): a round leaves 5 stores of
+    # 128 pages at each page size. They must fit below the master's eviction mark (90 %), or
+    # the raw objects of the next round may be evicted before they are read.
+    kept = (args.rounds + 1) * 5 * 128 * (128 * KiB + 1 * MiB)
+    if "throughput" in parts and kept > 0.85 * segment:
+        raise SystemExit(
+            f"--rounds {args.rounds} leaves {kept / 2**30:.1f} GiB in the store: give "
+            f"--segment-gib {int(kept / 0.85 / 2**30) + 1} or fewer rounds"
+        )
     holder = _SegmentHolder(master.address, segment)
     try:
         flow, baseline, saturated, down = [], None, None, None

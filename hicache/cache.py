@@ -19,7 +19,7 @@ hicache never calls the engine's scheduler: it returns numbers and takes block i
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -68,7 +68,10 @@ class HiCache:
     `layout` describes its pages (defaults to the config's layout section); `states` are the
     engine's state hooks, required when the layout has state_bytes; `stream` is the CUDA stream
     of the engine's model kernels (default: the current stream at each call); `events` receives
-    a `KVEvent` whenever a tier stores or removes pages (see `hicache.events`).
+    a `KVEvent` whenever a tier stores or removes pages (see `hicache.events`); `wake` is called
+    from an L3 worker thread whenever it has posted a result for `poll` or `match` to apply (an
+    engine whose loop sleeps while requests wait on L3 sets an event or writes an eventfd there;
+    it must be thread-safe and return at once).
 
     On CUDA the constructor builds (the first time on a machine, about 20 s, then cached) and
     loads the page-copy extension, so that no copy on the engine thread pays for it.
@@ -83,6 +86,7 @@ class HiCache:
         states: StateHooks | None = None,
         stream: torch.cuda.Stream | None = None,
         events: EventSink | None = None,
+        wake: Callable[[], None] | None = None,
     ) -> None:
         layout = layout or config.layout
         if layout is None:
@@ -113,7 +117,7 @@ class HiCache:
         memo = self.policy.prefix_memo
         self._memo = PrefixMemo(layout.page_tokens, memo) if memo else None
         self._host_pages: PagedBuffer | None = None
-        self._l3 = self._build_l3(config)
+        self._l3 = self._build_l3(config, wake)
         self.metrics_server = None
         if config.metrics.port is not None:
             from hicache.metrics import register, serve
@@ -121,7 +125,7 @@ class HiCache:
             registry, _ = register(self)
             self.metrics_server = serve(registry, config.metrics.port, config.metrics.addr)
 
-    def _build_l3(self, config: HiCacheConfig) -> L3 | None:
+    def _build_l3(self, config: HiCacheConfig, wake: Callable[[], None] | None) -> L3 | None:
         """The store tier below the host tier, if the config has one (at most one for now)."""
         stores = [t for t in config.tiers[1:] if isinstance(t, StoreTierConfig)]
         if not stores:
@@ -145,6 +149,7 @@ class HiCache:
             self.policy,
             self._stats,
             events=self._events,
+            wake=wake,
         )
 
     def _host_view(self) -> PagedBuffer:

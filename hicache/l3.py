@@ -1,24 +1,30 @@
 """The engine side of L3: look-ahead fetches and write-behind puts, run on worker threads.
 
 The engine thread never calls the store. It hands jobs to two worker threads and applies their
-results in `poll`:
+results in `poll` (and in `match`, for a request whose fetch is running):
 
-- a *fetch* (for one request whose prompt runs past the host tier's hit): one batched `exists`
-  for the page groups after the host hit (and, for state layouts, the states at the group ends),
-  then — on the engine thread — a choice (the leading run of groups, snapped to a state, and only
-  if fetching is cheaper than recomputing), fresh host slots reserved for it, and one batched
-  `get_into` those slots. Pages become visible in the host index only after their get succeeded:
-  a failed transfer is never a hit. The slots stay pinned by the fetch until the worker has
-  returned, even if the request went away meanwhile, so no transfer writes into a reused slot.
-- a *put* (write-behind, after a host write-through has completed): the full page groups (and
-  group-aligned states) that L3 is not known to hold, sent straight from the pinned host slots,
-  which stay pinned until the put returns. The queue is bounded: when it is full, work is dropped
-  and counted, never queued without bound and never waited for.
+- a *fetch* (for one request whose prompt runs past the host tier's hit): the worker first
+  hashes the pages after the host hit (the job carries the key before them and their tokens; the
+  engine thread hashes only what the host tier could hit) and names their groups. If the fetch
+  fits the reserve of free host slots, it is one batched `get_into` those slots, and the leading
+  run that arrives is the hit. Otherwise one batched `exists` for the groups (and, for state
+  layouts, the states at the group ends), then — on the engine thread — a choice (the leading run
+  of groups, snapped to a state), fresh host slots reserved for it, and one batched `get_into`.
+  Pages become visible in the host index only after their get succeeded, under the keys the
+  worker hashed: a failed transfer is never a hit. The slots stay pinned by the fetch until the
+  worker has returned, even if the request went away meanwhile, so no transfer writes into a
+  reused slot.
+- a *put* (write-behind), queued by `store` with the completion of its host copy: the worker
+  waits for that copy, then sends the full page groups (and group-aligned states) that L3 is not
+  known to hold straight from the pinned host slots, which stay pinned until the put returns.
+  The queue is bounded: when it is full, work is dropped and counted, never queued without bound
+  and never waited for.
 
 While the store is not `available` (not connected yet, or its breaker opened after repeated
-failures) no fetch starts: requests take their host hit at once. The store re-probes itself in
-the background, so L3 comes back by itself after a master restart. A call that timed out may still
-be using its buffers; its slots stay pinned until the store says the call has really ended.
+failures) no fetch starts and no put is offered: requests take their host hit at once. The store
+re-probes itself in the background, so L3 comes back by itself after a master restart. A call
+that timed out may still be using its buffers; its slots stay pinned until the store says the
+call has really ended.
 """
 
 from __future__ import annotations
@@ -153,6 +159,7 @@ class L3:
         stats: Stats,
         clock: Callable[[], float] = time.monotonic,
         events: EventSink | None = None,
+        wake: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
         self.settings = settings
@@ -164,6 +171,8 @@ class L3:
         self.stats = stats
         self.clock = clock
         self.events = events
+        self.wake = wake
+        """Called by a worker after it posted a result (see `HiCache`'s `wake`)."""
         self._group_names = l3_key(settings.key_prefix, fingerprint, b"", self.G)
         self._state_names = l3_key(settings.key_prefix, fingerprint, b"", None)
         self._known: OrderedDict[str, None] = OrderedDict()  # objects L3 holds (or is receiving)
@@ -528,6 +537,11 @@ class L3:
                 outcome = err
             job.finished = self.clock()
             self._results.append((job, outcome))
+            if self.wake is not None:
+                try:
+                    self.wake()
+                except Exception as err:  # the engine's callback must not stop the worker
+                    log.warning("hicache: the wake callback raised %r", err)
 
     def _name_fetch(self, job: _Job) -> None:
         """Worker thread: hash a fetch's pages and name its groups (and, for a probe of a state

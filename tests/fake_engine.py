@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -59,6 +60,7 @@ class FakeEngine:
         layout: Layout | None = None,
         layer_first: int = 0,
         states: FakeStates | None = None,
+        wake: Callable[[], None] | None = None,
     ) -> None:
         if isinstance(config, dict):
             config = load_config(config, env={})
@@ -77,7 +79,7 @@ class FakeEngine:
             buffer = PagedBuffer.page_first(self.pool)
         self.buffer = buffer
         self.states = states
-        self.cache = HiCache(config, buffer, layout=self.layout, states=states)
+        self.cache = HiCache(config, buffer, layout=self.layout, states=states, wake=wake)
         if not self.cache.wait_ready(30):
             raise RuntimeError("the host tier was not allocated in 30 s")
         self.free = list(range(num_blocks - 1, -1, -1))

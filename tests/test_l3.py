@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -151,6 +152,27 @@ e.cache.close()
     assert (got["hit"], got["l3"], got["hit_tokens_host"]) == (40, 40, 0)
     assert got["l3_pages_fetched"] == 10
     assert got["l3_objects_put"] == 0 and got["l3_put_failed"] == 0
+
+
+def test_an_engine_that_sleeps_is_woken_when_its_fetch_has_landed(mooncake_master, engines):
+    """An idle engine loop waits on `wake` instead of polling: it is woken once the fetch's
+    result is posted, and the next match takes the hit without a poll in between."""
+    writer = engines()
+    p = prompt(7)
+    writer.run("w", p)
+    settled(writer)
+    landed = threading.Event()
+    reader = engines(wake=landed.set)
+    m = reader.cache.match("r", p)
+    wakes = 0
+    while m.pending:  # clear, then match: a result posted in between is applied, not lost
+        assert landed.wait(10)
+        landed.clear()
+        wakes += 1
+        m = reader.cache.match("r", p)  # applies the posted result itself, no poll needed
+    assert wakes == 2  # 10 pages do not fit the 8-page reserve: an exists, then the get
+    assert (m.hit_tokens, m.l3_tokens) == (40, 40)
+    reader.cache.release("r")
 
 
 def test_other_fingerprints_and_salts_never_share(mooncake_master, engines):
