@@ -1,10 +1,19 @@
-"""The compiled page-key chain, built with the system C compiler at first use and cached.
+"""hicache's C helpers: one library, built with the system C compiler at first use and cached.
 
-`chain_keys(seed, pages)` is the fast path of `hicache.keys`; `available()` says whether it could
-be built and loaded. On x86-64 CPUs with the SHA extensions it hashes pages two at a time with
-SHA-NI; elsewhere it uses OpenSSL's SHA-256 (`force_portable` makes it do so anyway, for tests).
-Where it cannot be built or loaded (no compiler, no OpenSSL in the process), `hicache.keys`
-computes the same bytes in Python, about three times slower.
+What is in it, and who uses it:
+
+- the page-key chain (`chain_keys`, the fast path of `hicache.keys`): on x86-64 CPUs with the SHA
+  extensions it hashes pages two at a time with SHA-NI; elsewhere it uses OpenSSL's SHA-256
+  (`force_portable` makes it do so anyway, for tests);
+- the key index (`index.py` over ``keyindex.c``) and the host walk (`walk`), which hashes and
+  looks up pairs of pages until the first miss;
+- the slot books (`books.py` over ``slotbook.c``): pins, LRU order and free list of a slot pool;
+- the prefix compare of the prefix memo (`common_tokens`) and the CPU page copy (``copyrows.c``).
+
+`library()` loads it with its signatures declared; calls keep the GIL unless the caller asks for
+the variant that drops it (long calls from worker threads). Where it cannot be built or loaded
+(no compiler, no OpenSSL in the process), every user has a Python path that gives the same
+results, slower; `available()` says whether the chain is compiled.
 """
 
 from __future__ import annotations
