@@ -16,7 +16,8 @@
    Objects live in a segment of another process in both cases, so every byte crosses loopback
    TCP.
 2. Engine-thread time of `store` and `match` while the store is saturated (a write-behind queue of
-   2 batches and a burst of stores) and while it is down (master killed): p50/p99/max in µs.
+   2 batches and a burst of stores) and while it is down: master killed just before the calls
+   (the breaker still closed), and killed until the breaker has opened. p50/p99/max in µs.
    Pages are 4 KiB there, so that the CPU stand-in for the GPU copy does not hide the L3 part.
 
 Prints JSON; with --out also writes it.
@@ -353,9 +354,27 @@ def streamed(writer: HiCache, reader: HiCache, prompts: list, pages: int, tag: s
     return put_s, fill_s
 
 
+def breaker_opened(cache: HiCache, rng: np.random.Generator, timeout_s: float = 60.0) -> None:
+    """Keep the cache busy (untimed) until its store reads unavailable: the breaker opens after
+    `breaker_failures` calls have failed, each after up to `call_timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    i = 0
+    while cache.stats()["l3_available"]:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the breaker did not open within {timeout_s:g} s of the kill")
+        tokens = rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32)
+        cache.store(f"warm{i}", tokens, list(range(64)))
+        cache.release(f"warm{i}")
+        cache.poll()
+        time.sleep(0.05)
+        i += 1
+
+
 def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -> dict:
     """Wall and CPU time of store, match and poll on the engine thread. `master` None: a
-    host-only cache (the baseline); phase 'down' kills the master first."""
+    host-only cache (the baseline); phase 'down' kills the master just before the calls (its
+    breaker is still closed: work is still offered to it), 'down_open' kills it and waits until
+    the breaker has opened (nothing is offered)."""
     cache = make_cache(master, ENGINE_PAGE, 64, write_queue_depth=2)
     rng = np.random.default_rng(1)
     times: dict[str, list[float]] = {
@@ -374,8 +393,10 @@ def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -
         times[f"{name}_cpu_us"].append((time.thread_time() - c0) * 1e6)
 
     try:
-        if phase == "down":
+        if phase.startswith("down"):
             master.kill()
+        if phase == "down_open":
+            breaker_opened(cache, rng)
         for i in range(calls):
             tokens = rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32)
             other = rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32)
@@ -389,7 +410,7 @@ def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -
             print(f"== profile of store, {phase}", file=sys.stderr)
             pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(20)
     finally:
-        if phase == "down":
+        if phase.startswith("down"):
             master.restart()
         cache.close()
 
@@ -443,7 +464,7 @@ def main() -> None:
         )
     holder = _SegmentHolder(master.address, segment)
     try:
-        flow, baseline, saturated, down = [], None, None, None
+        flow, baseline, saturated, down, down_open = [], None, None, None, None
         if "throughput" in parts:
             touch_segment(master, segment)
             flow = [throughput(master, args.rounds, size) for size in (128 * KiB, 1 * MiB)]
@@ -451,6 +472,7 @@ def main() -> None:
             baseline = engine_thread_times(None, args.calls, "host_only")
             saturated = engine_thread_times(master, args.calls, "saturated")
             down = engine_thread_times(master, args.calls, "down")
+            down_open = engine_thread_times(master, args.calls, "down_open")
     finally:
         holder.close()
         master.stop()
@@ -464,6 +486,7 @@ def main() -> None:
         "engine_thread_host_only_baseline": baseline,
         "engine_thread_store_saturated": saturated,
         "engine_thread_store_down": down,
+        "engine_thread_store_down_breaker_open": down_open,
         "targets": {"ratio": 0.9, "p99_us": 200},
     }
     text = json.dumps(result, indent=2)
