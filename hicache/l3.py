@@ -22,9 +22,9 @@ results in `poll` (and in `match`, for a request whose fetch is running):
 
 While the store is not `available` (not connected yet, or its breaker opened after repeated
 failures) no fetch starts and no put is offered: requests take their host hit at once. The store
-re-probes itself in the background, so L3 comes back by itself after a master restart. A call
-that timed out may still be using its buffers; its slots stay pinned until the store says the
-call has really ended.
+re-probes itself in the background, so L3 comes back by itself after a master restart. A job's
+slots stay pinned until its call has returned, however long Mooncake takes; a call that hangs
+opens the store's breaker meanwhile (its watchdog), so no new work is offered.
 """
 
 from __future__ import annotations
@@ -179,7 +179,6 @@ class L3:
         self._known_cap = 1 << 20
         self._registered = threading.Event()
         self._results: deque[tuple[_Job, object]] = deque()
-        self._parked: list[tuple[threading.Event, Fetch | _Job]] = []  # timed-out transfers
         self._reserve: Lease | None = None  # free host slots a fetch can get into at once
         self._lent = 0  # reserve slots that unprobed gets are reading into now
         self.jobs_in_flight = 0
@@ -349,16 +348,8 @@ class L3:
     # -- engine thread: results -------------------------------------------------------------------
 
     def poll(self) -> None:
-        """Apply the results the workers have posted, release slots of timed-out calls that have
-        returned, refill the fetch reserve. Never blocks."""
-        if self._parked:
-            still = []
-            for finished, holder in self._parked:
-                if finished.is_set():
-                    holder.release()
-                else:
-                    still.append((finished, holder))
-            self._parked = still
+        """Apply the results the workers have posted and refill the fetch reserve. Never
+        blocks."""
         self.apply()
         self.refill()
 
@@ -376,9 +367,9 @@ class L3:
             if job.kind == "probe":
                 self._on_probe(job, None if failed else outcome)  # type: ignore[arg-type]
             elif job.kind == "get":
-                self._on_get(job, None if failed else outcome, outcome)  # type: ignore[arg-type]
+                self._on_get(job, None if failed else outcome)  # type: ignore[arg-type]
             else:
-                self._on_put(job, None if failed else outcome, outcome)  # type: ignore[arg-type]
+                self._on_put(job, None if failed else outcome)  # type: ignore[arg-type]
 
     def _on_probe(self, job: _Job, present: list[bool] | None) -> None:
         fetch = job.fetch
@@ -429,15 +420,7 @@ class L3:
             _Job("get", names, buffers, fetch=fetch, groups=run, started=self.clock()),
         )
 
-    def _release(self, holder: Fetch | _Job, outcome: object) -> None:
-        """Release `holder`'s pins now, or once a timed-out call has really ended."""
-        finished = getattr(outcome, "finished", None)
-        if finished is not None and not finished.is_set():
-            self._parked.append((finished, holder))
-        else:
-            holder.release()
-
-    def _on_get(self, job: _Job, codes: list[int] | None, outcome: object = None) -> None:
+    def _on_get(self, job: _Job, codes: list[int] | None) -> None:
         fetch = job.fetch
         run = job.groups
         if job.unprobed:  # its slots are the fetch's now (or free again): the reserve may refill
@@ -470,10 +453,10 @@ class L3:
         fetch.phase = "done"
         self.stats.latency["hicache_l3_fetch_seconds"].observe(self.clock() - fetch.started)
         if fetch.abandoned or not ok:
-            self._release(fetch, outcome)
+            fetch.release()
 
-    def _on_put(self, job: _Job, codes: list[int] | None, outcome: object = None) -> None:
-        self._release(job, outcome)
+    def _on_put(self, job: _Job, codes: list[int] | None) -> None:
+        job.release()
         codes = codes or [-1] * len(job.names)
         ok = [code >= 0 for code in codes]
         if all(ok):  # the usual case: counted in one step
@@ -507,8 +490,8 @@ class L3:
 
     @property
     def idle(self) -> bool:
-        """No job is queued or running and no timed-out transfer holds slots."""
-        return self.jobs_in_flight == 0 and not self._parked
+        """No job is queued or running."""
+        return self.jobs_in_flight == 0
 
     def _submit(self, jobs: queue.Queue[_Job | None], job: _Job) -> None:
         jobs.put_nowait(job)  # raises queue.Full only for the bounded put queue

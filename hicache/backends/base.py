@@ -19,7 +19,6 @@ Two families share that header:
 
 from __future__ import annotations
 
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,9 +86,9 @@ class StoreTier(Tier):
 
     Keys are strings built by `hicache.keys.l3_key`. Objects are written from and read into
     host memory that the store has registered (`register`). A failed call raises
-    `StoreUnavailable`; a per-key failure is a negative code in the returned list. A call that
-    timed out may still be using its buffers: `StoreUnavailable.finished`, when not None, is an
-    event set once it has really ended, and the caller keeps the buffers until then.
+    `StoreUnavailable`; a per-key failure is a negative code in the returned list. The buffers
+    of a call are the store's until the call returns (raised or not): the caller keeps them
+    unchanged and pinned until then.
     """
 
     addressable = False
@@ -132,6 +131,3 @@ class StoreTier(Tier):
 
 class StoreUnavailable(RuntimeError):
     """The store could not be reached (not connected yet, master down, breaker open)."""
-
-    finished: threading.Event | None = None
-    """For a call that timed out: set once the abandoned call has really returned."""

@@ -1,7 +1,8 @@
 """The L3 tier: a blocking, batched client of Mooncake Store.
 
 `MooncakeStore` is called by hicache's L3 worker threads only, never by the engine thread. Every
-call is one batched Mooncake call; the caller never waits longer than `call_timeout_s` for it.
+call is one batched Mooncake call, made on the caller's thread (no hand-off to another thread:
+on the H200's host that hop cost ~0.3 ms a call).
 
 What happens when things fail (the contract the L3 worker relies on):
 
@@ -11,15 +12,15 @@ What happens when things fail (the contract the L3 worker relies on):
 - Per-key outcomes are integers in the returned list (`StoreCode`): a missing key, a full store or
   a failed transfer of one object is never an exception.
 - A call that gets no answer from the master raises `StoreUnavailable`: the master is unreachable
-  (every key came back ``RPC_FAIL``/``RPC_TIMEOUT``), the breaker is open, or the call took longer
-  than `call_timeout_s` (`StoreTimeout`, a subclass). Such calls count as breaker failures; after
-  `breaker_failures` in a row the breaker opens and calls are refused at once. While it is open a
-  background monitor probes the master every `breaker_reprobe_s` (a caller may also be the probe),
-  and the first answered call closes it again.
-- A `StoreTimeout` from `get_into`/`put_from` may leave Mooncake still reading or writing the
-  caller's buffers: the caller must keep them pinned until ``err.finished`` (an Event) is set.
-  Mooncake itself ends such a call within its own bounds (about 4.3 s when the master's port
-  refuses connections, ``MC_RPC_TIMEOUT_MS`` when the master stalls; see the README).
+  (every key came back ``RPC_FAIL``/``RPC_TIMEOUT``) or the breaker is open. Such calls count as
+  breaker failures; after `breaker_failures` in a row the breaker opens and calls are refused at
+  once. While it is open a background monitor probes the master every `breaker_reprobe_s` (a
+  caller may also be the probe), and the first answered call closes it again.
+- A call returns when Mooncake returns it: within about 4.3 s when the master's port refuses
+  connections, and within ``MC_RPC_TIMEOUT_MS`` (set to 80 % of `call_timeout_s`) when the master
+  stalls. A watchdog counts every call still running after `call_timeout_s` as a breaker failure
+  at that moment, so that a hanging store reads unavailable (and is offered no more work) while
+  the call is still out. The caller's buffers are Mooncake's until the call returns.
 - A master restarted on the same address is found again by Mooncake's own client (it remounts
   this client's segment); the objects the old master knew are gone.
 
@@ -30,7 +31,6 @@ Mooncake is imported in `start()`, so this module (and its config) loads without
 from __future__ import annotations
 
 import bisect
-import concurrent.futures
 import contextlib
 import enum
 import logging
@@ -89,8 +89,9 @@ class MooncakeConfig(StoreTierConfig):
     replicas: int = Field(default=1, ge=1, le=16)
     """Copies of each object (Mooncake ``replica_num``)."""
     call_timeout_s: float = Field(default=2.0, gt=0, le=600)
-    """The longest a caller waits for one batched call. Mooncake's own master-RPC timeout
-    (MC_RPC_TIMEOUT_MS) is set to 80 % of it."""
+    """A call still out after this long counts as a breaker failure (the watchdog's). Mooncake's
+    own master-RPC timeout (MC_RPC_TIMEOUT_MS) is set to 80 % of it, so that a stalled master's
+    call ends by itself just before."""
     setup_retries: int = Field(default=1, ge=1, le=100)
     """Mooncake's attempts inside one setup (MC_STORE_CLIENT_SETUP_RETRIES); each attempt
     against an absent master takes about 4.4 s."""
@@ -102,8 +103,6 @@ class MooncakeConfig(StoreTierConfig):
     """Consecutive failed calls (unreachable master, timeout) that open the breaker."""
     breaker_reprobe_s: float = Field(default=5.0, gt=0, le=3600)
     """How long an open breaker refuses calls before one probe is let through."""
-    io_threads: int = Field(default=4, ge=1, le=64)
-    """Threads that run the Mooncake calls (a timed-out call keeps its thread until it ends)."""
 
     @field_validator("master_address")
     @classmethod
@@ -219,19 +218,6 @@ class StoreState(str, enum.Enum):
     CLOSED = "closed"
 
 
-class StoreTimeout(StoreUnavailable):
-    """A call did not return within `call_timeout_s`.
-
-    The Mooncake call may still be running and using the caller's buffers: `finished` is set once
-    it has returned (at once if it never started). Keep buffers pinned until then.
-    """
-
-    def __init__(self, op: str, timeout_s: float, finished: threading.Event) -> None:
-        super().__init__(f"mooncake {op} did not return within {timeout_s:g} s")
-        self.op = op
-        self.finished = finished
-
-
 @dataclass(frozen=True)
 class StoreStats:
     """Counters of one `MooncakeStore`."""
@@ -270,6 +256,15 @@ def _apply_env(values: dict[str, str]) -> None:
 
 
 # -- the client ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Call:
+    """A Mooncake call out now (for the watchdog)."""
+
+    started: float
+    overdue: bool = False
+    """Counted as a breaker failure by the watchdog already."""
 
 
 @dataclass(frozen=True)
@@ -316,9 +311,8 @@ class MooncakeStore(StoreTier):
         self._bounds = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
         """Starts and ends of the registered regions, as arrays (for `_check_buffers`)."""
         self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_reprobe_s)
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=config.io_threads, thread_name_prefix="hicache-l3-io"
-        )
+        self._running: dict[int, _Call] = {}  # calls out now, by id; under _lock
+        self._drained = threading.Condition(self._lock)  # closing, and no call is out
         self._thread: threading.Thread | None = None
         self._replicate: Any = None
         self._counts = dict.fromkeys(
@@ -349,6 +343,7 @@ class MooncakeStore(StoreTier):
                 target=self._run, name="hicache-l3-connect", daemon=True
             )
             self._thread.start()
+            threading.Thread(target=self._watch, name="hicache-l3-watchdog", daemon=True).start()
 
     @property
     def available(self) -> bool:
@@ -402,7 +397,9 @@ class MooncakeStore(StoreTier):
         def finish() -> None:
             if thread is not None:
                 thread.join()
-            self._pool.shutdown(wait=True)
+            with self._drained:  # no Mooncake call may be out on the client it closes
+                while self._running:
+                    self._drained.wait()
             if client is not None:
                 rc = client.close()
                 if rc != 0:
@@ -449,8 +446,8 @@ class MooncakeStore(StoreTier):
         cfg = self.config
         env = {
             "MC_STORE_CLIENT_SETUP_RETRIES": str(cfg.setup_retries),
-            # Mooncake ends a stalled master RPC a little before hicache stops waiting, so
-            # that the usual stall ends cleanly (no call left running on the caller's buffers).
+            # Mooncake ends a stalled master RPC by itself, a little before the watchdog would
+            # count the call as overdue.
             "MC_RPC_TIMEOUT_MS": str(max(1, math.floor(cfg.call_timeout_s * 800))),
             "MC_RPC_CONNECT_TIMEOUT_MS": str(max(1, math.floor(cfg.call_timeout_s * 800))),
         }
@@ -632,7 +629,7 @@ class MooncakeStore(StoreTier):
         return self._call("remove", lambda c: c.batch_remove(keys, force), len(keys))
 
     def _call(self, op: str, fn: Callable[[Any], list[int]], n: int) -> list[int]:
-        """Run one batched Mooncake call on an I/O thread, bounded by call_timeout_s."""
+        """Run one batched Mooncake call on this thread, watched (see `_watch`)."""
         client = self._client
         if client is None:
             raise StoreUnavailable(f"mooncake {op}: not connected (state {self.state.value})")
@@ -640,33 +637,31 @@ class MooncakeStore(StoreTier):
             with self._lock:
                 self._counts["refused"] += 1
             raise StoreUnavailable(f"mooncake {op}: breaker open after repeated failures")
-        finished = threading.Event()
-        try:
-            future = self._pool.submit(fn, client)
-        except RuntimeError:  # the pool is shut down: close() is running
-            self._breaker.record_success()  # not the master's fault; free the probe slot
-            raise StoreUnavailable(f"mooncake {op}: store is closing") from None
-        future.add_done_callback(lambda _f: finished.set())
+        call = _Call(time.monotonic())
         with self._lock:
+            if self._closing:
+                self._breaker.record_success()  # not the master's fault; free the probe slot
+                raise StoreUnavailable(f"mooncake {op}: store is closing")
             self._counts["calls"] += 1
+            self._running[id(call)] = call
         try:
-            codes = future.result(timeout=self.config.call_timeout_s)
-        except concurrent.futures.TimeoutError:
-            future.cancel()  # succeeds only if it never started; then `finished` is set
-            self._breaker.record_failure()
-            with self._lock:
-                self._counts["timeouts"] += 1
-            raise StoreTimeout(op, self.config.call_timeout_s, finished) from None
+            codes = [int(c) for c in fn(client)]
         except BaseException:
-            self._breaker.record_failure()
+            if not call.overdue:  # the watchdog counted an overdue call already
+                self._breaker.record_failure()
             raise
-        codes = [int(c) for c in codes]
+        finally:
+            with self._lock:
+                del self._running[id(call)]
+                if self._closing and not self._running:
+                    self._drained.notify_all()
         if len(codes) != n:
             self._breaker.record_failure()
             raise StoreUnavailable(f"mooncake {op}: {len(codes)} results for {n} keys")
         unreachable = sum(1 for c in codes if c in _UNREACHABLE)
         if unreachable:
-            self._breaker.record_failure()
+            if not call.overdue:
+                self._breaker.record_failure()
             with self._lock:
                 self._counts["unreachable"] += 1
             if unreachable == n:
@@ -674,6 +669,26 @@ class MooncakeStore(StoreTier):
         else:
             self._breaker.record_success()
         return codes
+
+    def _watch(self) -> None:
+        """Background thread: a call still out `call_timeout_s` after it began counts as one
+        breaker failure (and one timeout) at once, while it runs, so that a hanging store opens
+        its breaker and is offered no more work without waiting for Mooncake to give up."""
+        limit = self.config.call_timeout_s
+        while True:
+            with self._wake:
+                self._wake.wait(limit / 4)
+                if self._closing:
+                    return
+                now = time.monotonic()
+                late = [
+                    c for c in self._running.values() if not c.overdue and now - c.started > limit
+                ]
+                for call in late:
+                    call.overdue = True
+                self._counts["timeouts"] += len(late)
+            for _ in late:
+                self._breaker.record_failure()
 
     # -- stats -------------------------------------------------------------------------------
 
