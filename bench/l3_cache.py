@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import os
 import platform
 import pstats
@@ -43,7 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "bench")]
 
-from l3_raw import measure, raw_client  # noqa: E402
+from l3_raw import measure, raw_client, report  # noqa: E402
 from mooncake_master import MooncakeMaster, _SegmentHolder  # noqa: E402
 
 from hicache import HiCache, PagedBuffer, load_config  # noqa: E402
@@ -489,10 +488,7 @@ def main() -> None:
         "engine_thread_store_down_breaker_open": down_open,
         "targets": {"ratio": 0.9, "p99_us": 200},
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ of each step over the rounds after the first three.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "bench")]
 
 import l3_cache  # noqa: E402
+from l3_raw import report  # noqa: E402
 from mooncake_master import MooncakeMaster, _SegmentHolder  # noqa: E402
 
 STEPS = [
@@ -137,10 +137,7 @@ def main() -> None:
         "fill_median_ms": round(statistics.median(fills[3:]) * 1e3, 3),
         "steps": steps,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    report(result, args.out)
 
 
 if __name__ == "__main__":

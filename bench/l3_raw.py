@@ -38,6 +38,14 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "2")
 
 
+def report(result: dict, out: str | None) -> None:
+    """Print a bench's JSON, and write it to `out` too when one is given."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+
+
 def raw_client(master: str, segment_bytes: int, local_hostname: str = "127.0.0.1") -> Any:
     """A Mooncake client on TCP with `segment_bytes` contributed (0: none)."""
     from mooncake.store import MooncakeDistributedStore
@@ -198,10 +206,7 @@ def main() -> None:
         "units": "GB/s = 1e9 bytes/s; *_gbps is bytes of all rounds over their summed time",
         "results": results,
     }
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    report(doc, args.out)
 
 
 if __name__ == "__main__":

@@ -364,6 +364,8 @@ class L3:
             failed = isinstance(outcome, BaseException)
             if failed:
                 self.stats.l3_errors += 1
+            if job.page_keys:  # a fetch's first job: the keys its worker hashed
+                job.fetch.keys = job.page_keys
             if job.kind == "probe":
                 self._on_probe(job, None if failed else outcome)  # type: ignore[arg-type]
             elif job.kind == "get":
@@ -377,11 +379,10 @@ class L3:
         if present is None or fetch.abandoned:
             fetch.phase = "done"
             return
-        fetch.keys = job.page_keys
         run = 0
         while run < n_groups and present[run]:
             run += 1
-        state_slot_key: bytes | None = None
+        state_in_l3 = False  # the run ends where L3 holds a state (the host tier has none)
         if self.layout.state_bytes:  # snap to the deepest group end with a state somewhere
             states = self.host.state_slots
             while run > 0:
@@ -389,7 +390,7 @@ class L3:
                 if key in states:
                     break
                 if present[n_groups + run - 1]:
-                    state_slot_key = key
+                    state_in_l3 = True
                     break
                 run -= 1
         if run == 0 or not self.host.ready:
@@ -398,7 +399,7 @@ class L3:
         lease = self.host.page_slots.reserve(run * self.G)
         run = len(lease) // self.G
         state_lease = None
-        if state_slot_key is not None and run:
+        if state_in_l3 and run:
             state_lease = self.host.state_slots.reserve(1)
             if not len(state_lease):
                 run = 0
@@ -434,8 +435,6 @@ class L3:
         state_ok = fetch.state_lease is not None and codes is not None and codes[-1] >= 0
         if fetch.state_lease is not None and not state_ok:
             ok = 0  # without its state the run can't be resumed from
-        if job.hash_from is not None:
-            fetch.keys = job.page_keys
         first_page = fetch.first_page
         if ok:
             got = fetch.keys[: ok * self.G]
