@@ -343,7 +343,6 @@ class MooncakeStore(StoreTier):
                 target=self._run, name="hicache-l3-connect", daemon=True
             )
             self._thread.start()
-            threading.Thread(target=self._watch, name="hicache-l3-watchdog", daemon=True).start()
 
     @property
     def available(self) -> bool:
@@ -412,7 +411,8 @@ class MooncakeStore(StoreTier):
         return not closer.is_alive()
 
     def _run(self) -> None:
-        """Background thread: connect with backoff, then probe while the breaker is open."""
+        """Background thread: connect with backoff, start the watchdog, then probe while the
+        breaker is open."""
         delay = self.config.reconnect_backoff_s
         while True:
             with self._lock:
@@ -432,9 +432,12 @@ class MooncakeStore(StoreTier):
                     continue
             client.close()  # closed while connecting
             return
+        # calls can be made from now on: watch them
+        threading.Thread(target=self._watch, name="hicache-l3-watchdog", daemon=True).start()
         while True:
             with self._wake:
-                self._wake.wait(self.config.breaker_reprobe_s)
+                if not self._closing:  # a close before this wait must not be slept through
+                    self._wake.wait(self.config.breaker_reprobe_s)
                 if self._closing:
                     return
             if self._breaker.state is not BreakerState.CLOSED:
