@@ -25,14 +25,15 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from hicache import native
 from hicache.backends.gpu import GpuTier
 from hicache.backends.host import HostTier, HostTierConfig
 from hicache.backends.registry import tier_class
 from hicache.config import HiCacheConfig, Layout, StoreTierConfig
 from hicache.errors import StateHookError
 from hicache.events import EventSink, emit
-from hicache.kernels import PagedBuffer, prepare
-from hicache.keys import KeyChain, PrefixMemo, as_tokens, chain_seed, fingerprint
+from hicache.kernels import PagedBuffer, Route, prepare, route
+from hicache.keys import KeyChain, PrefixMemo, as_tokens, chain_seed, fingerprint, starts_with
 from hicache.l3 import L3, Fetch, L3Settings
 from hicache.request import Match, Request
 from hicache.slots import Lease
@@ -108,15 +109,16 @@ class HiCache:
             raise TypeError(f"tiers[0] must be a HostTierConfig, got {type(host_config).__name__}")
         self._stats = Stats()
         self._events = events
-        self.host = HostTier(host_config, layout, on_evict=self._evicted)
-        self._hooks = states if layout.state_bytes else None
         prepare(self.gpu.device)  # on CUDA: build/load the copy extension now, not at a copy
+        native.available()  # load the compiled helpers now, not in the first store
+        self._routes: tuple[Route, Route] | None = None
+        self.host = HostTier(host_config, layout, self._evicted, self._prepare_copies)
+        self._hooks = states if layout.state_bytes else None
         self._transfers = Transfers(self.gpu.device, stream)
         self._requests: dict[str, Request] = {}
         self._seeds: dict[bytes | str | None, bytes] = {}
         memo = self.policy.prefix_memo
         self._memo = PrefixMemo(layout.page_tokens, memo) if memo else None
-        self._host_pages: PagedBuffer | None = None
         self._l3 = self._build_l3(config, wake)
         self.metrics_server = None
         if config.metrics.port is not None:
@@ -152,11 +154,16 @@ class HiCache:
             wake=wake,
         )
 
-    def _host_view(self) -> PagedBuffer:
-        """The host page slots cut into the GPU pool's segments (made once, when ready)."""
-        if self._host_pages is None:
-            self._host_pages = self.host.pages.resegment(self.gpu.pages.seg_bytes)
-        return self._host_pages
+    def _prepare_copies(self, host: HostTier) -> None:
+        """The copy routes between the GPU pool and the host slots (cut into the pool's
+        segments), checked once. Run by the host tier's allocating thread, before it is ready:
+        the engine thread never builds them."""
+        gpu, slots = self.gpu.pages, host.pages.resegment(self.gpu.pages.seg_bytes)
+        self._routes = (route(gpu, slots), route(slots, gpu))
+
+    def _route(self, to_host: bool) -> Route:
+        """The route GPU pool -> host slots (`to_host`) or back; only while the host is ready."""
+        return self._routes[0 if to_host else 1]  # type: ignore[index]
 
     def _evicted(self, keys: list[bytes]) -> None:
         self._stats.evicted(keys)
@@ -286,7 +293,7 @@ class HiCache:
         seed = self._seed(salt)
         if req is not None and req.chain.seed == seed:
             held = req.chain.tokens
-            if tokens.shape[0] >= held.shape[0] and np.array_equal(tokens[: held.shape[0]], held):
+            if starts_with(tokens, held):
                 req.chain.extend(tokens)
                 return req
             req.drop_pins()
@@ -336,10 +343,8 @@ class HiCache:
         try:
             if state is not None:
                 self._call_hook("load_state", state_slot, match.hit_tokens, state.slots[0])
-            src = self._host_view()
             latency = self._stats.latency["hicache_load_copy_seconds"]
-            dst_ids = torch.from_numpy(ids)
-            self._transfers.copy(src, _int32(pages.slots), self.gpu.pages, dst_ids, latency)
+            self._transfers.copy(self._route(to_host=False), _int32(pages.slots), ids, latency)
         except BaseException:
             _release(leases)
             raise
@@ -416,10 +421,9 @@ class HiCache:
             lease.release()
             return None
         try:
-            dst = self._host_view()
-            src_ids = torch.from_numpy(ids[missing])
             latency = self._stats.latency["hicache_store_copy_seconds"]
-            self._transfers.copy(self.gpu.pages, src_ids, dst, _int32(lease.slots), latency)
+            src_ids = ids if len(missing) == len(ids) else native.gather_int32(ids, missing)
+            self._transfers.copy(self._route(to_host=True), src_ids, _int32(lease.slots), latency)
         except BaseException:
             lease.release()
             raise
@@ -558,8 +562,8 @@ def _adopt_keys(chain: KeyChain, fetch: Fetch) -> None:
         chain.append(fetch.keys[have - first :])
 
 
-def _int32(values: list[int]) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(values, dtype=np.int32))
+def _int32(values: list[int]) -> np.ndarray:
+    return np.array(values, dtype=np.int32)
 
 
 def _release(leases: list[Lease]) -> None:

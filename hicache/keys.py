@@ -104,6 +104,14 @@ def as_tokens(tokens: Any) -> np.ndarray:
     return arr.astype(np.int32)
 
 
+def starts_with(tokens: np.ndarray, head: np.ndarray) -> bool:
+    """Whether `tokens` begins with `head` (both C-contiguous int32). Compiled where possible:
+    numpy releases the GIL to compare arrays this long, which would let a hicache worker cut
+    into the engine-thread call that asks."""
+    n = head.shape[0]
+    return tokens.shape[0] >= n and native.common_tokens(tokens[:n], head) == n
+
+
 def page_keys(
     seed: bytes, tokens: np.ndarray, page_tokens: int, release_gil: bool = False
 ) -> list[bytes]:
@@ -187,7 +195,7 @@ class KeyChain:
     def extend(self, tokens: np.ndarray) -> None:
         """Grow to `tokens`, which must start with the tokens held now."""
         have = self.tokens.shape[0]
-        if tokens.shape[0] < have or not np.array_equal(tokens[:have], self.tokens):
+        if tokens.shape[0] < have or not starts_with(tokens, self.tokens):
             raise ValueError(
                 "tokens must extend the request's earlier tokens (the prompt given to match)"
             )

@@ -29,7 +29,6 @@ opens the store's breaker meanwhile (its watchdog), so no new work is offered.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
@@ -120,10 +119,21 @@ class _Leases:
 
 @dataclass
 class _Job:
+    """One call for a worker. The engine thread fills in keys and slots; the worker names the
+    objects and finds their bytes (`names`, `buffers`), so that the engine thread does not."""
+
     kind: str  # "probe" | "get" | "put"
-    names: list[str]
-    """Object names; for a fetch's first job the worker makes them from `hash_from`."""
+    ends: list[bytes] = field(default_factory=list)
+    """Keys of the page groups' last pages (a group is named by it), in order."""
+    state_ends: list[bytes] = field(default_factory=list)
+    """Keys of the pages whose boundary states the call moves, after the groups."""
+    page_slots: list[int] = field(default_factory=list)
+    """Host slots of the groups' pages, `G` per group (gets and puts)."""
+    state_slots: list[int] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    """Object names (groups, then states), made by the worker."""
     buffers: Buffers = field(default_factory=lambda: Buffers([], []))
+    """Where the objects lie in the host pools, found by the worker."""
     fetch: Fetch = None  # type: ignore[assignment]  # probe and get jobs only
     lease: Lease | _Leases | None = None
     groups: int = 0
@@ -132,9 +142,10 @@ class _Job:
     """A get asked without an exists: a missing group ends the hit and is no failure."""
     ready: Completion = DONE
     """For a put: the host write-through it sends; the worker waits for it before reading."""
-    hash_from: tuple[bytes, np.ndarray] | None = None
-    """For a fetch's first job: the key before its first page and the tokens of its pages. The
-    worker hashes them (the engine thread never hashes pages only L3 may hold)."""
+    hash_from: tuple[bytes, bytes] | None = None
+    """For a fetch's first job: the key before its first page and the bytes of its pages'
+    tokens (int32). The worker hashes them (the engine thread never hashes pages only L3 may
+    hold)."""
     page_keys: list[bytes] = field(default_factory=list)
     """The keys the worker hashed from `hash_from`."""
     started: float = 0.0
@@ -175,16 +186,19 @@ class L3:
         """Called by a worker after it posted a result (see `HiCache`'s `wake`)."""
         self._group_names = l3_key(settings.key_prefix, fingerprint, b"", self.G)
         self._state_names = l3_key(settings.key_prefix, fingerprint, b"", None)
-        self._known: OrderedDict[str, None] = OrderedDict()  # objects L3 holds (or is receiving)
-        self._known_cap = 1 << 20
+        # what L3 holds (or is receiving), by the key that names the object: engine thread only
+        self._groups_held = _Seen(1 << 20)
+        self._states_held = _Seen(1 << 18)
         self._registered = threading.Event()
         self._results: deque[tuple[_Job, object]] = deque()
         self._reserve: Lease | None = None  # free host slots a fetch can get into at once
         self._lent = 0  # reserve slots that unprobed gets are reading into now
         self.jobs_in_flight = 0
         """Jobs handed to the workers whose results `poll` has not applied yet."""
-        self._fetch_jobs: queue.Queue[_Job | None] = queue.Queue()
-        self._put_jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=settings.queue_depth)
+        # SimpleQueue: putting never blocks, nor releases the GIL (queue.Queue's lock may)
+        self._fetch_jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._put_jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._puts_out = 0  # put jobs queued or running (at most settings.queue_depth)
         self._threads = [
             threading.Thread(
                 target=self._work,
@@ -230,17 +244,19 @@ class L3:
         deadline = now + self.policy.l3_max_wait_ms / 1e3
         fetch = Fetch(first, last - first, first * G, deadline, now)
         prev = chain.hashed[first * G - 1] if first else chain.seed
-        tokens = chain.tokens[first * G * P : last * G * P].copy()  # the caller may reuse its own
+        # bytes, not an array copy: the caller may reuse its tokens, and numpy releases the GIL
+        # to copy an array this long (a worker waiting for it would cut into this call)
+        tokens = chain.tokens[first * G * P : last * G * P].tobytes()
         self.stats.l3_probes += 1
         pages = (last - first) * G
-        job = _Job("probe", [], fetch=fetch, started=now, hash_from=(prev, tokens))
+        job = _Job("probe", fetch=fetch, started=now, hash_from=(prev, tokens))
         if self._can_get_at_once(pages):
             # One call: get every group into reserved slots; the leading run that arrives is the
             # hit (a missing object reads as a miss). No exists, no second trip to this thread.
             fetch.lease, fetch.phase = self._reserve.split(pages), "get"  # type: ignore[union-attr]
             self._lent += pages
             job.kind, job.groups, job.unprobed = "get", last - first, True
-            job.buffers = self._buffers(fetch.lease.slots)
+            job.page_slots = fetch.lease.slots
         self._submit(self._fetch_jobs, job)
         return fetch
 
@@ -295,55 +311,48 @@ class L3:
         """Queue puts of the full groups of `keys[:n_pages]` (and states) L3 does not hold.
 
         Called by `store` at once, with `ready` marking the host write-through: the worker waits
-        for it before reading the slots, which stay pinned until the put has returned.
+        for it before reading the slots, which stay pinned until the put has returned. On this
+        thread: which groups are new, their slots, their pins; the worker names them and finds
+        their bytes.
         """
+        G = self.G
         if not self.usable():  # not connected, or the breaker is open: offer nothing
-            self.stats.l3_puts_skipped += n_pages // self.G
+            self.stats.l3_puts_skipped += n_pages // G
             return
-        groups = [
-            (g, name)
-            for g in range(n_pages // self.G)
-            if (name := self._group_key(keys, g)) not in self._known
-        ]
-        if self._put_jobs.full():  # drop at once, build nothing
+        held = self._groups_held
+        groups = [g for g in range(n_pages // G) if keys[(g + 1) * G - 1] not in held]
+        if self._puts_out >= self.settings.queue_depth:  # drop at once, build nothing
             self.stats.l3_puts_dropped += len(groups)
             return
-        held = (groups[-1][0] + 1) * self.G if groups else 0
-        page_slots = self.host.page_slots.lookup(keys[:held])
-        names: list[str] = []
-        pin: list[int] = []
-        for g, name in groups:
-            slots = page_slots[g * self.G : (g + 1) * self.G]
+        page_slots = self.host.page_slots.lookup(keys[: (groups[-1] + 1) * G]) if groups else []
+        ends: list[bytes] = []
+        pins: list[int] = []
+        for g in groups:
+            slots = page_slots[g * G : (g + 1) * G]
             if None in slots:  # a page was evicted meanwhile: this group can't be put
                 continue
-            names.append(name)
-            pin.extend(slots)  # type: ignore[arg-type]
+            ends.append(keys[(g + 1) * G - 1])
+            pins += slots  # type: ignore[arg-type]
+        state_ends: list[bytes] = []
         state_pins: list[int] = []
-        state_pages = [p for p in state_pages if p % self.G == 0]
-        if not self.layout.state_bytes:
-            state_pages = []
-        state_slots = self.host.state_slots.lookup([keys[p - 1] for p in state_pages])
-        for pages, slot in zip(state_pages, state_slots):
-            if slot is None:
-                continue
-            name = self._state_key(keys, pages)
-            if name in self._known:
-                continue
-            names.append(name)
-            state_pins.append(slot)
-        if not names:
+        if self.layout.state_bytes:
+            wanted = [keys[p - 1] for p in state_pages if p % G == 0]
+            wanted = [k for k in wanted if k not in self._states_held]
+            for key, slot in zip(wanted, self.host.state_slots.lookup(wanted)):
+                if slot is not None:
+                    state_ends.append(key)
+                    state_pins.append(slot)
+        if not ends and not state_ends:
             return
-        lease = _Leases(self.host.page_slots.lease(pin), self.host.state_slots.lease(state_pins))
-        buffers = self._buffers(pin, state_pins)
-        job = _Job("put", names, buffers, lease=lease, started=self.clock(), ready=ready)
-        try:
-            self._submit(self._put_jobs, job)
-        except queue.Full:
-            lease.release()
-            self.stats.l3_puts_dropped += len(names)
-            return
-        for name in names:
-            self._remember(name)
+        lease = _Leases(self.host.page_slots.lease(pins), self.host.state_slots.lease(state_pins))
+        job = _Job("put", ends, state_ends, pins, state_pins, lease=lease, ready=ready)
+        job.started = self.clock()
+        self._puts_out += 1
+        self._submit(self._put_jobs, job)
+        for key in ends:
+            held.add(key)
+        for key in state_ends:
+            self._states_held.add(key)
 
     # -- engine thread: results -------------------------------------------------------------------
 
@@ -410,16 +419,13 @@ class L3:
             fetch.phase = "done"
             self.stats.l3_no_space += 1
             return
-        names = job.names[:run]
+        get = _Job("get", job.ends[:run], page_slots=lease.slots, fetch=fetch, groups=run)
         if state_lease is not None:
-            boundary = fetch.key_before(fetch.first_page + run * self.G)
-            names.append(self._state_names + boundary.hex())
-        buffers = self._buffers(lease.slots, state_lease.slots if state_lease is not None else ())
+            get.state_ends = [fetch.key_before(fetch.first_page + run * self.G)]
+            get.state_slots = state_lease.slots
+        get.started = self.clock()
         fetch.lease, fetch.state_lease, fetch.phase = lease, state_lease, "get"
-        self._submit(
-            self._fetch_jobs,
-            _Job("get", names, buffers, fetch=fetch, groups=run, started=self.clock()),
-        )
+        self._submit(self._fetch_jobs, get)
 
     def _on_get(self, job: _Job, codes: list[int] | None) -> None:
         fetch = job.fetch
@@ -441,8 +447,8 @@ class L3:
             fresh = self.host.page_slots.publish(fetch.lease.slots[: ok * self.G], got)
             if self.events is not None:
                 emit(self.events, "stored", "host", self.host.page_slots.keys_of(fresh))
-            for name in job.names[:ok]:
-                self._remember(name)
+            for key in job.ends[:ok]:
+                self._groups_held.add(key)
             if fetch.state_lease is not None:
                 boundary_key = got[-1]
                 self.host.state_slots.publish(fetch.state_lease.slots, [boundary_key])
@@ -455,34 +461,37 @@ class L3:
             fetch.release()
 
     def _on_put(self, job: _Job, codes: list[int] | None) -> None:
+        self._puts_out -= 1
         job.release()
-        codes = codes or [-1] * len(job.names)
+        ends = job.ends + job.state_ends
+        codes = codes or [-1] * len(ends)
         ok = [code >= 0 for code in codes]
         if all(ok):  # the usual case: counted in one step
             self.stats.l3_objects_put += len(ok)
-            self.stats.l3_put_bytes += sum(map(sum, job.buffers.sizes))
+            self.stats.l3_put_bytes += (
+                len(job.page_slots) * self.layout.page_size
+                + len(job.state_slots) * self.layout.state_bytes
+            )
         else:
-            for i, (name, put) in enumerate(zip(job.names, ok)):
+            groups = len(job.ends)
+            for i, (key, put) in enumerate(zip(ends, ok)):
                 if put:
                     self.stats.l3_objects_put += 1
-                    self.stats.l3_put_bytes += job.buffers.nbytes(i)
+                    self.stats.l3_put_bytes += (
+                        self.G * self.layout.page_size if i < groups else self.layout.state_bytes
+                    )
                 else:
-                    self._known.pop(name, None)
+                    (self._groups_held if i < groups else self._states_held).discard(key)
                     self.stats.l3_put_failed += 1
         if self.events is not None:
-            stored = [
-                bytes.fromhex(name.rsplit("/", 1)[1])
-                for name, put in zip(job.names, ok)
-                if put and name.startswith(self._group_names)
-            ]
-            emit(self.events, "stored", "l3", stored)
+            emit(self.events, "stored", "l3", [k for k, put in zip(job.ends, ok) if put])
 
     def gauges(self) -> dict[str, int]:
         """Gauges for `HiCache.stats`: store availability (1 available, 0 not), queue depth, jobs
         in flight, and the free host slots held for fetches (counted in host_pinned too)."""
         return {
             "l3_available": int(self.store.available),
-            "l3_queue_depth": self._put_jobs.qsize(),
+            "l3_queue_depth": self._puts_out,
             "l3_jobs_in_flight": self.jobs_in_flight,
             "l3_fetch_reserve": len(self._reserve) if self._reserve is not None else 0,
         }
@@ -492,13 +501,13 @@ class L3:
         """No job is queued or running."""
         return self.jobs_in_flight == 0
 
-    def _submit(self, jobs: queue.Queue[_Job | None], job: _Job) -> None:
-        jobs.put_nowait(job)  # raises queue.Full only for the bounded put queue
+    def _submit(self, jobs: queue.SimpleQueue[_Job | None], job: _Job) -> None:
+        jobs.put(job)
         self.jobs_in_flight += 1
 
     # -- worker threads ---------------------------------------------------------------------------
 
-    def _work(self, jobs: queue.Queue[_Job | None]) -> None:
+    def _work(self, jobs: queue.SimpleQueue[_Job | None]) -> None:
         while True:
             job = jobs.get()
             if job is None:
@@ -506,6 +515,8 @@ class L3:
             try:
                 if job.hash_from is not None:
                     self._name_fetch(job)
+                if job.kind != "probe":
+                    self._place(job)
                 if job.kind == "probe":
                     outcome: object = self.store.exists(job.names)
                 elif job.kind == "get":
@@ -528,13 +539,21 @@ class L3:
     def _name_fetch(self, job: _Job) -> None:
         """Worker thread: hash a fetch's pages and name its groups (and, for a probe of a state
         layout, the states at the group ends). The hashing releases the GIL."""
-        prev, tokens = job.hash_from  # type: ignore[misc]
+        prev, data = job.hash_from  # type: ignore[misc]
+        tokens = np.frombuffer(data, dtype=np.int32)
         keys = page_keys(prev, tokens, self.layout.page_tokens, release_gil=True)
-        ends = [k.hex() for k in keys[self.G - 1 :: self.G]]
         job.page_keys = keys
-        job.names = [self._group_names + e for e in ends]
-        if job.kind == "probe" and self.layout.state_bytes:
-            job.names += [self._state_names + e for e in ends]
+        job.ends = keys[self.G - 1 :: self.G]
+        if job.kind == "probe":
+            job.names = [self._group_names + k.hex() for k in job.ends]
+            if self.layout.state_bytes:
+                job.names += [self._state_names + k.hex() for k in job.ends]
+
+    def _place(self, job: _Job) -> None:
+        """Worker thread: the names of a get's or put's objects and where their bytes lie."""
+        job.names = [self._group_names + k.hex() for k in job.ends]
+        job.names += [self._state_names + k.hex() for k in job.state_ends]
+        job.buffers = self._buffers(job.page_slots, job.state_slots)
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -547,13 +566,6 @@ class L3:
             return True
         self.stats.l3_skipped_slow += 1
         return False
-
-    def _group_key(self, keys: list[bytes], group: int) -> str:
-        """`l3_key` of the group (its prefix is made once: this runs for every group stored)."""
-        return self._group_names + keys[(group + 1) * self.G - 1].hex()
-
-    def _state_key(self, keys: list[bytes], pages: int) -> str:
-        return self._state_names + keys[pages - 1].hex()
 
     @cached_property
     def _page_rows(self) -> tuple[int, int, int]:
@@ -587,17 +599,10 @@ class L3:
             return
         self._registered.set()
 
-    def _remember(self, name: str) -> None:
-        self._known[name] = None
-        self._known.move_to_end(name)
-        if len(self._known) > self._known_cap:
-            self._known.popitem(last=False)
-
     def close(self) -> None:
         """Stop the workers (after their current job) and close the store. Blocks."""
         self._fetch_jobs.put(None)
-        with contextlib.suppress(queue.Full):
-            self._put_jobs.put(None, timeout=5)
+        self._put_jobs.put(None)
         for t in self._threads:
             t.join(timeout=30)
         self.poll()
@@ -605,3 +610,23 @@ class L3:
             self._reserve.release()
             self._reserve = None
         self.store.close()
+
+
+class _Seen:
+    """The most recent `cap` keys added (an LRU set). Engine thread only."""
+
+    def __init__(self, cap: int) -> None:
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+        self._cap = cap
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._keys
+
+    def add(self, key: bytes) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        if len(self._keys) > self._cap:
+            self._keys.popitem(last=False)
+
+    def discard(self, key: bytes) -> None:
+        self._keys.pop(key, None)

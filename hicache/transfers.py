@@ -1,9 +1,12 @@
 """Copies on the engine's stream and their completion.
 
-`Transfers.copy` enqueues a page copy (the CUDA kernel on the engine's stream, or the CPU twin,
-which finishes before it returns). `Transfers.then(callback)` marks everything enqueued so far:
-the callback runs from `poll` once those copies have completed — on CUDA when an event recorded
-after them has fired. Nothing here synchronizes the device or waits.
+`Transfers.copy` enqueues a page copy along a `Route` (on CUDA, on the engine's stream; on the
+CPU the copy finishes before it returns). `Transfers.then(callback)` marks everything enqueued so
+far: the callback runs from `poll` once those copies have completed — on CUDA when an event
+recorded after them has fired. Nothing here synchronizes the device or waits, and nothing here
+releases the GIL: the events are made and recorded by hicache's copy extension (torch's
+``Event.record`` releases it, which lets a hicache worker that wants the GIL cut into the
+engine-thread call).
 
 Copies in both directions go on the same stream, so a load enqueued after a store reads the
 stored bytes, and the engine's kernels enqueued after a load see the loaded pages.
@@ -14,11 +17,25 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
-from hicache.kernels import PagedBuffer, copy_pages
+from hicache.kernels import Route
 from hicache.stats import Histogram
+
+if TYPE_CHECKING:
+    from hicache.kernels.cuda import CudaEvent
+
+#: On CUDA one copy in this many is timed (a timing event before it, read once both completed):
+#: enough for the latency histograms, and one event fewer for the others.
+TIME_EVERY = 8
+
+
+class _Event(Protocol):
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
 
 
 class Completion:
@@ -26,7 +43,7 @@ class Completion:
 
     __slots__ = ("event",)
 
-    def __init__(self, event: torch.cuda.Event | None) -> None:
+    def __init__(self, event: _Event | None) -> None:
         self.event = event
 
     def done(self) -> bool:
@@ -46,52 +63,58 @@ DONE = Completion(None)
 class Transfers:
     """Enqueues copies and runs callbacks, in order, once the copies before them are done.
 
-    Each copy's duration goes into the histogram given with it: on the CPU the time of the
-    copy itself; on CUDA the device time between events recorded around it, read in `poll`
-    once the copy has completed (so reading it never waits).
+    Each copy's duration goes into the histogram given with it: on the CPU the time of the copy
+    itself, every copy; on CUDA the device time between events recorded around it, one copy in
+    `TIME_EVERY`, read in `poll` once the copy has completed (so reading it never waits).
     """
 
     def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
         self.device = device
-        self._stream = stream
         self._waiting: deque[tuple[Completion, Callable[[], None], _Timing | None]] = deque()
-        self._timing: _Timing | None = None  # the copy enqueued since the last `then`
-        self._used: torch.cuda.Stream | None = None  # the stream of that copy
+        self._timing: _Timing | None = None  # the timed copy enqueued since the last `then`
+        self._copies = 0
+        self._stream: int | None = None  # the handle of the stream given, if one was
+        self._used: int | None = None  # the stream of the copies enqueued since the last `then`
+        if self.on_cuda:
+            from hicache.kernels.cuda import CudaEvent, current_stream_handle
+
+            self._event, self._current = CudaEvent, current_stream_handle
+            self._index = device.index if device.index is not None else torch.cuda.current_device()
+            self._stream = stream.cuda_stream if stream is not None else None
 
     @property
     def on_cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def stream(self) -> torch.cuda.Stream | None:
-        """The stream copies go on: the one given at construction, else the current one."""
+    def stream(self) -> int:
+        """The handle of the stream copies go on: the one given at construction, else the
+        current one (0 on the CPU)."""
         if not self.on_cuda:
-            return None
-        return self._stream or torch.cuda.current_stream(self.device)
+            return 0
+        return self._stream if self._stream is not None else self._current(self.device)
 
     def copy(
         self,
-        src: PagedBuffer,
-        src_ids: torch.Tensor,
-        dst: PagedBuffer,
-        dst_ids: torch.Tensor,
+        route: Route,
+        src_ids: np.ndarray,
+        dst_ids: np.ndarray,
         latency: Histogram | None = None,
     ) -> None:
-        """Enqueue `copy_pages`. The caller guarantees every id is in range: block ids checked
-        by `GpuTier.block_ids`, host slots handed out by the host tier's pool."""
+        """Enqueue a copy along `route` (its contract: C-contiguous int32 ids in range; block ids
+        checked by `GpuTier.block_ids`, host slots handed out by the host tier's pool)."""
         if not self.on_cuda:
             started = time.perf_counter()
-            copy_pages(src, src_ids, dst, dst_ids, ids_in_range=True)
+            route.copy(src_ids, dst_ids, 0)
             if latency is not None:
                 latency.observe(time.perf_counter() - started)
             return
-        stream = self._used = self.stream()  # `then` marks the same stream (asking costs ~20 µs)
-        start = None
-        if latency is not None:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-        copy_pages(src, src_ids, dst, dst_ids, stream=stream, ids_in_range=True)
-        if start is not None:
+        stream = self._used = self.stream()
+        self._copies += 1
+        if latency is not None and self._timing is None and self._copies % TIME_EVERY == 1:
+            start = self._event(self._index, timing=True)
+            start.record(stream, self._index)
             self._timing = (latency, start)
+        route.copy(src_ids, dst_ids, stream)
 
     def then(self, callback: Callable[[], None]) -> Completion:
         """Run `callback` from `poll` once everything enqueued so far has completed."""
@@ -99,9 +122,10 @@ class Transfers:
             callback()
             return DONE
         timing, self._timing = self._timing, None
-        stream, self._used = self._used or self.stream(), None
-        event = torch.cuda.Event(enable_timing=timing is not None, blocking=True)
-        event.record(stream)
+        stream = self._used if self._used is not None else self.stream()
+        self._used = None
+        event = self._event(self._index, timing=timing is not None)
+        event.record(stream, self._index)
         done = Completion(event)
         self._waiting.append((done, callback, timing))
         return done
@@ -113,7 +137,7 @@ class Transfers:
             done, callback, timing = self._waiting.popleft()
             if timing is not None:
                 latency, start = timing
-                latency.observe(start.elapsed_time(done.event) / 1e3)  # both events completed
+                latency.observe(start.elapsed_s(done.event))  # both events completed
             callback()
             ran += 1
         return ran
@@ -123,4 +147,4 @@ class Transfers:
         return len(self._waiting)
 
 
-_Timing = tuple[Histogram, torch.cuda.Event]
+_Timing = tuple[Histogram, "CudaEvent"]

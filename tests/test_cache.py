@@ -280,8 +280,10 @@ def test_bad_input_names_the_problem_and_changes_nothing():
     m = e.cache.match("z", prompt)
     with pytest.raises(ValueError, match="needs 4 block ids, got 2"):
         e.cache.load(m, [0, 1])
-    with pytest.raises(ValueError, match="block id outside the engine's pool of 64 blocks"):
+    with pytest.raises(ValueError, match="block id 64 is outside the engine's pool of 64 blocks"):
         e.cache.load(m, [0, 1, 2, 64])
+    with pytest.raises(ValueError, match="block id -1 is outside the engine's pool of 64 blocks"):
+        e.cache.load(m, np.array([0, -1, 2, 3], dtype=np.int32))
     with pytest.raises(ValueError, match="needs 5 block ids, got 1"):
         e.cache.store("z", prompt, [0])
     with pytest.raises(ValueError, match="must extend"):

@@ -140,3 +140,65 @@ def test_write_behind_queued_before_the_copy_ran_puts_the_copied_bytes(mooncake_
     for cache, rid in ((writer, "w"), (reader, "r")):
         cache.release(rid)
         cache.close()
+
+
+@pytest.mark.mooncake
+def test_no_engine_thread_call_lets_go_of_the_gil_on_the_copy_engines(mooncake_master):
+    """As on the CPU (test_l3.py), with CUDA copies: the copy engines' route and the completion
+    events keep the GIL (torch's Event.record would let go of it). 600 pages of 64 KiB: numpy
+    releases the GIL for arrays of more than a few hundred elements."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gil_watch import GilWatch
+
+    pages, n = 640, 600
+    layout = Layout(model="m", kv_dtype="uint8", page_tokens=P, page_bytes=64 << 10)
+    tier = {"type": "mooncake", **mooncake_master.tier_config, "group_pages": 4}
+    host = {"type": "host", "size": 2 * pages * layout.page_size}
+    cfg = load_config({"tiers": [host, tier], "policy": {"l3_read_gbps": 100}}, env={})
+
+    def cache_on(pool: PagedBuffer) -> HiCache:
+        cache = HiCache(cfg, pool, layout=layout)
+        assert cache.wait_ready(60)
+        return cache
+
+    src = PagedBuffer.page_first(torch.zeros(pages, 64 << 10, dtype=torch.uint8, device="cuda"))
+    dst = PagedBuffer.page_first(torch.zeros(pages, 64 << 10, dtype=torch.uint8, device="cuda"))
+    writer, reader = cache_on(src), cache_on(dst)
+    prompt = np.random.default_rng(5).integers(0, 30_000, n * P + 1, dtype=np.int32)
+    blocks = list(range(n))
+    fill(src, blocks, seed=9)
+    writer.store("w", prompt, blocks)
+    deadline = time.monotonic() + 60
+    while not writer.l3_idle and time.monotonic() < deadline:
+        writer.poll()
+        time.sleep(0.005)
+    watch, released = GilWatch(), []
+
+    def call(name: str, fn, *args):
+        gave_up, result = watch.released(fn, *args)
+        if gave_up:
+            released.append(name)
+        return result
+
+    try:
+        m = call("match", reader.match, "r", prompt)
+        while m.pending and time.monotonic() < deadline:
+            time.sleep(0.005)
+            call("poll", reader.poll)
+            m = call("match", reader.match, "r", prompt)
+        out = list(range(pages - 1, pages - 1 - n, -1))
+        call("load", reader.load, m, out)
+        call("store", reader.store, "r", prompt, out)
+        torch.cuda.synchronize()
+        call("poll", reader.poll)
+    finally:
+        watch.close()
+    assert (m.hit_tokens, m.l3_tokens) == (n * P, n * P)
+    assert torch.equal(rows(dst, out), rows(src, blocks))
+    assert released == []
+    for cache, rid in ((writer, "w"), (reader, "r")):
+        cache.release(rid)
+        cache.close()

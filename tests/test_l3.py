@@ -307,3 +307,51 @@ def test_a_killed_master_never_stalls_the_engine_and_l3_comes_back(start_mooncak
         gc.unfreeze()
         for engine in made:
             engine.cache.close()
+
+
+def test_no_engine_thread_call_lets_go_of_the_gil(mooncake_master, engines):
+    """The L3 workers wait for the GIL after every call they make; an engine-thread call that
+    released it would wait for them. Prompts of 2,048 tokens: numpy releases the GIL for array
+    operations that long. A writer puts them; a fresh engine fetches them (match starts the
+    fetch, poll applies it), loads them and stores their extension."""
+    from gil_watch import GilWatch
+
+    cfg = l3_config(mooncake_master)
+    cfg["tiers"][0]["size"] = 2048 * 64  # 2,048 pages of 64 bytes
+    writer, reader = engines(cfg, num_blocks=1024), engines(cfg, num_blocks=1024)
+    prompts = [prompt(40 + i, 2048) for i in range(3)]
+    for i, p in enumerate(prompts):
+        writer.run(f"w{i}", p)
+    settled(writer)
+    watch = GilWatch()
+    released: list[str] = []
+
+    def call(name: str, fn, *args, **kwargs):
+        gave_up, result = watch.released(fn, *args, **kwargs)
+        if gave_up:
+            released.append(name)
+        return result
+
+    cache = reader.cache
+    try:
+        for i, p in enumerate(prompts):
+            m = call("match", cache.match, f"r{i}", p)
+            deadline = time.monotonic() + 30
+            while m.pending:
+                assert time.monotonic() < deadline, "the fetch did not land"
+                time.sleep(0.002)
+                call("poll", cache.poll)
+                m = call("match", cache.match, f"r{i}", p)
+            assert m.l3_tokens == 2044  # 511 pages from L3; the last token is recomputed
+            blocks = reader.allocate(-(-len(p) // P) + 1)
+            call("load", cache.load, m, blocks)
+            call("poll", cache.poll)
+            longer = np.concatenate([p, prompt(50 + i, 4)])
+            reader.compute(longer, blocks, m.hit_tokens // P)
+            call("store", cache.store, f"r{i}", longer, blocks)
+            call("poll", cache.poll)
+            call("release", cache.release, f"r{i}")
+            reader.free.extend(blocks)
+    finally:
+        watch.close()
+    assert released == []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hicache import native
 from hicache.backends.base import PoolTier
 from hicache.config import Layout
 from hicache.kernels import PagedBuffer
@@ -57,10 +58,18 @@ class GpuTier(PoolTier):
         if needed and ids.dtype.kind not in "iu":
             raise ValueError(f"{what}: block ids must be integers, got dtype {ids.dtype}")
         ids = ids[:needed]
-        if needed and (int(ids.min()) < 0 or int(ids.max()) >= self._pages.num_pages):
-            raise ValueError(
-                f"{what}: block id outside the engine's pool of {self._pages.num_pages} blocks"
-            )
+        limit = self._pages.num_pages
+        converted = native.ids_int32(ids, limit)  # compiled: numpy would release the GIL
+        if converted is not None:
+            out, bad = converted
+            if bad >= 0:
+                raise ValueError(
+                    f"{what}: block id {int(ids[bad])} is outside the engine's pool of "
+                    f"{limit} blocks"
+                )
+            return out
+        if needed and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+            raise ValueError(f"{what}: block id outside the engine's pool of {limit} blocks")
         return ids.astype(np.int32)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -46,8 +47,15 @@ class HostTier(PoolTier):
     persistent = False
 
     def __init__(
-        self, config: HostTierConfig, layout: Layout, on_evict: EvictHook | None = None
+        self,
+        config: HostTierConfig,
+        layout: Layout,
+        on_evict: EvictHook | None = None,
+        on_ready: Callable[[HostTier], None] | None = None,
     ) -> None:
+        """`on_ready` runs on the allocating thread once the pools exist, before the tier reads
+        `ready` (the cache prepares its copies there); if it raises, the tier stays unready
+        with the error in `error`."""
         self.config = config
         self.layout = layout
         slots = config.size // layout.page_size
@@ -63,6 +71,7 @@ class HostTier(PoolTier):
         self._pages: PagedBuffer | None = None
         self._states: torch.Tensor | None = None
         self.error: BaseException | None = None
+        self._on_ready = on_ready
         self._ready = threading.Event()
         threading.Thread(target=self._allocate, name="hicache-host-alloc", daemon=True).start()
 
@@ -74,13 +83,15 @@ class HostTier(PoolTier):
             pages = HostMemory(n * size, self._pin)
             m, state_size = self.state_slots.capacity, self.layout.state_bytes
             states = HostMemory(m * state_size, self._pin)
+            self._page_memory, self._state_memory = pages, states
+            self._pages = PagedBuffer.page_first(pages.tensor.view(n, size))
+            self._states = states.tensor.view(m, state_size)
+            if self._on_ready is not None:
+                self._on_ready(self)
         except BaseException as err:  # reported through `error`; the tier stays unready
             self.error = err
-            log.error("hicache: allocating the host tier failed: %r", err)
+            log.error("hicache: preparing the host tier failed: %r", err)
             return
-        self._page_memory, self._state_memory = pages, states
-        self._pages = PagedBuffer.page_first(pages.tensor.view(n, size))
-        self._states = states.tensor.view(m, state_size)
         self._ready.set()
 
     @property

@@ -8,12 +8,15 @@ where either is on a CUDA device it enqueues the copy on `stream` and returns wi
 
 from __future__ import annotations
 
+from typing import Protocol
+
+import numpy as np
 import torch
 
 from hicache.kernels.buffer import ALIGNMENT, PagedBuffer
-from hicache.kernels.cpu import copy_pages_cpu
+from hicache.kernels.cpu import CpuRoute, copy_pages_cpu
 
-__all__ = ["ALIGNMENT", "PagedBuffer", "copy_pages", "prepare"]
+__all__ = ["ALIGNMENT", "CpuRoute", "PagedBuffer", "Route", "copy_pages", "prepare", "route"]
 
 
 def prepare(device: torch.device) -> None:
@@ -58,13 +61,7 @@ def copy_pages(
     copy_pages_cuda(src, src_ids, dst, dst_ids, stream)
 
 
-def _check(
-    src: PagedBuffer,
-    src_ids: torch.Tensor,
-    dst: PagedBuffer,
-    dst_ids: torch.Tensor,
-    ids_in_range: bool = False,
-) -> None:
+def _check_buffers(src: PagedBuffer, dst: PagedBuffer) -> None:
     if src.seg_bytes != dst.seg_bytes:
         raise ValueError(
             f"segment sizes differ: source {src.seg_bytes[:4]}... ({len(src.seg_bytes)} segments), "
@@ -74,6 +71,16 @@ def _check(
         problem = buf.misalignment
         if problem is not None:
             raise ValueError(f"{name} {problem}")
+
+
+def _check(
+    src: PagedBuffer,
+    src_ids: torch.Tensor,
+    dst: PagedBuffer,
+    dst_ids: torch.Tensor,
+    ids_in_range: bool = False,
+) -> None:
+    _check_buffers(src, dst)
     for name, ids, buf in (("src_ids", src_ids, src), ("dst_ids", dst_ids, dst)):
         if not isinstance(ids, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(ids).__name__}")
@@ -93,3 +100,24 @@ def _check(
                 )
     if src_ids.numel() != dst_ids.numel():
         raise ValueError(f"src_ids has {src_ids.numel()} ids, dst_ids has {dst_ids.numel()}")
+
+
+class Route(Protocol):
+    """Copies between two fixed buffers, checked once by `route` (see `CudaRoute`)."""
+
+    def copy(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: int) -> None:
+        """Copy page ``src_ids[k]`` to ``dst_ids[k]``: C-contiguous int32 ids of equal length,
+        in range, no destination twice. On CUDA enqueued on the stream with handle `stream`; on
+        the CPU done before it returns (`stream` is ignored)."""
+
+
+def route(src: PagedBuffer, dst: PagedBuffer) -> Route:
+    """A `Route` from `src` to `dst`, after the checks `copy_pages` makes of its buffers (the
+    ids are the caller's to get right). For callers that copy between the same two pools many
+    times, as the cache does."""
+    _check_buffers(src, dst)
+    if src.device.type == "cpu" and dst.device.type == "cpu":
+        return CpuRoute(src, dst)
+    from hicache.kernels.cuda import CudaRoute
+
+    return CudaRoute(src, dst)

@@ -42,3 +42,25 @@ def copy_pages_cpu(
         dst_index.ctypes.data,
         src_index.shape[0],
     )
+
+
+class CpuRoute:
+    """Copies between two fixed CPU buffers: `copy` is one call into the compiled helper (or the
+    numpy fallback), with no checks left to make but the caller's (see `hicache.kernels.Route`)."""
+
+    def __init__(self, src: PagedBuffer, dst: PagedBuffer) -> None:
+        self.src, self.dst = src, dst
+        self._lib = native.library()
+        self._rows = (src.rows.data_ptr(), dst.rows.data_ptr(), src.rows.shape[0])
+
+    def copy(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: int = 0) -> None:
+        n = src_ids.shape[0]
+        if n == 0:
+            return
+        if self._lib is None:
+            copy_pages_cpu(self.src, torch.from_numpy(src_ids), self.dst, torch.from_numpy(dst_ids))
+            return
+        src_rows, dst_rows, segments = self._rows
+        self._lib.hicache_copy_pages_cpu(
+            src_rows, dst_rows, segments, src_ids.ctypes.data, dst_ids.ctypes.data, n
+        )

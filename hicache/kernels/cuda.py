@@ -31,11 +31,20 @@ import shutil
 import weakref
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from hicache.kernels.buffer import PagedBuffer
 
-__all__ = ["choose_path", "copy_pages_cuda", "load_extension", "toolchain_problem"]
+__all__ = [
+    "CudaEvent",
+    "CudaRoute",
+    "choose_path",
+    "copy_pages_cuda",
+    "current_stream_handle",
+    "load_extension",
+    "toolchain_problem",
+]
 
 log = logging.getLogger(__name__)
 
@@ -364,6 +373,100 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     if stream is None:
         stream = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
     return stream
+
+
+class CudaRoute:
+    """Copies between two fixed buffers (one of them on a CUDA device), checked once.
+
+    `copy_pages` checks its buffers, picks a path and converts its ids at every call: tens of
+    microseconds of the engine thread that a cache, which copies between the same two pools all
+    the time, pays once here. `copy` takes int32 numpy ids and a raw stream handle; on the copy
+    engines' path it is one call into the extension, which reads the ids during the call and
+    keeps the GIL (other paths go through `copy_pages_cuda`).
+    """
+
+    def __init__(self, src: PagedBuffer, dst: PagedBuffer) -> None:
+        self.device = _device(src, dst)
+        if max(src.num_pages, dst.num_pages) > 2**31 - 1:
+            raise ValueError("a CUDA page copy addresses at most 2**31 - 1 pages per buffer")
+        self.src, self.dst = src, dst
+        self.path = choose_path(src, dst)
+        self._ext = load_extension()
+        self._table, _ = _segment_table(src, dst, KERNEL_CHUNK_BYTES)
+        self._table_ptr = self._table.data_ptr()
+        self._segments = self._table.shape[0]
+        self._index = self.device.index if self.device.index is not None else 0
+
+    def copy(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: int) -> None:
+        """Enqueue the copy of page ``src_ids[k]`` to ``dst_ids[k]`` on the stream with handle
+        `stream`. The caller guarantees C-contiguous int32 ids of equal length, in range, with no
+        destination twice (as `copy_pages` with ``ids_in_range=True``)."""
+        n = src_ids.shape[0]
+        if n == 0:
+            return
+        if self.path == "copy_engine":
+            self._ext.copy_batch(
+                self._table_ptr,
+                self._segments,
+                src_ids.ctypes.data,
+                dst_ids.ctypes.data,
+                n,
+                COPY_ENGINE_ROWS_PER_CALL,
+                stream,
+                self._index,
+            )
+            return
+        external = torch.cuda.ExternalStream(stream, device=self.device)
+        src32, dst32 = torch.from_numpy(src_ids), torch.from_numpy(dst_ids)
+        copy_pages_cuda(self.src, src32, self.dst, dst32, external, path=self.path)
+
+
+class CudaEvent:
+    """A blocking-sync CUDA event made, recorded and queried by the copy extension.
+
+    Unlike ``torch.cuda.Event.record``, `record` keeps the GIL: an engine-thread call that
+    records one cannot be cut into by a hicache worker waiting for the GIL. `synchronize`
+    releases it while it sleeps (worker threads only). `timing` events can be measured with
+    `elapsed_s`. The event is destroyed with the object (CUDA releases it once it completes).
+    """
+
+    __slots__ = ("_ext", "handle")
+
+    def __init__(self, device: int, timing: bool = False) -> None:
+        self._ext = load_extension()
+        self.handle = self._ext.event_create(timing, device)
+
+    def record(self, stream: int, device: int) -> None:
+        self._ext.event_record(self.handle, stream, device)
+
+    def query(self) -> bool:
+        """True once the work enqueued before the last `record` has completed. Never waits."""
+        return self._ext.event_query(self.handle)
+
+    def synchronize(self) -> None:
+        self._ext.event_synchronize(self.handle)
+
+    def elapsed_s(self, end: CudaEvent) -> float:
+        """Device seconds from this event to `end`, both recorded, completed and timing."""
+        return self._ext.event_elapsed_ms(self.handle, end.handle) / 1e3
+
+    def __del__(self) -> None:
+        handle = getattr(self, "handle", None)
+        if handle is not None:
+            self._ext.event_destroy(handle)
+
+
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream_handle(device: torch.device) -> int:
+    """The handle of `device`'s current stream. torch's private getter costs ~0.3 µs where
+    ``torch.cuda.current_stream(device).cuda_stream`` costs ~5 µs; the public one is the
+    fallback for a torch that lacks it."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 def copy_pages_loop(

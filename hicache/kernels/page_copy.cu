@@ -11,6 +11,10 @@
 //   * `copy_batch`: cudaMemcpyBatchAsync over all rows: the copy engines move the bytes and no
 //     SM is used. Table and ids are read on the host during the call.
 // `copy_loop` (one cudaMemcpyAsync per row) exists as the benchmark's baseline only.
+// The `event_*` functions make, record and query the CUDA events that mark a copy's completion:
+// torch's Event.record releases the GIL, which would let a hicache worker thread take it in the
+// middle of an engine-thread call; these keep it (only `event_synchronize`, for worker threads,
+// releases it while it waits).
 //
 // The caller has checked: addresses, strides and row sizes are multiples of 16 bytes; ids are
 // in range; destination rows do not overlap.
@@ -223,6 +227,48 @@ void copy_loop(int64_t table, int64_t num_segs, int64_t src_ids, int64_t dst_ids
   }
 }
 
+// A blocking-sync event (a thread waiting on it sleeps); `timing` makes it usable with
+// event_elapsed_ms. Returns the handle as an integer; the caller destroys it once.
+int64_t event_create(bool timing, int64_t device) {
+  DeviceGuard guard(static_cast<int>(device));
+  cudaEvent_t event;
+  const unsigned flags = cudaEventBlockingSync | (timing ? 0u : cudaEventDisableTiming);
+  check(cudaEventCreateWithFlags(&event, flags), "cudaEventCreate");
+  return reinterpret_cast<int64_t>(event);
+}
+
+void event_record(int64_t event, int64_t stream, int64_t device) {
+  DeviceGuard guard(static_cast<int>(device));  // the legacy stream (0) is the current device's
+  check(cudaEventRecord(reinterpret_cast<cudaEvent_t>(event),
+                        reinterpret_cast<cudaStream_t>(stream)),
+        "cudaEventRecord");
+}
+
+// Whether the work before the event's last record has completed. Never waits.
+bool event_query(int64_t event) {
+  const cudaError_t err = cudaEventQuery(reinterpret_cast<cudaEvent_t>(event));
+  if (err == cudaErrorNotReady) {
+    cudaGetLastError();  // "not ready" is an answer, not an error: don't leave it behind
+    return false;
+  }
+  check(err, "cudaEventQuery");
+  return true;
+}
+
+void event_synchronize(int64_t event) {
+  check(cudaEventSynchronize(reinterpret_cast<cudaEvent_t>(event)), "cudaEventSynchronize");
+}
+
+float event_elapsed_ms(int64_t start, int64_t end) {
+  float ms = 0;
+  check(cudaEventElapsedTime(&ms, reinterpret_cast<cudaEvent_t>(start),
+                             reinterpret_cast<cudaEvent_t>(end)),
+        "cudaEventElapsedTime");
+  return ms;
+}
+
+void event_destroy(int64_t event) { cudaEventDestroy(reinterpret_cast<cudaEvent_t>(event)); }
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -230,4 +276,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("launch_kernel", &launch_kernel);
   m.def("copy_batch", &copy_batch);
   m.def("copy_loop", &copy_loop);
+  m.def("event_create", &event_create);
+  m.def("event_record", &event_record);
+  m.def("event_query", &event_query);
+  m.def("event_synchronize", &event_synchronize,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("event_elapsed_ms", &event_elapsed_ms);
+  m.def("event_destroy", &event_destroy);
 }

@@ -8,7 +8,9 @@ What is in it, and who uses it:
 - the key index (`index.py` over ``keyindex.c``) and the host walk (`walk`), which hashes and
   looks up pairs of pages until the first miss;
 - the slot books (`books.py` over ``slotbook.c``): pins, LRU order and free list of a slot pool;
-- the prefix compare of the prefix memo (`common_tokens`) and the CPU page copy (``copyrows.c``).
+- the prefix compare of the prefix memo (`common_tokens`), the CPU page copy and the block-id
+  checks and gathers of the cache's copies (``copyrows.c``: numpy releases the GIL for array
+  operations of more than a few hundred elements, and the engine thread must not).
 
 `library()` loads it with its signatures declared; calls keep the GIL unless the caller asks for
 the variant that drops it (long calls from worker threads). Where it cannot be built or loaded
@@ -26,6 +28,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from array import array
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -79,7 +83,6 @@ def build(
     return (ctypes.CDLL if release_gil else ctypes.PyDLL)(str(target))
 
 
-@cache
 def library(release_gil: bool = False) -> ctypes.CDLL | None:
     """The compiled helpers with their signatures declared, or None where they can't be built.
 
@@ -88,6 +91,13 @@ def library(release_gil: bool = False) -> ctypes.CDLL | None:
     before the engine thread gets it back. `release_gil=True` is for the long calls that worker
     threads make (hashing a fetch's pages), so that the engine thread runs meanwhile.
     """
+    # one cache entry per variant, however it is asked for: loading (file reads, dlopen)
+    # releases the GIL, so it must happen once, at start-up, never in an engine-thread call
+    return _load(bool(release_gil))
+
+
+@cache
+def _load(release_gil: bool) -> ctypes.CDLL | None:
     lib = build(release_gil=release_gil)
     if lib is None:
         return None
@@ -106,6 +116,9 @@ def library(release_gil: bool = False) -> ctypes.CDLL | None:
         "hicache_books_publish": (i64, [p, p, ctypes.c_char_p, i64, p]),
         "hicache_books_lru": (i64, [p, p]),
         "hicache_copy_pages_cpu": (None, [p, p, i64, p, p, i64]),
+        "hicache_index_split": (i64, [p, u64, ctypes.c_char_p, i64, p, p]),
+        "hicache_ids_int32": (i64, [p, ctypes.c_int, i64, i64, p]),
+        "hicache_gather_int32": (None, [p, p, i64, p]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -113,9 +126,13 @@ def library(release_gil: bool = False) -> ctypes.CDLL | None:
     return lib
 
 
-@cache
 def _library(release_gil: bool = False) -> tuple[ctypes.CDLL, tuple[int, int, int]] | None:
     """The library and OpenSSL's SHA-256 functions, which the chain needs where SHA-NI is not."""
+    return _load_chain(bool(release_gil))
+
+
+@cache
+def _load_chain(release_gil: bool) -> tuple[ctypes.CDLL, tuple[int, int, int]] | None:
     sha256 = _openssl_sha256()
     if sha256 is None:
         log.info("hicache: OpenSSL's SHA256 not found in this process; keys hashed in Python")
@@ -150,8 +167,9 @@ def _openssl_sha256() -> tuple[int, int, int] | None:
 
 
 def available() -> bool:
-    """True when the compiled chain is built and loaded."""
-    return _library() is not None
+    """True when the compiled chain is built and loaded (loading both variants of the library
+    if they are not yet: call it at start-up)."""
+    return _library(True) is not None and _library() is not None
 
 
 def force_portable(on: bool) -> bool:
@@ -181,6 +199,32 @@ def chain_keys(seed: bytes, pages: np.ndarray, release_gil: bool = False) -> byt
     out = np.empty(16 * n, dtype=np.uint8)
     lib.hicache_chain(*sha256, seed, pages.ctypes.data, pages.shape[1] * 4, n, out.ctypes.data)
     return out.tobytes()
+
+
+def ids_int32(ids: np.ndarray, limit: int) -> tuple[np.ndarray, int] | None:
+    """`ids` (a C-contiguous int32 or int64 array) as a new int32 array, and the position of the
+    first id outside [0, `limit`) (-1 when there is none). None where the helpers are not
+    compiled or for another dtype: the caller takes numpy's way."""
+    lib = library()
+    if lib is None or ids.dtype not in (np.int32, np.int64) or not ids.flags.c_contiguous:
+        return None
+    out = np.empty(ids.shape[0], dtype=np.int32)
+    wide = int(ids.dtype == np.int64)
+    bad = lib.hicache_ids_int32(ids.ctypes.data, wide, ids.shape[0], limit, out.ctypes.data)
+    return out, bad
+
+
+def gather_int32(ids: np.ndarray, at: Sequence[int]) -> np.ndarray:
+    """``ids[at]`` for a C-contiguous int32 array and positions the caller knows are in range."""
+    lib = library()
+    if lib is None:
+        return ids[np.asarray(at, dtype=np.intp)]
+    positions = array("i", at)
+    out = np.empty(len(positions), dtype=np.int32)
+    lib.hicache_gather_int32(
+        ids.ctypes.data, positions.buffer_info()[0], len(positions), out.ctypes.data
+    )
+    return out
 
 
 def common_tokens(a: np.ndarray, b: np.ndarray) -> int:

@@ -22,3 +22,21 @@ void hicache_copy_pages_cpu(const int64_t *src_rows, const int64_t *dst_rows, in
             memcpy(dst + dst_stride * dst_ids[k], src + src_stride * src_ids[k], bytes);
     }
 }
+
+/* Block ids for a copy: ids[0..n) (int32 or int64, `wide`) into out as int32, each checked
+ * against [0, limit). Returns -1, or the position of the first id out of range. */
+int64_t hicache_ids_int32(const void *ids, int wide, int64_t n, int64_t limit, int32_t *out)
+{
+    for (int64_t k = 0; k < n; k++) {
+        const int64_t id = wide ? ((const int64_t *)ids)[k] : ((const int32_t *)ids)[k];
+        if (id < 0 || id >= limit) return k;
+        out[k] = (int32_t)id;
+    }
+    return -1;
+}
+
+/* out[k] = ids[at[k]] for k < n (positions checked by the caller). */
+void hicache_gather_int32(const int32_t *ids, const int32_t *at, int64_t n, int32_t *out)
+{
+    for (int64_t k = 0; k < n; k++) out[k] = ids[at[k]];
+}

@@ -39,10 +39,12 @@ class _TableIndex:
         self._addr = self._table.ctypes.data
         self._mask = size - 1
         self._find = lib.hicache_index_find
+        self._split = lib.hicache_index_split
         self._insert = lib.hicache_index_insert
         self._remove = lib.hicache_index_remove
-        self._out = array("i")  # reused result buffers: slots and new-key flags
+        self._out = array("i")  # reused result buffers: slots, new-key flags, positions
         self._fresh = array("B")
+        self._lost = array("i")
         self._keys = np.empty(0, dtype=f"V{KEY_BYTES}")  # the walk's keys
         self._keys_addr = 0
         self.count = np.zeros(1, dtype=np.int64)
@@ -55,6 +57,7 @@ class _TableIndex:
             grown = max(n, 2 * len(self._out), 64)
             self._out = array("i", bytes(4 * grown))
             self._fresh = array("B", bytes(grown))
+            self._lost = array("i", bytes(4 * grown))
         return self._out.buffer_info()[0], self._fresh.buffer_info()[0]
 
     def prefix(self, keys: Sequence[bytes]) -> list[int]:
@@ -71,10 +74,11 @@ class _TableIndex:
 
     def split(self, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
         n = len(keys)
-        self._buffers(n)
-        self._find(self._addr, self._mask, _packed(keys), n, self._out.buffer_info()[0], 0)
-        out = np.frombuffer(self._out, dtype=np.int32, count=n)
-        return out[out >= 0].tolist(), np.flatnonzero(out < 0).tolist()
+        out, _ = self._buffers(n)
+        found = self._split(
+            self._addr, self._mask, _packed(keys), n, out, self._lost.buffer_info()[0]
+        )
+        return self._out[:found].tolist(), self._lost[: n - found].tolist()
 
     def get(self, key: bytes) -> int | None:
         return self.lookup((key,))[0]

@@ -64,6 +64,22 @@ int64_t hicache_index_find(const Entry *t, uint64_t mask, const unsigned char *k
     return found;
 }
 
+/* Splits keys[0..n) into the slots of those found (present, in order) and the positions of the
+ * others (missing, in order); both hold room for n. Returns the number found. */
+int64_t hicache_index_split(const Entry *t, uint64_t mask, const unsigned char *keys, int64_t n,
+                            int32_t *present, int32_t *missing)
+{
+    hicache_index_find(t, mask, keys, n, present, 0);
+    int64_t found = 0, lost = 0;
+    for (int64_t j = 0; j < n; j++) { /* in place: found <= j */
+        if (present[j] < 0)
+            missing[lost++] = (int32_t)j;
+        else
+            present[found++] = present[j];
+    }
+    return found;
+}
+
 /* Inserts keys[j] -> slots[j] where the key is absent; fresh[j] says whether it was. Returns the
  * number inserted. */
 int64_t hicache_index_insert(Entry *t, uint64_t mask, const unsigned char *keys,
