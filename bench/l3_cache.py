@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import os
 import platform
 import pstats
@@ -52,6 +53,7 @@ DEVICE = "cpu"  # --device cuda puts the engine's pool on the GPU (copies: the C
 CUDA = False
 ENGINE_PAGE = 4 * KiB  # page size of the engine-thread timings (64 KiB on CUDA: copy engines)
 PROFILE = False  # --profile: cProfile the engine-thread stores
+GC_FREEZE = False  # --gc-freeze: freeze the heap before the engine-thread timings
 STREAM = 4  # requests at once in the streamed throughput
 ROTATE = 16  # the raw calls' buffers: as many batches as a cache's host tier holds here
 
@@ -381,8 +383,20 @@ def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -
     }
 
     profile = cProfile.Profile() if PROFILE else None
+    collections = [0]  # garbage collections so far (any generation)
+    with_gc: dict[str, int] = {}  # calls during which one ran
+    pauses: list[float] = []  # how long each took (µs)
+    began = [0.0]
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            collections[0] += 1
+            began[0] = time.perf_counter()
+        else:
+            pauses.append((time.perf_counter() - began[0]) * 1e6)
 
     def timed(name: str, fn) -> None:
+        before = collections[0]
         w0, c0 = time.perf_counter(), time.thread_time()
         if profile is not None and name == "store":
             profile.runcall(fn)
@@ -390,6 +404,13 @@ def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -
             fn()
         times[f"{name}_wall_us"].append((time.perf_counter() - w0) * 1e6)
         times[f"{name}_cpu_us"].append((time.thread_time() - c0) * 1e6)
+        if collections[0] != before:
+            with_gc[name] = with_gc.get(name, 0) + 1
+
+    if GC_FREEZE:
+        gc.collect()
+        gc.freeze()  # what engines do once started: the start-up heap is never scanned again
+    gc.callbacks.append(count)
 
     try:
         if phase.startswith("down"):
@@ -409,6 +430,9 @@ def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -
             print(f"== profile of store, {phase}", file=sys.stderr)
             pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(20)
     finally:
+        gc.callbacks.remove(count)
+        if GC_FREEZE:
+            gc.unfreeze()
         if phase.startswith("down"):
             master.restart()
         cache.close()
@@ -428,6 +452,8 @@ def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -
         "puts_skipped_store_down": stats["l3_puts_skipped"],
         "l3_errors": stats["l3_errors"],
         "fetches_skipped_store_down": stats["l3_skipped"],
+        "calls_with_a_garbage_collection": with_gc,
+        "garbage_collections": {"count": len(pauses), **(pct(pauses) if pauses else {})},
     }
 
 
@@ -443,10 +469,14 @@ def main() -> None:
         "--parts", default="throughput,engine", help="throughput, engine (comma-separated)"
     )
     ap.add_argument("--profile", action="store_true", help="cProfile of store on stderr")
+    ap.add_argument(
+        "--gc-freeze", action="store_true", help="gc.freeze() before the engine-thread timings"
+    )
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    global DEVICE, CUDA, ENGINE_PAGE, PROFILE
+    global DEVICE, CUDA, ENGINE_PAGE, PROFILE, GC_FREEZE
     DEVICE, CUDA, PROFILE = args.device, args.device.startswith("cuda"), args.profile
+    GC_FREEZE = args.gc_freeze
     if CUDA:
         torch.cuda.set_stream(torch.cuda.Stream())  # an engine's own stream
         ENGINE_PAGE = 64 * KiB
