@@ -18,7 +18,10 @@
 2. Engine-thread time of `store` and `match` while the store is saturated (a write-behind queue of
    2 batches and a burst of stores) and while it is down: master killed just before the calls
    (the breaker still closed), and killed until the breaker has opened. p50/p99/max in µs.
-   Pages are 4 KiB there, so that the CPU stand-in for the GPU copy does not hide the L3 part.
+   Each step stores 64 new pages twice: into 64 consecutive blocks (`store`: the copy merges
+   them into one row, as it does for any run of blocks) and into 64 blocks drawn at random from
+   a pool of 128 (`store_scattered`: one row per page, the worst case). Pages are 4 KiB on the
+   CPU (so that the CPU stand-in for the GPU copy does not hide the L3 part), 64 KiB on CUDA.
 
 Prints JSON; with --out also writes it.
 """
@@ -376,10 +379,11 @@ def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -
     host-only cache (the baseline); phase 'down' kills the master just before the calls (its
     breaker is still closed: work is still offered to it), 'down_open' kills it and waits until
     the breaker has opened (nothing is offered)."""
-    cache = make_cache(master, ENGINE_PAGE, 64, write_queue_depth=2)
+    cache = make_cache(master, ENGINE_PAGE, 128, write_queue_depth=2)
     rng = np.random.default_rng(1)
+    calls_timed = ("store", "store_scattered", "match", "poll")
     times: dict[str, list[float]] = {
-        f"{c}_{k}": [] for c in ("store", "match", "poll") for k in ("wall_us", "cpu_us")
+        f"{c}_{k}": [] for c in calls_timed for k in ("wall_us", "cpu_us")
     }
 
     profile = cProfile.Profile() if PROFILE else None
@@ -398,7 +402,7 @@ def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -
     def timed(name: str, fn) -> None:
         before = collections[0]
         w0, c0 = time.perf_counter(), time.thread_time()
-        if profile is not None and name == "store":
+        if profile is not None and name.startswith("store"):
             profile.runcall(fn)
         else:
             fn()
@@ -419,9 +423,13 @@ def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -
             breaker_opened(cache, rng)
         for i in range(calls):
             tokens = rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32)
+            more = rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32)
             other = rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32)
+            scattered = rng.permutation(128)[:64].tolist()
             timed("store", lambda: cache.store(f"s{i}", tokens, list(range(64))))  # noqa: B023
             cache.release(f"s{i}")
+            timed("store_scattered", lambda: cache.store(f"t{i}", more, scattered))  # noqa: B023
+            cache.release(f"t{i}")
             timed("match", lambda: cache.match(f"m{i}", other))  # noqa: B023
             cache.release(f"m{i}")
             timed("poll", cache.poll)

@@ -423,6 +423,7 @@ class HiCache:
         try:
             latency = self._stats.latency["hicache_store_copy_seconds"]
             src_ids = ids if len(missing) == len(ids) else native.gather_int32(ids, missing)
+            lease.slots = native.align_slots(src_ids, lease.slots)  # runs of blocks: one row
             self._transfers.copy(self._route(to_host=True), src_ids, _int32(lease.slots), latency)
         except BaseException:
             lease.release()

@@ -337,3 +337,26 @@ def test_kv_events_report_stored_and_evicted_pages():
         KVEvent("stored", "host", tuple(kb)),
     ]
     assert sink.dropped == 0
+
+
+@pytest.mark.parametrize("blocks_run", ["up", "down"])
+def test_consecutive_blocks_are_stored_into_consecutive_slots(blocks_run):
+    """Fresh host slots are ordered the way the block ids run, so that a copy of consecutive
+    blocks is one row per run (the copy engines' cost is per row); on a full tier too, where
+    the slots come from evicting earlier sequences (their last pages first)."""
+    from hicache import native
+    from hicache.keys import chain_seed, page_keys
+
+    if native.library() is None:
+        pytest.skip("no C compiler: slots are left as they come")
+    e = FakeEngine(config(host_pages=16))
+    pool = e.cache.host.page_slots
+    for i in range(5):  # 8 pages each: the third and later evict
+        p = np.random.default_rng(i).integers(0, 30_000, 8 * P + 1, dtype=np.int32)
+        blocks = list(range(8)) if blocks_run == "up" else list(range(40, 32, -1))
+        e.compute(p, blocks, 0)
+        e.cache.store(f"r{i}", p, blocks)
+        e.cache.release(f"r{i}")
+        slots = [pool.slot_of(k) for k in page_keys(chain_seed(e.cache.fingerprint), p, P)]
+        step = 1 if blocks_run == "up" else -1
+        assert slots == list(range(slots[0], slots[0] + 8 * step, step)), (i, slots)

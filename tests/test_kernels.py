@@ -217,3 +217,25 @@ def test_missing_cxx_compiler_is_named(tmp_path):
         "'no-such-compiler-hicache' is not on PATH"
     )
     assert toolchain_problem(str(tmp_path), cxx=os.path.realpath("/bin/sh")) is None
+
+
+@pytest.mark.parametrize(
+    ("ids", "slots", "want"),
+    [
+        ([4, 5, 6, 7], [9, 8, 7, 6], [6, 7, 8, 9]),  # ids go up, slots came down: reversed
+        ([4, 5, 6, 7], [2, 9, 0, 5], [0, 2, 5, 9]),  # ids go up, slots in no order: sorted
+        ([7, 6, 5, 1], [1, 2, 3, 4], [4, 3, 2, 1]),  # ids go down: slots go down
+        ([7, 6, 5, 1], [3, 1, 4, 2], [4, 3, 2, 1]),
+        ([4, 5, 6, 7], [1, 2, 3, 4], [1, 2, 3, 4]),  # in order already
+        ([4, 6, 5, 7], [9, 8, 7, 6], [9, 8, 7, 6]),  # ids run neither way: left as they are
+        ([3], [8], [8]),
+    ],
+)
+def test_fresh_slots_run_the_way_the_block_ids_run(ids, slots, want):
+    import numpy as np
+
+    from hicache import native
+
+    if native.library() is None:
+        pytest.skip("no C compiler: slots are left as they come")
+    assert native.align_slots(np.array(ids, dtype=np.int32), slots) == want

@@ -91,6 +91,28 @@ def test_copy_gives_exact_bytes(direction, layer_first, path, knobs):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("direction", list(DIRECTIONS))
+@pytest.mark.parametrize("path", ["copy_engine", "loop"])
+def test_runs_of_consecutive_pages_are_merged_and_exact_both_ways(direction, path):
+    """Rows adjacent on both sides are copied as one: runs going up, runs going down, a run
+    that turns, and pages of a page-first pool next to each other (the whole page is one
+    row)."""
+    src_where, dst_where = DIRECTIONS[direction]
+    src = _pool(40, (64 * KiB,), src_where, seed=4, layer_first=False)
+    dst = _pool(40, (64 * KiB,), dst_where, seed=5, layer_first=False)
+    src_ids = torch.tensor([3, 4, 5, 6, 20, 19, 18, 17, 30, 31, 30 - 1, 0], dtype=torch.int32)
+    dst_ids = torch.tensor([10, 11, 12, 13, 9, 8, 7, 6, 30, 31, 29, 39], dtype=torch.int32)
+    expected = _expect(_snapshot(src), src_ids, _snapshot(dst), dst_ids)
+    stream = torch.cuda.Stream()
+    if path == "loop":
+        copy_pages_loop(src, src_ids, dst, dst_ids, stream)
+    else:
+        copy_pages_cuda(src, src_ids, dst, dst_ids, stream, path=path)
+    stream.synchronize()
+    for got, want in zip(_snapshot(dst), expected, strict=True):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
 @pytest.mark.parametrize("staging_pages", [2, 4, 10, 64])
 def test_staged_path_gives_exact_bytes(direction, staging_pages):

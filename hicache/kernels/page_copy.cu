@@ -130,8 +130,8 @@ void launch_kernel(int64_t table, int64_t num_segs, int64_t ids, int64_t num_pag
   check(cudaGetLastError(), "kernel launch");
 }
 
-// The rows to copy as (dst, src, size) lists; a row that continues the previous one on both
-// sides is merged into it.
+// The rows to copy as (dst, src, size) lists; a row adjacent to the previous one on both sides
+// (right after it, or right before it for runs that go down) is merged into it.
 struct Rows {
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
@@ -152,10 +152,17 @@ Rows collect_rows(int64_t table, int64_t num_segs, int64_t src_ids, int64_t dst_
       char* src = reinterpret_cast<char*>(t[s].src + sid[k] * t[s].src_stride);
       char* dst = reinterpret_cast<char*>(t[s].dst + did[k] * t[s].dst_stride);
       const size_t n = static_cast<size_t>(t[s].bytes);
-      if (!rows.sizes.empty()) {
+      if (!rows.sizes.empty()) {  // adjacent to the last row on both sides: one row
         const size_t last = rows.sizes.back();
-        if (static_cast<const char*>(rows.srcs.back()) + last == src &&
-            static_cast<char*>(rows.dsts.back()) + last == dst) {
+        const char* last_src = static_cast<const char*>(rows.srcs.back());
+        char* last_dst = static_cast<char*>(rows.dsts.back());
+        if (last_src + last == src && last_dst + last == dst) {  // right after it
+          rows.sizes.back() += n;
+          continue;
+        }
+        if (src + n == last_src && dst + n == last_dst) {  // right before it (runs down)
+          rows.srcs.back() = src;
+          rows.dsts.back() = dst;
           rows.sizes.back() += n;
           continue;
         }

@@ -119,6 +119,7 @@ def _load(release_gil: bool) -> ctypes.CDLL | None:
         "hicache_index_split": (i64, [p, u64, ctypes.c_char_p, i64, p, p]),
         "hicache_ids_int32": (i64, [p, ctypes.c_int, i64, i64, p]),
         "hicache_gather_int32": (None, [p, p, i64, p]),
+        "hicache_align_slots": (ctypes.c_int, [p, p, i64]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -225,6 +226,20 @@ def gather_int32(ids: np.ndarray, at: Sequence[int]) -> np.ndarray:
         ids.ctypes.data, positions.buffer_info()[0], len(positions), out.ctypes.data
     )
     return out
+
+
+def align_slots(ids: np.ndarray, slots: list[int]) -> list[int]:
+    """Fresh `slots` for the pages in blocks `ids` (C-contiguous int32, as many), reordered to
+    ascend where the ids ascend and descend where they descend, so that a copy of consecutive
+    blocks into consecutive slots merges their rows (the copy engines' cost is per row).
+    Returned as given when the ids run neither way, or without the compiled helpers."""
+    lib = library()
+    if lib is None or len(slots) < 2:
+        return slots
+    ordered = array("i", slots)
+    if lib.hicache_align_slots(ids.ctypes.data, ordered.buffer_info()[0], len(ordered)):
+        return ordered.tolist()
+    return slots
 
 
 def common_tokens(a: np.ndarray, b: np.ndarray) -> int:

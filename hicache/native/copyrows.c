@@ -8,6 +8,7 @@
  * row is written twice.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 void hicache_copy_pages_cpu(const int64_t *src_rows, const int64_t *dst_rows, int64_t n_seg,
@@ -39,4 +40,42 @@ int64_t hicache_ids_int32(const void *ids, int wide, int64_t n, int64_t limit, i
 void hicache_gather_int32(const int32_t *ids, const int32_t *at, int64_t n, int32_t *out)
 {
     for (int64_t k = 0; k < n; k++) out[k] = ids[at[k]];
+}
+
+/* +1 when v[0..n) strictly ascends, -1 when it strictly descends, 0 otherwise. */
+static int direction(const int32_t *v, int64_t n)
+{
+    int up = 1, down = 1;
+    for (int64_t k = 1; k < n && (up || down); k++) {
+        up = up && v[k] > v[k - 1];
+        down = down && v[k] < v[k - 1];
+    }
+    return up ? 1 : (down ? -1 : 0);
+}
+
+static int ascending(const void *a, const void *b)
+{
+    const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Fresh slots for pages whose block ids run one way (ascending or descending): orders `slots`
+ * the same way, so that consecutive blocks go to consecutive slots wherever the slots allow and
+ * the copy merges their rows. Returns 1 if it did, 0 (slots untouched) when the ids run neither
+ * way. Sorting is skipped for slots already in order or in reverse order (the usual cases). */
+int hicache_align_slots(const int32_t *ids, int32_t *slots, int64_t n)
+{
+    const int want = direction(ids, n);
+    if (n < 2 || want == 0) return 0;
+    const int have = direction(slots, n);
+    if (have == want) return 1;
+    if (have != -want) qsort(slots, (size_t)n, sizeof(int32_t), ascending);
+    if (have == -want || want < 0) { /* reverse: from the other order, or ascending -> descending */
+        for (int64_t i = 0, j = n - 1; i < j; i++, j--) {
+            const int32_t t = slots[i];
+            slots[i] = slots[j];
+            slots[j] = t;
+        }
+    }
+    return 1;
 }
