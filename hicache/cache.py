@@ -112,7 +112,8 @@ class HiCache:
         prepare(self.gpu.device)  # on CUDA: build/load the copy extension now, not at a copy
         native.available()  # load the compiled helpers now, not in the first store
         self._routes: tuple[Route, Route] | None = None
-        self.host = HostTier(host_config, layout, self._evicted, self._prepare_copies)
+        evicted = self._evicted if events is not None else None  # counted by the pool anyway
+        self.host = HostTier(host_config, layout, evicted, self._prepare_copies)
         self._hooks = states if layout.state_bytes else None
         self._transfers = Transfers(self.gpu.device, stream)
         self._requests: dict[str, Request] = {}
@@ -166,7 +167,6 @@ class HiCache:
         return self._routes[0 if to_host else 1]  # type: ignore[index]
 
     def _evicted(self, keys: list[bytes]) -> None:
-        self._stats.evicted(keys)
         emit(self._events, "removed", "host", keys)
 
     # -- match ----------------------------------------------------------------------------------
@@ -428,7 +428,8 @@ class HiCache:
         except BaseException:
             lease.release()
             raise
-        fresh = pool.publish(lease.slots, [keys[i] for i in missing])
+        new_keys = keys if len(missing) == len(keys) else [keys[i] for i in missing]
+        fresh = pool.publish(lease.slots, new_keys)
         if self._events is not None:
             emit(self._events, "stored", "host", pool.keys_of(fresh))
         self._stats.stored(len(missing))
@@ -471,7 +472,7 @@ class HiCache:
         copied = self._transfers.then(lambda: _release(held))
         if self._l3 is not None:
             G = self._l3.G
-            self._l3.write_behind(keys, len(keys), list(range(G, len(keys) + 1, G)), copied)
+            self._l3.write_behind(keys, len(keys), range(G, len(keys) + 1, G), copied)
 
     def _call_hook(self, name: str, state_slot: int | None, boundary: int, host_slot: int) -> None:
         try:
@@ -513,6 +514,7 @@ class HiCache:
         l3 = {} if self._l3 is None else self._l3.gauges()
         return self._stats.as_dict(
             **l3,
+            pages_evicted=pages.evicted,  # host pages evicted so far
             host_slots=pages.capacity,
             host_used=pages.used,
             host_pinned=pages.pinned,

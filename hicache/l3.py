@@ -34,7 +34,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -306,7 +306,7 @@ class L3:
     # -- engine thread: write-behind --------------------------------------------------------------
 
     def write_behind(
-        self, keys: list[bytes], n_pages: int, state_pages: list[int], ready: Completion = DONE
+        self, keys: list[bytes], n_pages: int, state_pages: Sequence[int], ready: Completion = DONE
     ) -> None:
         """Queue puts of the full groups of `keys[:n_pages]` (and states) L3 does not hold.
 

@@ -143,9 +143,9 @@ class SlotPool:
         """
         slots, evicted = self._books.reserve(n)
         if evicted:
-            self.evicted += len(evicted)
-            if self._on_evict is not None:
-                self._on_evict(evicted)
+            self.evicted += evicted
+            if self._on_evict is not None:  # the keys are made only for a hook that takes them
+                self._on_evict(self._books.evicted_keys())
         return Lease(self, slots)
 
     def publish(self, slots: Sequence[int], keys: Sequence[bytes]) -> list[int]:

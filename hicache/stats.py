@@ -78,7 +78,6 @@ class Stats:
     pages_stored: int = 0
     pages_dropped: int = 0
     """Pages store could not place because every host slot was pinned."""
-    pages_evicted: int = 0
     states_stored: int = 0
     hook_errors: int = 0
     l3_probes: int = 0
@@ -127,9 +126,6 @@ class Stats:
 
     def dropped(self, pages: int) -> None:
         self.pages_dropped += pages
-
-    def evicted(self, keys: list[bytes]) -> None:
-        self.pages_evicted += len(keys)
 
     def stored_states(self, count: int) -> None:
         self.states_stored += count

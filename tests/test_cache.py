@@ -284,6 +284,12 @@ def test_bad_input_names_the_problem_and_changes_nothing():
         e.cache.load(m, [0, 1, 2, 64])
     with pytest.raises(ValueError, match="block id -1 is outside the engine's pool of 64 blocks"):
         e.cache.load(m, np.array([0, -1, 2, 3], dtype=np.int32))
+    with pytest.raises(ValueError, match="block ids must be int32 integers"):
+        e.cache.load(m, [0, 1.5, 2, 3])
+    with pytest.raises(ValueError, match="block ids must be int32 integers"):
+        e.cache.load(m, [0, 2**40, 2, 3])
+    with pytest.raises(ValueError, match="block ids must be integers, got dtype float64"):
+        e.cache.load(m, np.array([0.0, 1, 2, 3]))
     with pytest.raises(ValueError, match="needs 5 block ids, got 1"):
         e.cache.store("z", prompt, [0])
     with pytest.raises(ValueError, match="must extend"):

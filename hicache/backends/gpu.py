@@ -7,6 +7,8 @@ blocks the engine names.
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 import torch
 
@@ -46,18 +48,15 @@ class GpuTier(PoolTier):
 
     def block_ids(self, block_ids: object, needed: int, what: str) -> np.ndarray:
         """The first `needed` of `block_ids` as an int32 array; ValueError naming any problem."""
-        if isinstance(block_ids, torch.Tensor):
-            if block_ids.device.type != "cpu":
-                raise ValueError(f"{what}: block_ids must be on the CPU, got {block_ids.device}")
-            block_ids = block_ids.numpy()
-        ids = np.asarray(block_ids)  # numpy: cheaper than torch for the few ids of one request
-        if ids.ndim != 1:
-            raise ValueError(f"{what}: block_ids must be 1-D, got shape {ids.shape}")
-        if ids.shape[0] < needed:
-            raise ValueError(f"{what} needs {needed} block ids, got {ids.shape[0]}")
-        if needed and ids.dtype.kind not in "iu":
-            raise ValueError(f"{what}: block ids must be integers, got dtype {ids.dtype}")
-        ids = ids[:needed]
+        if isinstance(block_ids, list | tuple):  # what engines pass: no numpy conversion
+            if len(block_ids) < needed:
+                raise ValueError(f"{what} needs {needed} block ids, got {len(block_ids)}")
+            try:  # a C loop over the ints: ~1 µs for 64, a tenth of np.asarray's cost
+                ids = np.frombuffer(array("i", block_ids[:needed]), dtype=np.int32)
+            except (TypeError, OverflowError) as err:
+                raise ValueError(f"{what}: block ids must be int32 integers ({err})") from None
+        else:
+            ids = self._ids_array(block_ids, needed, what)
         limit = self._pages.num_pages
         converted = native.ids_int32(ids, limit)  # compiled: numpy would release the GIL
         if converted is not None:
@@ -71,6 +70,22 @@ class GpuTier(PoolTier):
         if needed and (int(ids.min()) < 0 or int(ids.max()) >= limit):
             raise ValueError(f"{what}: block id outside the engine's pool of {limit} blocks")
         return ids.astype(np.int32)
+
+    @staticmethod
+    def _ids_array(block_ids: object, needed: int, what: str) -> np.ndarray:
+        """The first `needed` of block ids given as an array or a CPU tensor."""
+        if isinstance(block_ids, torch.Tensor):
+            if block_ids.device.type != "cpu":
+                raise ValueError(f"{what}: block_ids must be on the CPU, got {block_ids.device}")
+            block_ids = block_ids.numpy()
+        ids = np.asarray(block_ids)
+        if ids.ndim != 1:
+            raise ValueError(f"{what}: block_ids must be 1-D, got shape {ids.shape}")
+        if ids.shape[0] < needed:
+            raise ValueError(f"{what} needs {needed} block ids, got {ids.shape[0]}")
+        if needed and ids.dtype.kind not in "iu":
+            raise ValueError(f"{what}: block ids must be integers, got dtype {ids.dtype}")
+        return ids[:needed]
 
 
 def _short(sizes: tuple[int, ...]) -> str:

@@ -104,7 +104,7 @@ class CompiledBooks:
         if self._unpin_c(self._ref, ids.buffer_info()[0], len(ids)):
             raise _over_unpinned()
 
-    def reserve(self, n: int) -> tuple[list[int], list[bytes]]:
+    def reserve(self, n: int) -> tuple[list[int], int]:
         n = min(n, self.capacity)
         got = self._reserve_c(
             self._ref,
@@ -113,7 +113,11 @@ class CompiledBooks:
             self._evicted.ctypes.data,
             ctypes.byref(self._n_evicted),
         )
-        return self._out[:got].tolist(), self._evicted[: self._n_evicted.value].tolist()
+        return self._out[:got].tolist(), self._n_evicted.value
+
+    def evicted_keys(self) -> list[bytes]:
+        """The keys the last `reserve` evicted."""
+        return self._evicted[: self._n_evicted.value].tolist()
 
     def publish(self, slots: Sequence[int], keys: Sequence[bytes]) -> list[int]:
         n = len(slots)
@@ -165,6 +169,7 @@ class PythonBooks:
         self._published = np.zeros(capacity, dtype=bool)
         self._lru: OrderedDict[int, None] = OrderedDict()  # published slots, oldest first
         self._free: list[int] = list(range(capacity - 1, -1, -1))
+        self._last_evicted: list[bytes] = []
 
     def pin(self, slots: Sequence[int]) -> None:
         if slots:
@@ -184,7 +189,7 @@ class PythonBooks:
         deque(map(self._lru.move_to_end, idle[published].tolist()), maxlen=0)
         self._free.extend(idle[~published].tolist())  # reserved, never published
 
-    def reserve(self, n: int) -> tuple[list[int], list[bytes]]:
+    def reserve(self, n: int) -> tuple[list[int], int]:
         free = self._free
         take = min(n, len(free))
         slots = free[len(free) - take :][::-1]  # the free list is a stack: last in, first out
@@ -199,7 +204,11 @@ class PythonBooks:
             self._index.remove(evicted)
             slots += chosen
         self.pin(slots)
-        return slots, evicted
+        self._last_evicted = evicted
+        return slots, len(evicted)
+
+    def evicted_keys(self) -> list[bytes]:
+        return self._last_evicted
 
     def _evict(self, n: int) -> list[int]:
         """Up to `n` unpinned slots from the LRU head, taken off the list; pinned slots met on
