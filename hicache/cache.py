@@ -141,6 +141,7 @@ class HiCache:
             group_pages=cfg.group_pages,
             key_prefix=cfg.key_prefix,
             queue_depth=cfg.write_queue_depth,
+            fetch_depth=cfg.fetch_queue_depth,
             reserve_pages=cfg.fetch_reserve // self.layout.page_size,
         )
         return L3(

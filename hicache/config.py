@@ -131,6 +131,10 @@ class StoreTierConfig(TierConfig):
     """First part of every object name (separates hicache from other users of the store)."""
     write_queue_depth: int = Field(default=256, ge=1)
     """Put batches waiting for the write-behind worker; beyond this, work is dropped and counted."""
+    fetch_queue_depth: int = Field(default=64, ge=1)
+    """Fetch calls queued or running at most; beyond this a request takes its host hit at once
+    (counted): behind that many calls a new fetch would not land within l3_max_wait_ms anyway,
+    and a store that stopped answering would otherwise collect one job per request."""
     fetch_reserve: Bytes = 64 << 20
     """Host memory kept free for fetches from the store (at most an eighth of the host tier). A
     fetch that fits in it is one call on the worker thread (a get into these slots, no exists

@@ -66,6 +66,9 @@ class L3Settings:
     group_pages: int
     key_prefix: str
     queue_depth: int
+    """Put jobs queued or running at most."""
+    fetch_depth: int = 64
+    """Fetch jobs queued or running at most."""
     reserve_pages: int = 0
     """Host page slots kept reserved for fetches that skip the exists (`fetch_reserve`)."""
 
@@ -199,6 +202,7 @@ class L3:
         self._fetch_jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._put_jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._puts_out = 0  # put jobs queued or running (at most settings.queue_depth)
+        self._fetches_out = 0  # fetch jobs queued or running (at most settings.fetch_depth)
         self._threads = [
             threading.Thread(
                 target=self._work,
@@ -237,6 +241,9 @@ class L3:
             return None
         if not self.usable():
             self.stats.l3_skipped += 1
+            return None
+        if self._fetches_out >= self.settings.fetch_depth:
+            self.stats.l3_skipped_busy += 1
             return None
         if not self._worth_fetching():
             return None
@@ -347,7 +354,6 @@ class L3:
         lease = _Leases(self.host.page_slots.lease(pins), self.host.state_slots.lease(state_pins))
         job = _Job("put", ends, state_ends, pins, state_pins, lease=lease, ready=ready)
         job.started = self.clock()
-        self._puts_out += 1
         self._submit(self._put_jobs, job)
         for key in ends:
             held.add(key)
@@ -368,6 +374,10 @@ class L3:
         while self._results:
             job, outcome = self._results.popleft()
             self.jobs_in_flight -= 1
+            if job.kind == "put":
+                self._puts_out -= 1
+            else:
+                self._fetches_out -= 1
             family = _LATENCY[job.kind]
             self.stats.latency[family].observe(job.finished - job.started)
             failed = isinstance(outcome, BaseException)
@@ -461,7 +471,6 @@ class L3:
             fetch.release()
 
     def _on_put(self, job: _Job, codes: list[int] | None) -> None:
-        self._puts_out -= 1
         job.release()
         ends = job.ends + job.state_ends
         codes = codes or [-1] * len(ends)
@@ -504,6 +513,10 @@ class L3:
     def _submit(self, jobs: queue.SimpleQueue[_Job | None], job: _Job) -> None:
         jobs.put(job)
         self.jobs_in_flight += 1
+        if job.kind == "put":
+            self._puts_out += 1
+        else:
+            self._fetches_out += 1
 
     # -- worker threads ---------------------------------------------------------------------------
 
@@ -580,6 +593,9 @@ class L3:
         rows = base + stride * np.asarray(page_slots, dtype=np.int64)
         ptrs = rows.reshape(-1, self.G).tolist()
         sizes = [[size] * self.G for _ in ptrs]
+        if not state_slots:  # all in the page pool: the store checks the span, not each piece
+            span = (int(rows.min()), int(rows.max()) + size) if rows.size else None
+            return Buffers(ptrs, sizes, span)
         for slot in state_slots:
             row = self.host.state(slot)
             ptrs.append([row.data_ptr()])

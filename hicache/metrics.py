@@ -112,6 +112,7 @@ METRICS: dict[str, tuple[str, dict[str, str]]] = {
     "l3_puts_skipped": ("hicache_fallbacks", {"reason": "put_store_unavailable"}),
     "l3_errors": ("hicache_errors", {"kind": "l3_call"}),
     "l3_skipped": ("hicache_fallbacks", {"reason": "breaker_open"}),
+    "l3_skipped_busy": ("hicache_fallbacks", {"reason": "fetch_queue_full"}),
     "l3_skipped_slow": ("hicache_fallbacks", {"reason": "slower_than_recompute"}),
     "l3_timeouts": ("hicache_fallbacks", {"reason": "timeout"}),
     "l3_no_space": ("hicache_fallbacks", {"reason": "no_host_space"}),

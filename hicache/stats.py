@@ -99,6 +99,9 @@ class Stats:
     """Store calls that failed as a whole (unreachable, breaker open): the request fell back."""
     l3_skipped: int = 0
     """Fetches not started because the breaker was open."""
+    l3_skipped_busy: int = 0
+    """Fetches not started because `fetch_queue_depth` fetch calls were queued or running
+    already (a store that has stopped answering holds them)."""
     l3_skipped_slow: int = 0
     """L3 hits not taken because recomputing is cheaper than fetching."""
     l3_timeouts: int = 0

@@ -355,3 +355,32 @@ def test_no_engine_thread_call_lets_go_of_the_gil(mooncake_master, engines):
     finally:
         watch.close()
     assert released == []
+
+
+def test_fetches_behind_a_stalled_store_are_bounded(start_mooncake_master):
+    """A master that stops answering holds the fetch worker's call until its timeout; new
+    requests do not pile fetch jobs up behind it: beyond fetch_queue_depth they take their
+    host hit at once, counted, and fetching resumes once the calls return."""
+    master = start_mooncake_master()
+    cfg = l3_config(master, l3_pending="host_only")
+    cfg["tiers"][1].update(fetch_queue_depth=2, call_timeout_s=2.0)
+    e = FakeEngine(cfg)
+    try:
+        e.run("warm", prompt(60))
+        settled(e)
+        master.pause()
+        try:
+            for i in range(6):  # each starts a fetch unless two are out already
+                m = e.cache.match(f"r{i}", prompt(70 + i))
+                assert not m.pending and m.hit_tokens == 0
+                e.cache.release(f"r{i}")
+            assert e.cache.stats()["l3_skipped_busy"] == 4
+            assert e.cache.stats()["l3_jobs_in_flight"] == 2
+        finally:
+            master.resume()
+        settled(e)  # the held calls return (answered or timed out) and free their places
+        m = e.cache.match("again", prompt(80))
+        assert e.cache.stats()["l3_skipped_busy"] == 4  # this one was offered to the store
+        e.cache.release("again")
+    finally:
+        e.cache.close()

@@ -340,6 +340,12 @@ def test_bad_arguments_are_refused_before_any_call() -> None:
         ValueError, match=r"key 'k': piece \(0x[0-9a-f]+, 16\) is outside registered"
     ):
         store.put_from(["k"], Buffers.of([[(p + 4 * KiB - 8, 16)]]))
+    outside = Buffers([[p + 4 * KiB - 8]], [[16]], span=(p + 4 * KiB - 8, p + 4 * KiB + 8))
+    with pytest.raises(ValueError, match=r"key 'k': piece \(0x[0-9a-f]+, 16\) is outside"):
+        store.put_from(["k"], outside)  # a span outside registered memory: each piece checked
+    inside = Buffers([[p], [p + 64]], [[64], [64]], span=(p, p + 128))
+    with pytest.raises(StoreUnavailable, match="not connected"):  # checked, then refused
+        store.put_from(["a", "b"], inside)
     with pytest.raises(ValueError, match="key 'b': piece size must be > 0, got 0"):
         store.put_from(["a", "b"], Buffers.of([[(p, 8)], [(p + 8, 8), (p + 16, 0)]]))
     with pytest.raises(ValueError, match="key 'b' has no pieces"):
