@@ -20,6 +20,13 @@ results in `poll` (and in `match`, for a request whose fetch is running):
   The queue is bounded: when it is full, work is dropped and counted, never queued without bound
   and never waited for.
 
+Both queues are bounded by a count of jobs queued or running (`queue_depth` puts,
+`fetch_depth` fetches); beyond it a put is dropped and a fetch not started, both counted. On
+the engine thread a job is bookkeeping only (keys, slots, pins); the worker names the objects
+and finds their bytes. Nothing here releases the GIL on the engine thread (see the README's
+engine contract): a worker that wants it waits for the engine's next release, never cuts into
+a call.
+
 While the store is not `available` (not connected yet, or its breaker opened after repeated
 failures) no fetch starts and no put is offered: requests take their host hit at once. The store
 re-probes itself in the background, so L3 comes back by itself after a master restart. A job's
