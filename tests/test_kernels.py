@@ -239,3 +239,22 @@ def test_fresh_slots_run_the_way_the_block_ids_run(ids, slots, want):
     if native.library() is None:
         pytest.skip("no C compiler: slots are left as they come")
     assert native.align_slots(np.array(ids, dtype=np.int32), slots) == want
+
+
+def test_a_route_checks_its_buffers_once_and_copies_exact_bytes():
+    import numpy as np
+
+    from hicache.kernels import route
+
+    src = PagedBuffer.page_first(_random_bytes(12, 4 * 48, seed=11)).resegment((48, 96, 48))
+    layers = [_random_bytes(9, n, seed=12 + n) for n in (48, 96, 48)]
+    dst = PagedBuffer.layer_first(layers)
+    before = [t.clone() for t in layers]
+    r = route(src, dst)
+    r.copy(np.array([7, 0, 11], dtype=np.int32), np.array([2, 8, 5], dtype=np.int32), 0)
+    for seg, (s_seg, old) in enumerate(zip(src.segments, before, strict=True)):
+        want = old.clone()
+        want[[2, 8, 5]] = s_seg[[7, 0, 11]]
+        assert torch.equal(layers[seg], want)
+    with pytest.raises(ValueError, match="segment sizes differ"):
+        route(src, PagedBuffer.page_first(_random_bytes(4, 192, seed=1)))

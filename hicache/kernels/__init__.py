@@ -3,7 +3,9 @@
 `copy_pages(src, src_ids, dst, dst_ids, stream)` copies page ``src_ids[k]`` of `src` to page
 ``dst_ids[k]`` of `dst`. Where both buffers are on the CPU it runs the CPU twin, synchronously;
 where either is on a CUDA device it enqueues the copy on `stream` and returns without waiting
-(`hicache.kernels.cuda` says which CUDA path runs when).
+(`hicache.kernels.cuda` says which CUDA path runs when). `route(src, dst)` checks two buffers
+once for a caller that copies between them again and again: its `copy` takes int32 numpy ids and
+a raw stream handle and does nothing but the copy.
 """
 
 from __future__ import annotations
