@@ -80,6 +80,8 @@ class Transfers:
 
             self._event, self._current = CudaEvent, current_stream_handle
             self._index = device.index if device.index is not None else torch.cuda.current_device()
+            if stream is not None and stream.device.index != self._index:
+                raise ValueError(f"the stream is on {stream.device}, the GPU pool on {device}")
             self._stream = stream.cuda_stream if stream is not None else None
 
     @property
