@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -84,6 +85,8 @@ def as_tokens(tokens: Any) -> np.ndarray:
     """
     if type(tokens) is np.ndarray and tokens.dtype == np.int32 and tokens.ndim == 1:
         return tokens if tokens.flags.c_contiguous else np.ascontiguousarray(tokens)
+    if isinstance(tokens, list | tuple):  # what engines pass: one C loop, and the GIL is kept
+        return _list_tokens(tokens)
     if hasattr(tokens, "numpy") and hasattr(tokens, "device"):  # a torch tensor
         if tokens.device.type != "cpu":
             raise ValueError(f"tokens must be on the CPU, got a tensor on {tokens.device}")
@@ -102,6 +105,21 @@ def as_tokens(tokens: Any) -> np.ndarray:
         bad = lo if lo < _INT32_MIN else hi
         raise ValueError(f"token id {bad} is outside int32")
     return arr.astype(np.int32)
+
+
+def _list_tokens(tokens: list | tuple) -> np.ndarray:
+    """A list of token ids as int32, through `array('i')`: faster than numpy's conversion to
+    int64 and cast (which releases the GIL for prompts of more than a few hundred tokens)."""
+    try:
+        return np.frombuffer(array("i", tokens), dtype=np.int32)
+    except OverflowError:
+        bad = next(t for t in tokens if not _INT32_MIN <= t <= _INT32_MAX)
+        raise ValueError(f"token id {bad} is outside int32") from None
+    except TypeError:
+        bad = next(t for t in tokens if not isinstance(t, int))
+        if isinstance(bad, list | tuple | np.ndarray):
+            raise ValueError("tokens must be 1-D, got a nested sequence") from None
+        raise ValueError(f"token ids must be integers, got {type(bad).__name__}") from None
 
 
 def starts_with(tokens: np.ndarray, head: np.ndarray) -> bool:

@@ -172,6 +172,11 @@ def test_token_validation_names_the_problem():
         as_tokens([1.5, 2.0])
     with pytest.raises(ValueError, match="1-D"):
         as_tokens([[1, 2]])
+    with pytest.raises(ValueError, match="token id 2147483648 is outside int32"):
+        as_tokens([1, 2**31])
+    with pytest.raises(ValueError, match="token ids must be integers, got str"):
+        as_tokens([1, "2"])
+    assert as_tokens((5, 6)).tolist() == [5, 6] and as_tokens([]).shape == (0,)
 
 
 def test_l3_key_format():
