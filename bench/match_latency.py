@@ -137,28 +137,30 @@ def main() -> None:
             "p90_us": round(p90, 1),
             "us_per_page": round(med / n_pages, 3),
         }
-    print(
-        json.dumps(
-            {
-                "bench": "match_latency",
-                "machine": f"{platform.machine()} {platform.processor() or ''} "
-                f"({torch.get_num_threads()} threads), CPU only",
-                "tokens": args.tokens,
-                "page_tokens": P,
-                "pages": n_pages,
-                "runs": args.runs,
-                "native_hash": native.available(),
-                "target_us": 500,
-                "results": rows,
-                "ratio_straightforward_over_match": round(
-                    rows["straightforward_blake2b_loop"]["median_us"]
-                    / rows["match_int32_array"]["median_us"],
-                    2,
-                ),
-            },
-            indent=2,
-        )
+    text = json.dumps(
+        {
+            "bench": "match_latency",
+            "machine": f"{platform.machine()} {platform.processor() or ''} "
+            f"({torch.get_num_threads()} threads), CPU only",
+            "tokens": args.tokens,
+            "page_tokens": P,
+            "pages": n_pages,
+            "runs": args.runs,
+            "native_hash": native.available(),
+            "target_us": 500,
+            "results": rows,
+            "ratio_straightforward_over_match": round(
+                rows["straightforward_blake2b_loop"]["median_us"]
+                / rows["match_int32_array"]["median_us"],
+                2,
+            ),
+        },
+        indent=2,
     )
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":
