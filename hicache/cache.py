@@ -33,7 +33,7 @@ from hicache.config import HiCacheConfig, Layout, StoreTierConfig
 from hicache.errors import StateHookError
 from hicache.events import EventSink, emit
 from hicache.kernels import PagedBuffer, Route, prepare, route
-from hicache.keys import KeyChain, PrefixMemo, as_tokens, chain_seed, fingerprint, starts_with
+from hicache.keys import KeyChain, PrefixMemo, as_tokens, chain_seed, fingerprint
 from hicache.l3 import L3, Fetch, L3Settings
 from hicache.request import Match, Request
 from hicache.slots import Lease
@@ -185,8 +185,10 @@ class HiCache:
         `computed_tokens`: leading tokens whose KV the engine already holds in its own pool
         (page-aligned; 0 for an engine without a prefix cache). `salt` separates tenants.
         The prompt is hashed once per request; asking again for the same request (for example
-        after a pending answer) reuses its keys. The pages (and state) of the hit are pinned in
-        the host tier until `load` has copied them or `release` is called.
+        after a pending answer) reuses its keys. An int32 array is kept as it is, not copied:
+        the caller must not change it in place while the request lives. The pages (and state)
+        of the hit are pinned in the host tier until `load` has copied them or `release` is
+        called.
         """
         started = time.perf_counter()
         tokens = as_tokens(tokens)
@@ -293,9 +295,7 @@ class HiCache:
         req = self._requests.get(request_id)
         seed = self._seed(salt)
         if req is not None and req.chain.seed == seed:
-            held = req.chain.tokens
-            if starts_with(tokens, held):
-                req.chain.extend(tokens)
+            if req.chain.try_extend(tokens):
                 return req
             req.drop_pins()
         req = Request(KeyChain(seed, self.layout.page_tokens, tokens, self._memo))

@@ -211,13 +211,20 @@ class KeyChain:
         self._keys += keys
 
     def extend(self, tokens: np.ndarray) -> None:
-        """Grow to `tokens`, which must start with the tokens held now."""
-        have = self.tokens.shape[0]
-        if tokens.shape[0] < have or not starts_with(tokens, self.tokens):
+        """Grow to `tokens`, which must start with the tokens held now (ValueError if not)."""
+        if not self.try_extend(tokens):
             raise ValueError(
                 "tokens must extend the request's earlier tokens (the prompt given to match)"
             )
-        self.tokens = tokens
+
+    def try_extend(self, tokens: np.ndarray) -> bool:
+        """Grow to `tokens` if they start with the tokens held now; False (and nothing changed)
+        if they do not. The same array again is not compared at all (a request asked again)."""
+        if tokens is not self.tokens:
+            if not starts_with(tokens, self.tokens):
+                return False
+            self.tokens = tokens
+        return True
 
 
 class PrefixMemo:
