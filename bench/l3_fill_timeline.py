@@ -95,7 +95,7 @@ def main() -> None:
 
     l3 = reader._l3
     wrap(l3, "start_fetch", "submit0", "submit1")
-    wrap(l3, "_name_fetch", "hash0", "hash1")
+    wrap(l3, "_hash_fetch", "hash0", "hash1")
     wrap(l3.store, "get_into", "get0", "get1")
     wrap(l3, "_on_get", "apply0", "apply1")
     l3.store._client = _Timed(l3.store._client, mark)

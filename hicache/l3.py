@@ -534,9 +534,8 @@ class L3:
                 return
             try:
                 if job.hash_from is not None:
-                    self._name_fetch(job)
-                if job.kind != "probe":
-                    self._place(job)
+                    self._hash_fetch(job)
+                self._place(job)
                 if job.kind == "probe":
                     outcome: object = self.store.exists(job.names)
                 elif job.kind == "get":
@@ -556,24 +555,24 @@ class L3:
                 except Exception as err:  # the engine's callback must not stop the worker
                     log.warning("hicache: the wake callback raised %r", err)
 
-    def _name_fetch(self, job: _Job) -> None:
-        """Worker thread: hash a fetch's pages and name its groups (and, for a probe of a state
-        layout, the states at the group ends). The hashing releases the GIL."""
+    def _hash_fetch(self, job: _Job) -> None:
+        """Worker thread: hash a fetch's pages and find its groups' ends (and, for a probe of a
+        state layout, ask for the state at every group end too). The hashing releases the GIL."""
         prev, data = job.hash_from  # type: ignore[misc]
         tokens = np.frombuffer(data, dtype=np.int32)
         keys = page_keys(prev, tokens, self.layout.page_tokens, release_gil=True)
         job.page_keys = keys
         job.ends = keys[self.G - 1 :: self.G]
-        if job.kind == "probe":
-            job.names = [self._group_names + k.hex() for k in job.ends]
-            if self.layout.state_bytes:
-                job.names += [self._state_names + k.hex() for k in job.ends]
+        if job.kind == "probe" and self.layout.state_bytes:
+            job.state_ends = job.ends
 
     def _place(self, job: _Job) -> None:
-        """Worker thread: the names of a get's or put's objects and where their bytes lie."""
+        """Worker thread: the names of a job's objects and, for a get or a put, where their
+        bytes lie."""
         job.names = [self._group_names + k.hex() for k in job.ends]
         job.names += [self._state_names + k.hex() for k in job.state_ends]
-        job.buffers = self._buffers(job.page_slots, job.state_slots)
+        if job.kind != "probe":
+            job.buffers = self._buffers(job.page_slots, job.state_slots)
 
     # -- helpers ----------------------------------------------------------------------------------
 
