@@ -72,8 +72,10 @@ def make_cache(master: MooncakeMaster | None, page_bytes: int, pages: int, **sto
         "breaker_reprobe_s": 0.5,
         **store,
     }
-    # a host tier of 16 stores' pages: its eighth, the fetch reserve, holds one whole fetch
-    host = {"type": "host", "size": 16 * pages * page_bytes, "pin": "yes" if CUDA else "no"}
+    # a host tier of 16 stores' pages, and at least 512 MiB: the fetch reserve (64 MiB by
+    # default, at most an eighth of the host tier) is whole, as in a host tier of GiBs
+    size = max(16 * pages * page_bytes, 512 * MiB)
+    host = {"type": "host", "size": size, "pin": "yes" if CUDA else "no"}
     cfg = load_config(
         {
             "layout": {

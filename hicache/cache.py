@@ -186,10 +186,11 @@ class HiCache:
         `computed_tokens`: leading tokens whose KV the engine already holds in its own pool
         (page-aligned; 0 for an engine without a prefix cache). `salt` separates tenants.
         The prompt is hashed once per request; asking again for the same request (for example
-        after a pending answer) reuses its keys. An int32 array is kept as it is, not copied:
-        the caller must not change it in place while the request lives. The pages (and state)
-        of the hit are pinned in the host tier until `load` has copied them or `release` is
-        called.
+        after a pending answer) reuses its keys, and while its fetch is still running returns
+        the same pending answer without walking the tiers again. An int32 array is kept as it
+        is, not copied: the caller must not change it in place while the request lives. The
+        pages (and state) of the hit are pinned in the host tier until `load` has copied them or
+        `release` is called.
         """
         started = time.perf_counter()
         tokens = as_tokens(tokens)
@@ -203,9 +204,14 @@ class HiCache:
                 f"of page_tokens={P} below the prompt length {n}"
             )
         req = self._request(request_id, tokens, salt)
-        req.drop_pins()
         if req.fetch is not None and req.fetch.busy:  # its answer may have come since poll
             self._l3.apply()  # type: ignore[union-attr]
+            if self._still_waiting(req, n, computed_tokens):
+                m = req.match
+                self._stats.matched(m, n)  # type: ignore[arg-type]
+                self._stats.latency["hicache_match_seconds"].observe(time.perf_counter() - started)
+                return m  # type: ignore[return-value]  # the same answer, its pins kept
+        req.drop_pins()
         first = computed_tokens // P
         cap = max(0, n - self.policy.min_recompute_tokens) // P
         if req.fetch is not None and not req.fetch.busy:
@@ -242,7 +248,7 @@ class HiCache:
             pending=pending,
             limited_tokens=(found - hit) * P,
         )
-        req.match = m
+        req.match, req.asked = m, n
         self._stats.matched(m, n)
         self._stats.latency["hicache_match_seconds"].observe(time.perf_counter() - started)
         return m
@@ -282,6 +288,21 @@ class HiCache:
         if req.fetch is None and found < cap:
             req.fetch = self._l3.start_fetch(req.chain, found, cap)
         return req.fetch is not None and self._l3.waiting(req.fetch)
+
+    def _still_waiting(self, req: Request, n: int, computed_tokens: int) -> bool:
+        """Whether a request asked again is still waiting for its fetch, with the prompt and
+        `computed_tokens` of its pending answer: then that answer stands (its host hit stays
+        pinned, so it is still true, and what the fetch brings comes after it)."""
+        m = req.match
+        return (
+            m is not None
+            and m.pending
+            and req.asked == n
+            and m.computed_tokens == computed_tokens
+            and self._l3 is not None
+            and req.fetch is not None
+            and self._l3.waiting(req.fetch)
+        )
 
     def _snap_to_state(self, keys: list[bytes], first: int, hit: int) -> tuple[int, int | None]:
         """The deepest page count in (first, hit] whose boundary has a stored state."""

@@ -190,13 +190,17 @@ class KeyChain:
 
     def upto(self, n: int) -> list[bytes]:
         """The keys of the first `n` full pages (at most `pages`), hashing those not hashed yet."""
+        self.hash_to(n)
+        return self._keys[:n]
+
+    def hash_to(self, n: int) -> None:
+        """Hash the first `n` full pages (at most `pages`) if they are not yet (see `hashed`)."""
         keys = self._keys
         have = len(keys)
         if n > have:
             P = self.page_tokens
             prev = keys[-1] if keys else self.seed
             keys += page_keys(prev, self.tokens[have * P : min(n, self.pages) * P], P)
-        return keys[:n]
 
     def rows(self, begin: int) -> np.ndarray:
         """The tokens of full pages `begin`.. as a C-contiguous int32 [pages, page_tokens]."""

@@ -3,17 +3,17 @@
 The engine thread never calls the store. It hands jobs to two worker threads and applies their
 results in `poll` (and in `match`, for a request whose fetch is running):
 
-- a *fetch* (for one request whose prompt runs past the host tier's hit): the worker first
-  hashes the pages after the host hit (the job carries the key before them and their tokens; the
-  engine thread hashes only what the host tier could hit) and names their groups. If the fetch
-  fits the reserve of free host slots, it is one batched `get_into` those slots, and the leading
-  run that arrives is the hit. Otherwise one batched `exists` for the groups (and, for state
-  layouts, the states at the group ends), then — on the engine thread — a choice (the leading run
-  of groups, snapped to a state), fresh host slots reserved for it, and one batched `get_into`.
-  Pages become visible in the host index only after their get succeeded, under the keys the
-  worker hashed: a failed transfer is never a hit. The slots stay pinned by the fetch until the
-  worker has returned, even if the request went away meanwhile, so no transfer writes into a
-  reused slot.
+- a *fetch* (for one request whose prompt runs past the host tier's hit): the pages after the
+  host hit are hashed, by the engine thread for the first `ENGINE_PREP_PAGES` pages and by the
+  worker (from the key before them and their tokens) for the rest; the worker names their
+  groups. If the fetch fits the reserve of free host slots, it is one batched `get_into` those
+  slots, and the leading run that arrives is the hit. Otherwise one batched `exists` for the
+  groups (and, for state layouts, the states at the group ends), then — on the engine thread —
+  a choice (the leading run of groups, snapped to a state), fresh host slots reserved for it,
+  and one batched `get_into`. Pages become visible in the host index only after their get
+  succeeded, under the keys of the job: a failed transfer is never a hit. The slots stay pinned
+  by the fetch until the worker has returned, even if the request went away meanwhile, so no
+  transfer writes into a reused slot.
 - a *put* (write-behind), queued by `store` with the completion of its host copy: the worker
   waits for that copy, then sends the full page groups (and group-aligned states) that L3 is not
   known to hold straight from the pinned host slots, which stay pinned until the put returns.
@@ -22,10 +22,10 @@ results in `poll` (and in `match`, for a request whose fetch is running):
 
 Both queues are bounded by a count of jobs queued or running (`queue_depth` puts,
 `fetch_depth` fetches); beyond it a put is dropped and a fetch not started, both counted. On
-the engine thread a job is bookkeeping only (keys, slots, pins); the worker names the objects
-and finds their bytes. Nothing here releases the GIL on the engine thread (see the README's
-engine contract): a worker that wants it waits for the engine's next release, never cuts into
-a call.
+the engine thread a job is bookkeeping only (keys, slots, pins; the worker names the objects
+and finds their bytes), besides a fetch's first `ENGINE_PREP_PAGES` pages hashed. Nothing
+here releases the GIL on the engine thread (see the README's engine contract): a worker that
+wants it waits for the engine's next release, never cuts into a call.
 
 While the store is not `available` (not connected yet, or its breaker opened after repeated
 failures) no fetch starts and no put is offered: requests take their host hit at once. The store
@@ -58,6 +58,13 @@ from hicache.transfers import DONE, Completion
 
 log = logging.getLogger(__name__)
 
+
+ENGINE_PREP_PAGES = 128
+"""A fetch's first pages that the engine thread hashes itself, in `match` (~25 µs for 128 pages
+on a warm thread): a worker that has just woken runs slowly for its first few hundred µs (4-7
+times slower than warm on the machines measured), and the fill waits for the keys. The worker
+hashes the pages past these (GIL dropped), so the engine thread's share stays bounded however
+long the look-ahead."""
 
 _LATENCY = {
     "probe": "hicache_l3_exists_seconds",
@@ -99,7 +106,8 @@ class Fetch:
     pages: tuple[int, int] = (0, 0)
     """[first, end) pages published in the host tier by this fetch."""
     keys: list[bytes] = field(default_factory=list)
-    """Keys of the pages from the first group's first page on, as the worker hashed them."""
+    """Keys of the pages from the first group's first page on (those the worker hashed come
+    with its first result)."""
 
     def key_before(self, pages: int) -> bytes:
         """The key of page ``pages - 1`` (a group end inside the fetch)."""
@@ -153,11 +161,11 @@ class _Job:
     ready: Completion = DONE
     """For a put: the host write-through it sends; the worker waits for it before reading."""
     hash_from: tuple[bytes, bytes] | None = None
-    """For a fetch's first job: the key before its first page and the bytes of its pages'
-    tokens (int32). The worker hashes them (the engine thread never hashes pages only L3 may
-    hold)."""
+    """For a fetch's first job, when it has pages past `ENGINE_PREP_PAGES`: the key before them
+    and the bytes of their tokens (int32), for the worker to hash."""
     page_keys: list[bytes] = field(default_factory=list)
-    """The keys the worker hashed from `hash_from`."""
+    """For a fetch's first job: the keys of its pages (those after `hash_from` added by the
+    worker)."""
     started: float = 0.0
     finished: float = 0.0
 
@@ -257,13 +265,9 @@ class L3:
         now = self.clock()
         deadline = now + self.policy.l3_max_wait_ms / 1e3
         fetch = Fetch(first, last - first, first * G, deadline, now)
-        prev = chain.hashed[first * G - 1] if first else chain.seed
-        # bytes, not an array copy: the caller may reuse its tokens, and numpy releases the GIL
-        # to copy an array this long (a worker waiting for it would cut into this call)
-        tokens = chain.tokens[first * G * P : last * G * P].tobytes()
         self.stats.l3_probes += 1
         pages = (last - first) * G
-        job = _Job("probe", fetch=fetch, started=now, hash_from=(prev, tokens))
+        job = _Job("probe", fetch=fetch, started=now)
         if self._can_get_at_once(pages):
             # One call: get every group into reserved slots; the leading run that arrives is the
             # hit (a missing object reads as a miss). No exists, no second trip to this thread.
@@ -271,6 +275,15 @@ class L3:
             self._lent += pages
             job.kind, job.groups, job.unprobed = "get", last - first, True
             job.page_slots = fetch.lease.slots
+        # The first ENGINE_PREP_PAGES pages are hashed here; the worker hashes the rest.
+        begin, end = first * G, last * G
+        own = min(end, begin + ENGINE_PREP_PAGES)
+        chain.hash_to(own)
+        job.page_keys = fetch.keys = chain.hashed[begin:own]
+        if own < end:
+            # bytes, not an array copy: the caller may reuse its tokens, and numpy releases the
+            # GIL to copy an array this long (a worker waiting for it would cut into this call)
+            job.hash_from = (job.page_keys[-1], chain.tokens[own * P : end * P].tobytes())
         self._submit(self._fetch_jobs, job)
         return fetch
 
@@ -390,7 +403,7 @@ class L3:
             failed = isinstance(outcome, BaseException)
             if failed:
                 self.stats.l3_errors += 1
-            if job.page_keys:  # a fetch's first job: the keys its worker hashed
+            if job.page_keys:  # a fetch's first job: its pages' keys, the worker's part too
                 job.fetch.keys = job.page_keys
             if job.kind == "probe":
                 self._on_probe(job, None if failed else outcome)  # type: ignore[arg-type]
@@ -535,6 +548,8 @@ class L3:
             try:
                 if job.hash_from is not None:
                     self._hash_fetch(job)
+                if job.page_keys and not job.ends:  # a fetch's first job: name its groups
+                    self._name_groups(job)
                 self._place(job)
                 if job.kind == "probe":
                     outcome: object = self.store.exists(job.names)
@@ -556,13 +571,17 @@ class L3:
                     log.warning("hicache: the wake callback raised %r", err)
 
     def _hash_fetch(self, job: _Job) -> None:
-        """Worker thread: hash a fetch's pages and find its groups' ends (and, for a probe of a
-        state layout, ask for the state at every group end too). The hashing releases the GIL."""
+        """Worker thread: hash the pages of a fetch that the engine thread left (`hash_from`).
+        The hashing releases the GIL."""
         prev, data = job.hash_from  # type: ignore[misc]
         tokens = np.frombuffer(data, dtype=np.int32)
         keys = page_keys(prev, tokens, self.layout.page_tokens, release_gil=True)
-        job.page_keys = keys
-        job.ends = keys[self.G - 1 :: self.G]
+        job.page_keys = job.page_keys + keys  # a new list: the engine thread holds the old one
+
+    def _name_groups(self, job: _Job) -> None:
+        """Worker thread, a fetch's first job: its groups' ends from its page keys (and, for a
+        probe of a state layout, the state at every group end too)."""
+        job.ends = job.page_keys[self.G - 1 :: self.G]
         if job.kind == "probe" and self.layout.state_bytes:
             job.state_ends = job.ends
 

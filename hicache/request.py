@@ -48,6 +48,8 @@ class Request:
 
     chain: KeyChain
     match: Match | None = None
+    asked: int = 0
+    """The prompt length of the last `match`."""
     pages: Lease | None = None
     """Host page slots pinned by `match` for `load`."""
     state: Lease | None = None

@@ -110,6 +110,39 @@ def test_a_fetch_that_fits_the_reserve_is_one_get_and_a_missing_group_ends_it(
     reader.cache.host.page_slots.check()
 
 
+@pytest.mark.parametrize("tokens", [34, 42])  # 8 pages: one get; 10: exists, then get
+@pytest.mark.parametrize("prep", [2, 3, 128])
+def test_the_engine_thread_hashes_a_fetch_only_up_to_its_bound(
+    mooncake_master, engines, monkeypatch, tokens, prep
+):
+    """The engine thread hashes the first ENGINE_PREP_PAGES pages of a fetch, the worker the
+    rest (with the GIL dropped), and the hit is the same either way, every byte checked."""
+    import hicache.l3 as l3
+
+    monkeypatch.setattr(l3, "ENGINE_PREP_PAGES", prep)
+    writer = engines()
+    p = prompt(5, tokens)
+    writer.run("w", p)
+    settled(writer)
+    by_worker: list[int] = []
+    hash_pages = l3.page_keys
+
+    def spy(prev, data, page_tokens, release_gil=False):
+        if release_gil:
+            by_worker.append(data.shape[0] // page_tokens)
+        return hash_pages(prev, data, page_tokens, release_gil=release_gil)
+
+    monkeypatch.setattr(l3, "page_keys", spy)
+    reader = engines()
+    reader.cache.poll()  # fills the fetch reserve
+    m = reader.run("r", p)
+    pages = (tokens - 1) // P
+    assert (m.hit_tokens, m.l3_tokens) == (pages * P, pages * P)
+    assert by_worker == ([pages - prep] if prep < pages else [])
+    probes = reader.cache.histograms()["hicache_l3_exists_seconds"]["buckets"][-1][1]
+    assert probes == (1 if pages > 8 else 0)  # the reserve holds 8 pages (an eighth)
+
+
 def test_a_fresh_process_hits_from_l3_with_exact_bytes_and_puts_nothing_again(
     mooncake_master, engines
 ):
@@ -386,3 +419,33 @@ def test_fetches_behind_a_stalled_store_are_bounded(start_mooncake_master):
         e.cache.release("again")
     finally:
         e.cache.close()
+
+
+def test_asking_again_while_the_fetch_runs_returns_the_same_answer(start_mooncake_master):
+    """An engine asks again every step while a request waits for L3: as long as the fetch is
+    out, it gets the same pending answer back (its host hit still pinned, nothing walked again);
+    once the result is in, the next ask takes it."""
+    master = start_mooncake_master()
+    writer, reader = FakeEngine(l3_config(master)), FakeEngine(l3_config(master))
+    try:
+        p = prompt(90)
+        writer.run("w", p)
+        settled(writer)
+        reader.run("head", p[:9])  # pages 0, 1 in the reader's host tier
+        settled(reader)
+        master.pause()  # the fetch's get waits for the master
+        try:
+            m = reader.cache.match("r", p)
+            assert m.pending and m.hit_tokens == 8
+            pinned = reader.cache.stats()["host_pinned"]
+            assert reader.cache.match("r", p) is m
+            assert reader.cache.stats()["host_pinned"] == pinned
+            other = reader.cache.match("r", p, computed_tokens=4)  # another question: answered anew
+            assert other is not m and other.pending and other.hit_tokens == 8
+        finally:
+            master.resume()
+        m = reader.match("r", p)
+        assert (m.pending, m.hit_tokens, m.l3_tokens) == (False, 40, 32)
+    finally:
+        writer.cache.close()
+        reader.cache.close()
