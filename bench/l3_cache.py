@@ -22,6 +22,9 @@
    them into one row, as it does for any run of blocks) and into 64 blocks drawn at random from
    a pool of 128 (`store_scattered`: one row per page, the worst case). Pages are 4 KiB on the
    CPU (so that the CPU stand-in for the GPU copy does not hide the L3 part), 64 KiB on CUDA.
+   In each phase a host-only cache makes the same calls side by side (`host_only_alongside`),
+   so that what L3 adds is read under the same machine conditions; a separate host-only phase
+   runs first (`engine_thread_host_only_baseline`).
 
 Prints JSON; with --out also writes it.
 """
@@ -380,13 +383,18 @@ def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -
     """Wall and CPU time of store, match and poll on the engine thread. `master` None: a
     host-only cache (the baseline); phase 'down' kills the master just before the calls (its
     breaker is still closed: work is still offered to it), 'down_open' kills it and waits until
-    the breaker has opened (nothing is offered)."""
+    the breaker has opened (nothing is offered).
+
+    With a master, a host-only cache makes the same calls side by side, alternating which of
+    the two goes first (`alongside`): the machine's own drift (clock, other load) hits both
+    alike, so the difference is what L3 costs the engine thread."""
     cache = make_cache(master, ENGINE_PAGE, 128, write_queue_depth=2)
+    pair = make_cache(None, ENGINE_PAGE, 128) if master is not None else None
     rng = np.random.default_rng(1)
     calls_timed = ("store", "store_scattered", "match", "poll")
-    times: dict[str, list[float]] = {
-        f"{c}_{k}": [] for c in calls_timed for k in ("wall_us", "cpu_us")
-    }
+    names = [f"{c}_{k}" for c in calls_timed for k in ("wall_us", "cpu_us")]
+    times: dict[str, list[float]] = {n: [] for n in names}
+    beside: dict[str, list[float]] = {n: [] for n in names}
 
     profile = cProfile.Profile() if PROFILE else None
     collections = [0]  # garbage collections so far (any generation)
@@ -401,17 +409,26 @@ def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -
         else:
             pauses.append((time.perf_counter() - began[0]) * 1e6)
 
-    def timed(name: str, fn) -> None:
+    def timed(into: dict, name: str, fn) -> None:
         before = collections[0]
         w0, c0 = time.perf_counter(), time.thread_time()
-        if profile is not None and name.startswith("store"):
+        if profile is not None and into is times and name.startswith("store"):
             profile.runcall(fn)
         else:
             fn()
-        times[f"{name}_wall_us"].append((time.perf_counter() - w0) * 1e6)
-        times[f"{name}_cpu_us"].append((time.thread_time() - c0) * 1e6)
-        if collections[0] != before:
+        into[f"{name}_wall_us"].append((time.perf_counter() - w0) * 1e6)
+        into[f"{name}_cpu_us"].append((time.thread_time() - c0) * 1e6)
+        if into is times and collections[0] != before:
             with_gc[name] = with_gc.get(name, 0) + 1
+
+    def step(c: HiCache, into: dict, i: int, tokens, more, other, scattered) -> None:
+        timed(into, "store", lambda: c.store(f"s{i}", tokens, list(range(64))))
+        c.release(f"s{i}")
+        timed(into, "store_scattered", lambda: c.store(f"t{i}", more, scattered))
+        c.release(f"t{i}")
+        timed(into, "match", lambda: c.match(f"m{i}", other))
+        c.release(f"m{i}")
+        timed(into, "poll", c.poll)
 
     if GC_FREEZE:
         gc.collect()
@@ -424,17 +441,11 @@ def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -
         if phase == "down_open":
             breaker_opened(cache, rng)
         for i in range(calls):
-            tokens = rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32)
-            more = rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32)
-            other = rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32)
+            prompts = [rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32) for _ in range(3)]
             scattered = rng.permutation(128)[:64].tolist()
-            timed("store", lambda: cache.store(f"s{i}", tokens, list(range(64))))  # noqa: B023
-            cache.release(f"s{i}")
-            timed("store_scattered", lambda: cache.store(f"t{i}", more, scattered))  # noqa: B023
-            cache.release(f"t{i}")
-            timed("match", lambda: cache.match(f"m{i}", other))  # noqa: B023
-            cache.release(f"m{i}")
-            timed("poll", cache.poll)
+            turns = [(cache, times)] if pair is None else [(cache, times), (pair, beside)]
+            for c, into in turns[:: 1 if i % 2 else -1]:
+                step(c, into, i, *prompts, scattered)
         stats = cache.stats()
         if profile is not None:
             print(f"== profile of store, {phase}", file=sys.stderr)
@@ -446,6 +457,8 @@ def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -
         if phase.startswith("down"):
             master.restart()
         cache.close()
+        if pair is not None:
+            pair.close()
 
     def pct(xs: list[float]) -> dict:
         xs = sorted(xs)
@@ -464,6 +477,7 @@ def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -
         "fetches_skipped_store_down": stats["l3_skipped"],
         "calls_with_a_garbage_collection": with_gc,
         "garbage_collections": {"count": len(pauses), **(pct(pauses) if pauses else {})},
+        **({"host_only_alongside": {k: pct(v) for k, v in beside.items()}} if pair else {}),
     }
 
 

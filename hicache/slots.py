@@ -51,20 +51,25 @@ class Lease:
         return len(self.slots)
 
     def split(self, n: int) -> Lease:
-        """Move the first `n` slots, with their pins, into a new lease (no pin is taken or
-        dropped). Raises ValueError on a released lease or one with fewer slots."""
-        if self._pool is None or n > len(self.slots):
+        """Move the last `n` slots, with their pins, into a new lease (no pin is taken or
+        dropped). Raises ValueError on a released lease or one with fewer slots. The slot list
+        shrinks in place: O(n), however large the lease (the L3's fetch reserve is split this
+        way at every fetch)."""
+        if self._pool is None or not 0 <= n <= len(self.slots):
             raise ValueError(
                 f"cannot split {n} slots off a lease of {len(self.slots)} (held: {self.held})"
             )
-        taken, self.slots = self.slots[:n], self.slots[n:]
+        keep = len(self.slots) - n
+        taken = self.slots[keep:]
+        del self.slots[keep:]
         return Lease(self._pool, taken)
 
     def absorb(self, other: Lease) -> None:
-        """Move `other`'s slots and pins into this lease; `other` is left released and empty."""
+        """Move `other`'s slots and pins into this lease (its slot list grows in place); `other`
+        is left released and empty."""
         if self._pool is None or other._pool is not self._pool:
             raise ValueError("leases of different pools, or a released one, cannot be merged")
-        self.slots = self.slots + other.slots
+        self.slots.extend(other.slots)
         other._pool, other.slots = None, []
 
 
