@@ -215,6 +215,16 @@ def ids_int32(ids: np.ndarray, limit: int) -> tuple[np.ndarray, int] | None:
     return out, bad
 
 
+def bad_id(ids: array, limit: int) -> int:
+    """The position of the first id of an `array('i')` outside [0, `limit`), or -1 (checked in
+    place: no copy, no numpy)."""
+    lib = library()
+    if lib is None:
+        return next((k for k, i in enumerate(ids) if not 0 <= i < limit), -1)
+    address = ids.buffer_info()[0]
+    return lib.hicache_ids_int32(address, 0, len(ids), limit, address)
+
+
 def gather_int32(ids: np.ndarray, at: Sequence[int]) -> np.ndarray:
     """``ids[at]`` for a C-contiguous int32 array and positions the caller knows are in range."""
     lib = library()
