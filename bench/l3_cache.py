@@ -26,12 +26,19 @@
    so that what L3 adds is read under the same machine conditions; a separate host-only phase
    runs first (`engine_thread_host_only_baseline`).
 
+With --engine-cpu N the timed engine thread runs on CPU N alone, and everything else on the
+other cores (less N's SMT siblings): the caches' L3 threads and the Mooncake clients' own
+threads through the store tier's `worker_cpus`, the master and the segment's process by
+inheritance. That is how an engine should deploy hicache; without it the OS may put L3's busy
+threads on the engine thread's core.
+
 Prints JSON; with --out also writes it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import os
@@ -60,6 +67,8 @@ CUDA = False
 ENGINE_PAGE = 4 * KiB  # page size of the engine-thread timings (64 KiB on CUDA: copy engines)
 PROFILE = False  # --profile: cProfile the engine-thread stores
 GC_FREEZE = False  # --gc-freeze: freeze the heap before the engine-thread timings
+ENGINE_CPU: int | None = None  # --engine-cpu: the engine thread's CPU while it is timed
+OTHERS: frozenset[int] = frozenset()  # then: every other CPU (less its SMT siblings)
 STREAM = 4  # requests at once in the streamed throughput
 ROTATE = 16  # the raw calls' buffers: as many batches as a cache's host tier holds here
 
@@ -73,6 +82,7 @@ def make_cache(master: MooncakeMaster | None, page_bytes: int, pages: int, **sto
         "group_pages": 4,
         "call_timeout_s": 2.0,
         "breaker_reprobe_s": 0.5,
+        "worker_cpus": sorted(OTHERS),
         **store,
     }
     # a host tier of 16 stores' pages, and at least 512 MiB: the fetch reserve (64 MiB by
@@ -103,6 +113,38 @@ def make_cache(master: MooncakeMaster | None, page_bytes: int, pages: int, **sto
 
 _WOKEN: dict[HiCache, threading.Event] = {}
 """Each bench cache's wake event, set by its L3 workers (`HiCache(wake=...)`)."""
+
+
+@contextlib.contextmanager
+def on_engine_cpu():
+    """With --engine-cpu, run the block on that CPU alone (the timed engine thread), and go back
+    to the other CPUs after it (where the master, the other processes and the caches' L3
+    threads run, as `worker_cpus` keeps them in a deployment)."""
+    if ENGINE_CPU is None:
+        yield
+        return
+    os.sched_setaffinity(0, {ENGINE_CPU})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, OTHERS)
+
+
+def pin_engine(cpu: int) -> None:
+    """Keep this process and everything it starts from now on off `cpu` and its SMT siblings;
+    `on_engine_cpu` moves the engine thread onto `cpu` for the timed parts."""
+    global ENGINE_CPU, OTHERS
+    path = f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
+    siblings = {cpu}
+    with contextlib.suppress(OSError):
+        for part in Path(path).read_text().strip().split(","):
+            lo, _, hi = part.partition("-")
+            siblings.update(range(int(lo), int(hi or lo) + 1))
+    others = frozenset(os.sched_getaffinity(0) - siblings)
+    if cpu not in os.sched_getaffinity(0) or not others:
+        raise SystemExit(f"--engine-cpu {cpu}: not a CPU of this process, or no other core left")
+    ENGINE_CPU, OTHERS = cpu, others
+    os.sched_setaffinity(0, others)
 
 
 def next_step(cache: HiCache) -> None:
@@ -249,57 +291,64 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
         "fill_x4",
     )
     t: dict[str, list[float]] = {k: [] for k in keys}
+
+    def one_round(r: int) -> dict[str, float]:
+        src, dst = regions(1)
+        one = measure(client, src[0], obj, 32, 1, 0, raw_reader, dst[0])
+        src, dst = regions(1)
+        put4, get4 = raw_pieces(client, src, obj, 4, 32, str(r), raw_reader, dst)
+        tokens = rng.integers(0, 50_000, pages * 16 + 1, dtype=np.int32)
+        before = writer.stats()["l3_put_bytes"]
+        put_before = writer.histograms()["hicache_l3_put_seconds"]["sum"]
+        writer.store(f"w{r}", tokens, list(range(pages)))
+        copied()
+        t0 = time.perf_counter()
+        until_idle(writer)
+        put_s = time.perf_counter() - t0
+        put_call_s = writer.histograms()["hicache_l3_put_seconds"]["sum"] - put_before
+        writer.release(f"w{r}")
+        if writer.stats()["l3_put_bytes"] - before != pages * page_bytes:
+            raise SystemExit(f"round {r}: not every page group was put")
+        before = reader.stats()["l3_get_bytes"]
+        get_before = reader.histograms()["hicache_l3_get_seconds"]["sum"]
+        t0 = time.perf_counter()
+        m = reader.match(f"r{r}", tokens)
+        while m.pending:
+            next_step(reader)
+            m = reader.match(f"r{r}", tokens)
+        fill_s = time.perf_counter() - t0
+        get_s = reader.histograms()["hicache_l3_get_seconds"]["sum"] - get_before
+        reader.release(f"r{r}")
+        got = reader.stats()["l3_get_bytes"] - before
+        if m.l3_tokens != pages * 16 or got != pages * page_bytes:
+            raise SystemExit(f"round {r}: fetched {got} bytes, hit {m.l3_tokens} tokens")
+        # four requests at once: their hand-offs to the engine thread overlap the calls
+        src, dst = regions(STREAM)
+        raw_x4 = raw_pieces(client, src, obj, 4, 32, f"{r}x", raw_reader, dst)
+        prompts = [rng.integers(0, 50_000, pages * 16 + 1, dtype=np.int32) for _ in range(STREAM)]
+        put_x4, fill_x4 = streamed(writer, reader, prompts, pages, f"{r}")
+        return {
+            "raw4_put_x4": raw_x4[0],
+            "raw4_get_x4": raw_x4[1],
+            "put_x4": put_x4,
+            "fill_x4": fill_x4,
+            "raw_put": one["put_ms_median_round"] / 1e3,
+            "raw_get": one["get_ms_median_round"] / 1e3,
+            "raw4_put": put4,
+            "raw4_get": get4,
+            "put": put_s,
+            "fill": fill_s,
+            "fill_get_call": get_s,
+            "put_call": put_call_s,
+        }
+
     try:
         for r in range(rounds + 1):
-            src, dst = regions(1)
-            one = measure(client, src[0], obj, 32, 1, 0, raw_reader, dst[0])
-            src, dst = regions(1)
-            put4, get4 = raw_pieces(client, src, obj, 4, 32, str(r), raw_reader, dst)
-            tokens = rng.integers(0, 50_000, pages * 16 + 1, dtype=np.int32)
-            before = writer.stats()["l3_put_bytes"]
-            put_before = writer.histograms()["hicache_l3_put_seconds"]["sum"]
-            writer.store(f"w{r}", tokens, list(range(pages)))
-            copied()
-            t0 = time.perf_counter()
-            until_idle(writer)
-            put_s = time.perf_counter() - t0
-            put_call_s = writer.histograms()["hicache_l3_put_seconds"]["sum"] - put_before
-            writer.release(f"w{r}")
-            if writer.stats()["l3_put_bytes"] - before != pages * page_bytes:
-                raise SystemExit(f"round {r}: not every page group was put")
-            before = reader.stats()["l3_get_bytes"]
-            get_before = reader.histograms()["hicache_l3_get_seconds"]["sum"]
-            t0 = time.perf_counter()
-            m = reader.match(f"r{r}", tokens)
-            while m.pending:
-                next_step(reader)
-                m = reader.match(f"r{r}", tokens)
-            fill_s = time.perf_counter() - t0
-            get_s = reader.histograms()["hicache_l3_get_seconds"]["sum"] - get_before
-            reader.release(f"r{r}")
-            got = reader.stats()["l3_get_bytes"] - before
-            if m.l3_tokens != pages * 16 or got != pages * page_bytes:
-                raise SystemExit(f"round {r}: fetched {got} bytes, hit {m.l3_tokens} tokens")
-            # four requests at once: their hand-offs to the engine thread overlap the calls
-            src, dst = regions(STREAM)
-            raw_x4 = raw_pieces(client, src, obj, 4, 32, f"{r}x", raw_reader, dst)
-            prompts = [
-                rng.integers(0, 50_000, pages * 16 + 1, dtype=np.int32) for _ in range(STREAM)
-            ]
-            put_x4, fill_x4 = streamed(writer, reader, prompts, pages, f"{r}")
+            with on_engine_cpu():
+                times = one_round(r)
             if r:  # round 0 warms up
-                t["raw4_put_x4"].append(raw_x4[0])
-                t["raw4_get_x4"].append(raw_x4[1])
-                t["put_x4"].append(put_x4)
-                t["fill_x4"].append(fill_x4)
-                t["raw_put"].append(one["put_ms_median_round"] / 1e3)
-                t["raw_get"].append(one["get_ms_median_round"] / 1e3)
-                t["raw4_put"].append(put4)
-                t["raw4_get"].append(get4)
-                t["put"].append(put_s)
-                t["fill"].append(fill_s)
-                t["fill_get_call"].append(get_s)
-                t["put_call"].append(put_call_s)
+                for k, v in times.items():
+                    t[k].append(v)
     finally:
         client.close()
         raw_reader.close()
@@ -440,12 +489,13 @@ def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -
             master.kill()
         if phase == "down_open":
             breaker_opened(cache, rng)
-        for i in range(calls):
-            prompts = [rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32) for _ in range(3)]
-            scattered = rng.permutation(128)[:64].tolist()
-            turns = [(cache, times)] if pair is None else [(cache, times), (pair, beside)]
-            for c, into in turns[:: 1 if i % 2 else -1]:
-                step(c, into, i, *prompts, scattered)
+        with on_engine_cpu():
+            for i in range(calls):
+                prompts = [rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32) for _ in range(3)]
+                scattered = rng.permutation(128)[:64].tolist()
+                turns = [(cache, times)] if pair is None else [(cache, times), (pair, beside)]
+                for c, into in turns[:: 1 if i % 2 else -1]:
+                    step(c, into, i, *prompts, scattered)
         stats = cache.stats()
         if profile is not None:
             print(f"== profile of store, {phase}", file=sys.stderr)
@@ -496,11 +546,19 @@ def main() -> None:
     ap.add_argument(
         "--gc-freeze", action="store_true", help="gc.freeze() before the engine-thread timings"
     )
+    ap.add_argument(
+        "--engine-cpu",
+        type=int,
+        help="time the engine thread on this CPU; everything else (the caches' L3 threads "
+        "through worker_cpus, the master, the raw clients) runs on the other cores",
+    )
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     global DEVICE, CUDA, ENGINE_PAGE, PROFILE, GC_FREEZE
     DEVICE, CUDA, PROFILE = args.device, args.device.startswith("cuda"), args.profile
     GC_FREEZE = args.gc_freeze
+    if args.engine_cpu is not None:
+        pin_engine(args.engine_cpu)  # before the master and the caches start their threads
     if CUDA:
         torch.cuda.set_stream(torch.cuda.Stream())  # an engine's own stream
         ENGINE_PAGE = 64 * KiB
@@ -535,6 +593,7 @@ def main() -> None:
         + (f", {torch.cuda.get_device_name()}" if CUDA else ", no GPU")
         + ", loopback TCP, Mooncake 0.3.13.post1",
         "command": "python " + " ".join(sys.argv),
+        "engine_cpu": ENGINE_CPU,
         "throughput": flow,
         "engine_thread_host_only_baseline": baseline,
         "engine_thread_store_saturated": saturated,

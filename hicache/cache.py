@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from hicache import native
+from hicache import native, threads
 from hicache.backends.gpu import GpuTier
 from hicache.backends.host import HostTier, HostTierConfig
 from hicache.backends.registry import tier_class
@@ -100,6 +100,7 @@ class HiCache:
                 f"the state hooks' state_bytes={states.state_bytes} disagrees with the "
                 f"layout's state_bytes={layout.state_bytes}"
             )
+        store_config = _store_tier(config)  # checked before any thread or pool is made
         self.config = config
         self.layout = layout
         self.policy = config.policy
@@ -121,7 +122,7 @@ class HiCache:
         self._seeds: dict[bytes | str | None, bytes] = {}
         memo = self.policy.prefix_memo
         self._memo = PrefixMemo(layout.page_tokens, memo) if memo else None
-        self._l3 = self._build_l3(config, wake)
+        self._l3 = self._build_l3(store_config, wake)
         self.metrics_server = None
         if config.metrics.port is not None:
             from hicache.metrics import register, serve
@@ -129,14 +130,10 @@ class HiCache:
             registry, _ = register(self)
             self.metrics_server = serve(registry, config.metrics.port, config.metrics.addr)
 
-    def _build_l3(self, config: HiCacheConfig, wake: Callable[[], None] | None) -> L3 | None:
-        """The store tier below the host tier, if the config has one (at most one for now)."""
-        stores = [t for t in config.tiers[1:] if isinstance(t, StoreTierConfig)]
-        if not stores:
+    def _build_l3(self, cfg: StoreTierConfig | None, wake: Callable[[], None] | None) -> L3 | None:
+        """The L3 over the store tier below the host tier, if the config has one."""
+        if cfg is None:
             return None
-        if len(stores) > 1:
-            raise ValueError("hicache supports one store tier below the host tier")
-        cfg = stores[0]
         store = tier_class(cfg.type)(cfg)
         settings = L3Settings(
             group_pages=cfg.group_pages,
@@ -144,6 +141,7 @@ class HiCache:
             queue_depth=cfg.write_queue_depth,
             fetch_depth=cfg.fetch_queue_depth,
             reserve_pages=cfg.fetch_reserve // self.layout.page_size,
+            worker_cpus=threads.check_cpus(cfg.worker_cpus),
         )
         return L3(
             store,
@@ -577,6 +575,17 @@ class HiCache:
         if self.metrics_server is not None:
             self.metrics_server.close()
         self.host.close()
+
+
+def _store_tier(config: HiCacheConfig) -> StoreTierConfig | None:
+    """The store tier below the host tier, if any (at most one for now), its CPUs checked."""
+    stores = [t for t in config.tiers[1:] if isinstance(t, StoreTierConfig)]
+    if len(stores) > 1:
+        raise ValueError("hicache supports one store tier below the host tier")
+    if stores:
+        where = f"tiers.{config.tiers.index(stores[0])}.worker_cpus"
+        threads.check_cpus(stores[0].worker_cpus, where)
+    return stores[0] if stores else None
 
 
 def _adopt_keys(chain: KeyChain, fetch: Fetch) -> None:

@@ -140,6 +140,10 @@ class StoreTierConfig(TierConfig):
     fetch that fits in it is one call on the worker thread (a get into these slots, no exists
     before it) and reaches the host tier one engine step sooner; larger ones (and layouts with
     states) ask exists first. 0: always ask first."""
+    worker_cpus: tuple[Annotated[int, Field(ge=0)], ...] = ()
+    """CPUs for the L3's threads (its workers, and the store client's threads, which inherit
+    them): give CPUs other than the engine thread's, so that L3 never takes its core. Empty:
+    wherever the process may run."""
 
 
 class Policy(_Strict):

@@ -47,6 +47,7 @@ from functools import cached_property
 
 import numpy as np
 
+from hicache import threads
 from hicache.backends.base import Buffers, StoreTier, StoreUnavailable
 from hicache.backends.host import HostTier
 from hicache.config import Layout, Policy
@@ -85,6 +86,8 @@ class L3Settings:
     """Fetch jobs queued or running at most."""
     reserve_pages: int = 0
     """Host page slots kept reserved for fetches that skip the exists (`fetch_reserve`)."""
+    worker_cpus: frozenset[int] = frozenset()
+    """CPUs of the worker threads (`hicache.threads`); empty: no restriction."""
 
 
 @dataclass
@@ -218,21 +221,13 @@ class L3:
         self._put_jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._puts_out = 0  # put jobs queued or running (at most settings.queue_depth)
         self._fetches_out = 0  # fetch jobs queued or running (at most settings.fetch_depth)
-        self._threads = [
-            threading.Thread(
-                target=self._work,
-                args=(self._fetch_jobs,),
-                daemon=True,
-                name="hicache-l3-fetch",
-            ),
-            threading.Thread(
-                target=self._work, args=(self._put_jobs,), daemon=True, name="hicache-l3-put"
-            ),
-        ]
+        cpus = settings.worker_cpus
         store.start()
-        for t in self._threads:
-            t.start()
-        threading.Thread(target=self._register, daemon=True, name="hicache-l3-register").start()
+        self._threads = [
+            threads.start(self._work, "hicache-l3-fetch", cpus, (self._fetch_jobs,)),
+            threads.start(self._work, "hicache-l3-put", cpus, (self._put_jobs,)),
+        ]
+        threads.start(self._register, "hicache-l3-register", cpus)
 
     # -- engine thread: fetch ---------------------------------------------------------------------
 

@@ -449,3 +449,31 @@ def test_asking_again_while_the_fetch_runs_returns_the_same_answer(start_mooncak
     finally:
         writer.cache.close()
         reader.cache.close()
+
+
+def test_l3_threads_and_the_store_clients_run_on_the_worker_cpus(mooncake_master):
+    """worker_cpus keeps every thread L3 starts off the engine's cores: its workers, the store
+    client's threads, and the threads Mooncake's client starts on the connect thread."""
+    cpu = min(os.sched_getaffinity(0))
+    before = set(os.listdir("/proc/self/task"))
+    cfg = l3_config(mooncake_master)
+    cfg["tiers"][1]["worker_cpus"] = [cpu]
+    e = FakeEngine(cfg)  # waits until the host tier and the store are ready
+    try:
+        e.run("r", prompt(3))
+        settled(e)
+        host = {str(t.native_id) for t in threading.enumerate() if t.name == "hicache-host-alloc"}
+        new = set(os.listdir("/proc/self/task")) - before - host  # (the host tier's, if alive)
+        named = {t.name for t in threading.enumerate() if t.native_id in {int(n) for n in new}}
+        assert {"hicache-l3-fetch", "hicache-l3-put", "hicache-l3-connect"} <= named
+        assert len(new) > len(named)  # Mooncake's own threads too
+        assert {n: os.sched_getaffinity(int(n)) for n in new} == {n: {cpu} for n in new}
+    finally:
+        e.cache.close()
+
+
+def test_worker_cpus_the_process_may_not_use_are_refused_by_name(mooncake_master):
+    cfg = l3_config(mooncake_master)
+    cfg["tiers"][1]["worker_cpus"] = [4096]
+    with pytest.raises(ValueError, match=r"tiers\.1\.worker_cpus: CPU 4096 is not one this pro"):
+        FakeEngine(cfg)

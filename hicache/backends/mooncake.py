@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from pydantic import Field, field_validator
 
+from hicache import threads
 from hicache.backends.base import Buffers, StoreTier, StoreUnavailable
 from hicache.backends.breaker import BreakerState, BreakerStats, CircuitBreaker
 from hicache.backends.registry import register_tier
@@ -298,6 +299,7 @@ class MooncakeStore(StoreTier):
             raise TypeError(f"config must be a MooncakeConfig, got {type(config).__name__}")
         self.config = config
         self.layout = layout
+        self._cpus = threads.check_cpus(config.worker_cpus)  # of every thread this store starts
         self._client_factory = client_factory
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -339,10 +341,8 @@ class MooncakeStore(StoreTier):
             if self._started:
                 return
             self._started = True
-            self._thread = threading.Thread(
-                target=self._run, name="hicache-l3-connect", daemon=True
-            )
-            self._thread.start()
+            # Mooncake's own threads, made by its client's setup on this thread, inherit its CPUs
+            self._thread = threads.start(self._run, "hicache-l3-connect", self._cpus)
 
     @property
     def available(self) -> bool:
@@ -405,8 +405,7 @@ class MooncakeStore(StoreTier):
                     log.warning("mooncake close returned %s", code_name(rc))
             del regions[:]
 
-        closer = threading.Thread(target=finish, name="hicache-l3-close", daemon=True)
-        closer.start()
+        closer = threads.start(finish, "hicache-l3-close", self._cpus)
         closer.join(max(0.0, deadline - time.monotonic()))
         return not closer.is_alive()
 
@@ -433,7 +432,7 @@ class MooncakeStore(StoreTier):
             client.close()  # closed while connecting
             return
         # calls can be made from now on: watch them
-        threading.Thread(target=self._watch, name="hicache-l3-watchdog", daemon=True).start()
+        threads.start(self._watch, "hicache-l3-watchdog", self._cpus)
         while True:
             with self._wake:
                 if not self._closing:  # a close before this wait must not be slept through

@@ -1,0 +1,71 @@
+"""hicache's background threads, and the CPUs they may run on.
+
+Every thread that the L3 starts (its fetch and put workers, and the store client's connect,
+watchdog and close threads) goes through `start`: a daemon thread that first restricts itself to
+the configured CPUs (`worker_cpus` of the store tier). Threads that a library starts from one of
+them inherit the restriction — Mooncake's transfer threads are made while its client is set up on
+the connect thread — so one setting keeps all of L3 off the cores the engine thread runs on.
+Sharing a core with them slows the engine thread's own calls by tens of percent (see the README's
+"Measuring it").
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+__all__ = ["check_cpus", "start"]
+
+
+def check_cpus(cpus: Iterable[int], what: str = "worker_cpus") -> frozenset[int]:
+    """`cpus` as a set, checked against the CPUs this process may run on now.
+
+    Empty means no restriction. ValueError naming the problem for a CPU the process may not use,
+    or on a platform without thread affinity (only Linux has it)."""
+    wanted = frozenset(cpus)
+    if not wanted:
+        return wanted
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError(f"{what}: this platform cannot set a thread's CPUs (Linux only)")
+    allowed = os.sched_getaffinity(0)
+    outside = sorted(wanted - allowed)
+    if outside:
+        raise ValueError(
+            f"{what}: CPU {outside[0]} is not one this process may run on "
+            f"(allowed: {_ranges(sorted(allowed))})"
+        )
+    return wanted
+
+
+def start(
+    target: Callable[..., Any],
+    name: str,
+    cpus: frozenset[int] = frozenset(),
+    args: tuple[Any, ...] = (),
+) -> threading.Thread:
+    """Start a daemon thread that runs ``target(*args)`` on `cpus` (all allowed if empty)."""
+
+    def run() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)  # 0: the calling thread (Linux)
+        target(*args)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def _ranges(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    parts: list[str] = []
+    start_ = prev = cpus[0]
+    for c in [*cpus[1:], None]:
+        if c is not None and c == prev + 1:
+            prev = c
+            continue
+        parts.append(str(start_) if start_ == prev else f"{start_}-{prev}")
+        if c is not None:
+            start_ = prev = c
+    return ",".join(parts)
