@@ -614,8 +614,11 @@ class L3:
         ptrs = rows.reshape(-1, self.G).tolist()
         sizes = [[size] * self.G for _ in ptrs]
         if not state_slots:  # all in the page pool: the store checks the span, not each piece
-            span = (int(rows.min()), int(rows.max()) + size) if rows.size else None
-            return Buffers(ptrs, sizes, span)
+            if not page_slots:
+                return Buffers(ptrs, sizes)
+            # min/max of the ints, not numpy reductions (each costs more than the loop here)
+            low, high = min(page_slots), max(page_slots)
+            return Buffers(ptrs, sizes, (base + stride * low, base + stride * high + size))
         for slot in state_slots:
             row = self.host.state(slot)
             ptrs.append([row.data_ptr()])
