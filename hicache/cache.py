@@ -141,7 +141,7 @@ class HiCache:
             queue_depth=cfg.write_queue_depth,
             fetch_depth=cfg.fetch_queue_depth,
             reserve_pages=cfg.fetch_reserve // self.layout.page_size,
-            worker_cpus=threads.check_cpus(cfg.worker_cpus),
+            worker_cpus=frozenset(cfg.worker_cpus),  # checked by _store_tier
         )
         return L3(
             store,
@@ -279,8 +279,8 @@ class HiCache:
         return slots
 
     def _look_ahead(self, req: Request, found: int, cap: int) -> bool:
-        """Start an L3 fetch for the pages after the host hit (its worker hashes them); True
-        while the request waits."""
+        """Start an L3 fetch for the pages after the host hit (`start_fetch` hashes the first of
+        them, its worker the rest); True while the request waits."""
         if self._l3 is None:
             return False
         if req.fetch is None and found < cap:
@@ -288,18 +288,16 @@ class HiCache:
         return req.fetch is not None and self._l3.waiting(req.fetch)
 
     def _still_waiting(self, req: Request, n: int, computed_tokens: int) -> bool:
-        """Whether a request asked again is still waiting for its fetch, with the prompt and
-        `computed_tokens` of its pending answer: then that answer stands (its host hit stays
-        pinned, so it is still true, and what the fetch brings comes after it)."""
+        """Whether a request asked again, whose fetch is busy, still waits for it with the
+        prompt and `computed_tokens` of its pending answer: then that answer stands (its host
+        hit stays pinned, so it is still true, and what the fetch brings comes after it)."""
         m = req.match
         return (
             m is not None
             and m.pending
             and req.asked == n
             and m.computed_tokens == computed_tokens
-            and self._l3 is not None
-            and req.fetch is not None
-            and self._l3.waiting(req.fetch)
+            and self._l3.waiting(req.fetch)  # type: ignore[union-attr, arg-type]
         )
 
     def _snap_to_state(self, keys: list[bytes], first: int, hit: int) -> tuple[int, int | None]:
