@@ -209,11 +209,16 @@ class HiCache:
                 self._stats.matched(m, n)  # type: ignore[arg-type]
                 self._stats.latency["hicache_match_seconds"].observe(time.perf_counter() - started)
                 return m  # type: ignore[return-value]  # the same answer, its pins kept
-        req.drop_pins()
         first = computed_tokens // P
         cap = max(0, n - self.policy.min_recompute_tokens) // P
         if req.fetch is not None and not req.fetch.busy:
             _adopt_keys(req.chain, req.fetch)
+            m = self._fetched(req, n, computed_tokens, cap)
+            if m is not None:  # the pending answer, grown by its fetch up to the cap
+                self._stats.matched(m, n)
+                self._stats.latency["hicache_match_seconds"].observe(time.perf_counter() - started)
+                return m
+        req.drop_pins()
         slots = self._host_prefix(req.chain, first)
         keys = req.chain.hashed
         found = first + len(slots)
@@ -229,8 +234,8 @@ class HiCache:
                 req.state = self.host.state_slots.lease([state_slot])
             hit_tokens = hit * P
             if req.fetch is not None and not req.fetch.busy:
-                lo, hi = req.fetch.pages
-                l3_tokens = max(0, min(hit, hi) - max(first, lo)) * P
+                _, hi = req.fetch.pages
+                l3_tokens = max(0, min(hit, hi) - max(first, req.fetch.host_pages)) * P
         else:
             hit, hit_tokens = first, computed_tokens
         if req.fetch is not None and not req.fetch.busy:
@@ -299,6 +304,52 @@ class HiCache:
             and m.computed_tokens == computed_tokens
             and self._l3.waiting(req.fetch)  # type: ignore[union-attr, arg-type]
         )
+
+    def _fetched(self, req: Request, n: int, computed_tokens: int, cap: int) -> Match | None:
+        """The answer to a request asked again once its fetch has finished, when the fetch
+        reached the cap: its pending answer (the host hit, still pinned) followed by the
+        fetched pages up to the cap, whose pins move from the fetch to the request. Nothing is
+        looked up or hashed. None when the general walk must answer: another question (prompt,
+        computed tokens), a state layout (the hit snaps to a state), a fetch that fell short of
+        the cap, or a page past the host hit that the host tier held under another slot by then
+        (another request stored it meanwhile)."""
+        m, fetch = req.match, req.fetch
+        if (
+            m is None
+            or not m.pending
+            or req.asked != n
+            or m.computed_tokens != computed_tokens
+            or self._hooks is not None
+            or fetch is None
+            or fetch.lease is None
+        ):
+            return None
+        found = m.first_page + m.load_pages  # the host hit the fetch went on from
+        lo, hi = fetch.pages
+        if hi < cap or found < lo or found >= cap:
+            return None
+        mine = fetch.lease.slots[found - lo : hi - lo]  # the slots of pages [found, hi)
+        if fetch.fresh[len(fetch.fresh) - len(mine) :] != mine:
+            return None  # not every page past the host hit was published by the fetch
+        taken = fetch.lease.split(len(fetch.lease) - (found - lo))  # pages found..
+        taken.split(len(taken) - (cap - found)).release()  # pages past the cap: not needed
+        fetch.release()  # its slots before the host hit: reserved, never published
+        if req.pages is None:
+            req.pages = taken
+        else:
+            req.pages.absorb(taken)
+        P = self.layout.page_tokens
+        m = Match(
+            request_id=m.request_id,
+            hit_tokens=cap * P,
+            computed_tokens=computed_tokens,
+            first_page=m.first_page,
+            load_pages=cap - m.first_page,
+            l3_tokens=(cap - found) * P,
+            limited_tokens=(hi - cap) * P,
+        )
+        req.match = m
+        return m
 
     def _snap_to_state(self, keys: list[bytes], first: int, hit: int) -> tuple[int, int | None]:
         """The deepest page count in (first, hit] whose boundary has a stored state."""

@@ -99,6 +99,9 @@ class Fetch:
     """How many page groups, from `first_group` on, the fetch may bring."""
     first_page: int
     """The first page of `first_group`."""
+    host_pages: int
+    """The host hit when the fetch began: the fetch's pages before it (its first group may start
+    below it) were host hits already."""
     deadline: float
     started: float
     phase: str = "probe"  # probe -> get -> done
@@ -107,7 +110,11 @@ class Fetch:
     """Fetched page slots (and reserved ones while the get runs); released when consumed."""
     state_lease: Lease | None = None
     pages: tuple[int, int] = (0, 0)
-    """[first, end) pages published in the host tier by this fetch."""
+    """[first, end) pages that arrived: in the host tier now, under this fetch's slots or (a
+    page the host tier held already) another slot."""
+    fresh: list[int] = field(default_factory=list)
+    """The slots this fetch published, in page order (a page the host tier held already is
+    not among them)."""
     keys: list[bytes] = field(default_factory=list)
     """Keys of the pages from the first group's first page on (those the worker hashed come
     with its first result)."""
@@ -259,7 +266,7 @@ class L3:
             return None
         now = self.clock()
         deadline = now + self.policy.l3_max_wait_ms / 1e3
-        fetch = Fetch(first, last - first, first * G, deadline, now)
+        fetch = Fetch(first, last - first, first * G, host_pages, deadline, now)
         self.stats.l3_probes += 1
         pages = (last - first) * G
         job = _Job("probe", fetch=fetch, started=now)
@@ -298,7 +305,7 @@ class L3:
         most an eighth of the host tier."""
         if not self.host.ready:
             return
-        want = min(self.settings.reserve_pages, self.host.page_slots.capacity // 8) - self._lent
+        want = self._reserve_size() - self._lent
         have = len(self._reserve) if self._reserve is not None else 0
         if have >= want:
             return
@@ -307,6 +314,11 @@ class L3:
             self._reserve = fresh
         else:
             self._reserve.absorb(fresh)
+
+    def _reserve_size(self) -> int:
+        """Free slots held for fetches when none is out: `reserve_pages`, at most an eighth of
+        the host tier."""
+        return min(self.settings.reserve_pages, self.host.page_slots.capacity // 8)
 
     def waiting(self, fetch: Fetch) -> bool:
         """True while the request should wait for `fetch` (policy 'wait', before its deadline)."""
@@ -379,13 +391,18 @@ class L3:
 
     def poll(self) -> None:
         """Apply the results the workers have posted and refill the fetch reserve. Never
-        blocks."""
-        self.apply()
-        self.refill()
+        blocks. A poll that has just finished a fetch leaves the refill to the next one while
+        the reserve holds at least half its size: the request that fetch answers is matched
+        right after this poll, and should not wait for slots that a later fetch needs."""
+        fetched = self.apply()
+        if not fetched or 2 * len(self._reserve or ()) < self._reserve_size():
+            self.refill()
 
-    def apply(self) -> None:
-        """Apply the results the workers have posted (engine thread). `match` calls it for a
-        request whose fetch is running, so that an answer posted since the last `poll` counts."""
+    def apply(self) -> bool:
+        """Apply the results the workers have posted (engine thread); True if a fetch finished.
+        `match` calls it for a request whose fetch is running, so that an answer posted since
+        the last `poll` counts."""
+        fetched = False
         while self._results:
             job, outcome = self._results.popleft()
             self.jobs_in_flight -= 1
@@ -404,8 +421,10 @@ class L3:
                 self._on_probe(job, None if failed else outcome)  # type: ignore[arg-type]
             elif job.kind == "get":
                 self._on_get(job, None if failed else outcome)  # type: ignore[arg-type]
+                fetched = True
             else:
                 self._on_put(job, None if failed else outcome)  # type: ignore[arg-type]
+        return fetched
 
     def _on_probe(self, job: _Job, present: list[bool] | None) -> None:
         fetch = job.fetch
@@ -469,7 +488,9 @@ class L3:
         first_page = fetch.first_page
         if ok:
             got = fetch.keys[: ok * self.G]
-            fresh = self.host.page_slots.publish(fetch.lease.slots[: ok * self.G], got)
+            fresh = fetch.fresh = self.host.page_slots.publish(
+                fetch.lease.slots[: ok * self.G], got
+            )
             if self.events is not None:
                 emit(self.events, "stored", "host", self.host.page_slots.keys_of(fresh))
             for key in job.ends[:ok]:

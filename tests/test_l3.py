@@ -466,6 +466,86 @@ def test_asking_again_while_the_fetch_runs_returns_the_same_answer(start_mooncak
         reader.cache.close()
 
 
+def _spy_fetched(monkeypatch) -> list:
+    """What `HiCache._fetched` answered, call by call (None: the general walk answered)."""
+    from hicache.cache import HiCache
+
+    answers: list = []
+    real = HiCache._fetched
+
+    def spy(self, *args):
+        answers.append(real(self, *args))
+        return answers[-1]
+
+    monkeypatch.setattr(HiCache, "_fetched", spy)
+    return answers
+
+
+def test_a_finished_fetch_grows_the_pending_answer_as_a_walk_would(
+    mooncake_master, engines, monkeypatch
+):
+    """Asked again once its fetch is in, a request gets its pending host hit followed by the
+    fetched pages, their pins moved from the fetch to the request, without walking the host
+    tier again; a later request that walks it finds the same hit. Every byte is checked."""
+    cfg = l3_config(mooncake_master, group_pages=4)
+    writer = engines(cfg)
+    p = prompt(7, 49)  # 12 full pages, 3 groups; the cap keeps the last token: 12 pages
+    writer.run("w", p)
+    settled(writer)
+    reader = engines(cfg)
+    reader.run("head", p[:9])  # pages 0, 1: the fetch's first group starts below the host hit
+    settled(reader)
+    answers = _spy_fetched(monkeypatch)
+    m = reader.run("r", p)
+    assert answers[-1] is m  # the finished fetch answered
+    assert (m.hit_tokens, m.first_page, m.load_pages, m.l3_tokens) == (48, 0, 12, 40)
+    walked = reader.cache.match("again", p)  # the host tier alone now
+    assert (walked.hit_tokens, walked.load_pages, walked.l3_tokens) == (48, 12, 0)
+    reader.cache.release("again")
+    settled(reader)
+    stats = reader.cache.stats()
+    assert stats["host_pinned"] == stats["l3_fetch_reserve"]  # every other pin was released
+    reader.cache.host.page_slots.check()
+
+
+def test_a_fetched_page_stored_meanwhile_leaves_the_answer_to_the_walk(
+    start_mooncake_master, monkeypatch
+):
+    """Pages that another request stored in the host tier while the fetch was out are not the
+    fetch's to hand over: the request is answered by the walk, which finds them in their own
+    slots. Every byte is checked."""
+    master = start_mooncake_master()
+    cfg = l3_config(master, group_pages=4)
+    writer, reader = FakeEngine(cfg), FakeEngine(cfg)
+    try:
+        p = prompt(8, 49)
+        writer.run("w", p)
+        settled(writer)
+        reader.run("head", p[:9])  # pages 0, 1
+        settled(reader)
+        answers = _spy_fetched(monkeypatch)
+        master.pause()  # the fetch waits for the master
+        try:
+            assert reader.cache.match("r", p).pending
+            blocks = reader.allocate(6)  # meanwhile another request stores pages 0..5
+            reader.compute(p[:25], blocks, 0)
+            assert reader.cache.store("other", p[:25], blocks) == 4
+            reader.cache.release("other")
+            reader.free.extend(blocks)
+        finally:
+            master.resume()
+        m = reader.run("r", p)
+        assert answers == [None]
+        assert (m.hit_tokens, m.load_pages) == (48, 12)
+        settled(reader)
+        stats = reader.cache.stats()
+        assert stats["host_pinned"] == stats["l3_fetch_reserve"]
+        reader.cache.host.page_slots.check()
+    finally:
+        writer.cache.close()
+        reader.cache.close()
+
+
 def test_l3_threads_and_the_store_clients_run_on_the_worker_cpus(mooncake_master):
     """worker_cpus keeps every thread L3 starts off the engine's cores: its workers, the store
     client's threads, and the threads Mooncake's client starts on the connect thread."""

@@ -3,7 +3,8 @@
  * Why not a Python dict: a lookup in a dict of 100K bytes keys touches three cold cache lines
  * (the index, the entry, the key object) and costs ~0.35 us once the engine's copies have flushed
  * the CPU caches. Here an entry holds its key inline, so a lookup touches one line, and batch
- * lookups prefetch the buckets of the keys a few places ahead so that those misses overlap.
+ * lookups, inserts and removals prefetch the buckets of the keys a few places ahead so that those
+ * misses overlap.
  *
  * Layout: `cap` (a power of two) entries of {k0, k1, slot}; slot < 0 marks an empty bucket.
  * Keys are digests, so k0 (the first 8 bytes) is already uniform and serves as the hash. Linear
@@ -86,7 +87,9 @@ int64_t hicache_index_insert(Entry *t, uint64_t mask, const unsigned char *keys,
                              const int32_t *slots, int64_t n, uint8_t *fresh)
 {
     int64_t inserted = 0;
+    for (int64_t j = 0; j < n && j < AHEAD; j++) prefetch(t, mask, keys + 16 * j);
     for (int64_t j = 0; j < n; j++) {
+        if (j + AHEAD < n) prefetch(t, mask, keys + 16 * (j + AHEAD));
         uint64_t k0, k1;
         load_key(keys + 16 * j, &k0, &k1);
         Entry *e = &t[probe(t, mask, k0, k1)];
@@ -105,7 +108,9 @@ int64_t hicache_index_insert(Entry *t, uint64_t mask, const unsigned char *keys,
 int64_t hicache_index_remove(Entry *t, uint64_t mask, const unsigned char *keys, int64_t n)
 {
     int64_t removed = 0;
+    for (int64_t j = 0; j < n && j < AHEAD; j++) prefetch(t, mask, keys + 16 * j);
     for (int64_t j = 0; j < n; j++) {
+        if (j + AHEAD < n) prefetch(t, mask, keys + 16 * (j + AHEAD));
         uint64_t k0, k1;
         load_key(keys + 16 * j, &k0, &k1);
         uint64_t hole = probe(t, mask, k0, k1);
