@@ -115,6 +115,36 @@ _WOKEN: dict[HiCache, threading.Event] = {}
 """Each bench cache's wake event, set by its L3 workers (`HiCache(wake=...)`)."""
 
 
+class CallClock:
+    """Stands in for a cache's Mooncake client and adds up the seconds of its batch calls, so
+    that a job's store call can be told from the rest of the job."""
+
+    def __init__(self, client) -> None:
+        self._client = client
+        self.seconds: dict[str, float] = {}
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._client, name)
+        if not name.startswith("batch_"):
+            return fn
+
+        def timed(*args):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+        return timed
+
+
+def call_clock(cache: HiCache) -> CallClock:
+    """Put a `CallClock` between `cache`'s store and its (connected) Mooncake client."""
+    store = cache._l3.store  # type: ignore[union-attr]
+    store._client = CallClock(store._client)
+    return store._client
+
+
 @contextlib.contextmanager
 def on_engine_cpu():
     """With --engine-cpu, run the block on that CPU alone (the timed engine thread), and go back
@@ -253,6 +283,7 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
     obj = 4 * page_bytes
     writer = make_cache(master, page_bytes, pages)
     reader = make_cache(master, page_bytes, pages)
+    puts, gets = call_clock(writer).seconds, call_clock(reader).seconds
     client, raw_reader = raw_client(master.address, 0), raw_client(master.address, 0)
     # The raw calls move the same bytes between memory as large as the caches' host tiers (16
     # batches), a batch at a time in turn: a cache's slots are not the few MiB that one reused
@@ -285,6 +316,8 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
         "fill",
         "fill_get_call",
         "put_call",
+        "fill_mooncake_call",
+        "put_mooncake_call",
         "raw4_put_x4",
         "raw4_get_x4",
         "put_x4",
@@ -300,17 +333,20 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
         tokens = rng.integers(0, 50_000, pages * 16 + 1, dtype=np.int32)
         before = writer.stats()["l3_put_bytes"]
         put_before = writer.histograms()["hicache_l3_put_seconds"]["sum"]
+        mc_put_before = puts.get("batch_put_from_multi_buffers", 0.0)
         writer.store(f"w{r}", tokens, list(range(pages)))
         copied()
         t0 = time.perf_counter()
         until_idle(writer)
         put_s = time.perf_counter() - t0
         put_call_s = writer.histograms()["hicache_l3_put_seconds"]["sum"] - put_before
+        mc_put_s = puts["batch_put_from_multi_buffers"] - mc_put_before
         writer.release(f"w{r}")
         if writer.stats()["l3_put_bytes"] - before != pages * page_bytes:
             raise SystemExit(f"round {r}: not every page group was put")
         before = reader.stats()["l3_get_bytes"]
         get_before = reader.histograms()["hicache_l3_get_seconds"]["sum"]
+        mc_before = gets.get("batch_get_into_multi_buffers", 0.0)
         t0 = time.perf_counter()
         m = reader.match(f"r{r}", tokens)
         while m.pending:
@@ -318,6 +354,7 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
             m = reader.match(f"r{r}", tokens)
         fill_s = time.perf_counter() - t0
         get_s = reader.histograms()["hicache_l3_get_seconds"]["sum"] - get_before
+        mc_get_s = gets["batch_get_into_multi_buffers"] - mc_before
         reader.release(f"r{r}")
         got = reader.stats()["l3_get_bytes"] - before
         if m.l3_tokens != pages * 16 or got != pages * page_bytes:
@@ -340,6 +377,8 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
             "fill": fill_s,
             "fill_get_call": get_s,
             "put_call": put_call_s,
+            "fill_mooncake_call": mc_get_s,
+            "put_mooncake_call": mc_put_s,
         }
 
     try:
@@ -371,10 +410,17 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
         "ratio_fill_x4_vs_raw_same_pieces": round(gbps["fill_x4"] / gbps["raw4_get_x4"], 3),
         "ratio_put_vs_raw_one_piece": round(gbps["put"] / gbps["raw_put"], 3),
         "ratio_fill_vs_raw_one_piece": round(gbps["fill"] / gbps["raw_get"], 3),
+        "ratio_fill_mooncake_call_vs_raw_same_pieces": round(
+            gbps["fill_mooncake_call"] / gbps["raw4_get"], 3
+        ),
+        "ratio_put_mooncake_call_vs_raw_same_pieces": round(
+            gbps["put_mooncake_call"] / gbps["raw4_put"], 3
+        ),
         "notes": "put: the store's host copy done (CUDA; store() returning on the CPU) -> "
         "every put applied (write-behind worker, poll); "
         "put_call: the put job alone, from store queueing it to the worker's return (waiting "
         "for the copy included); fill_get_call: the get job alone, from match queueing it; "
+        "*_mooncake_call: the Mooncake batch call inside that job alone; "
         "fill: first match -> match no longer pending (a fetch that fits the reserve is one "
         "batched get and one hand-off; a larger one asks exists first); raw: one batch call "
         "each, objects of one contiguous piece (raw_*) or of 4 scattered pieces as hicache's "

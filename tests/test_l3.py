@@ -546,6 +546,69 @@ def test_a_fetched_page_stored_meanwhile_leaves_the_answer_to_the_walk(
         reader.cache.close()
 
 
+def test_a_host_tier_short_of_free_slots_fetches_the_whole_groups_that_fit(
+    mooncake_master, engines
+):
+    """When pinned pages leave fewer free host slots than L3 holds pages, the fetch reads the
+    whole groups that fit, and its other slots go back. Every byte is checked."""
+    cfg = l3_config(mooncake_master, group_pages=4)
+    writer = engines(cfg)
+    b = prompt(9, 49)  # 12 pages: 3 groups in L3
+    writer.run("w", b)
+    settled(writer)
+    small = l3_config(mooncake_master, group_pages=4)
+    small["tiers"][0]["size"] = 20 * 64  # 20 host slots: a fetch reserve of 2
+    reader = engines(small)
+    a = prompt(10, 53)
+    reader.run("a", a)
+    settled(reader)
+    held = reader.cache.match("held", a)  # pins 13 pages: 5 slots are left
+    assert held.load_pages == 13 and not held.pending
+    m = reader.run("r", b)  # 5 free slots: one group of 4
+    assert (m.hit_tokens, m.l3_tokens) == (16, 16)
+    assert reader.cache.stats()["l3_errors"] == 0
+    reader.cache.release("held")
+    settled(reader)
+    reader.cache.host.page_slots.check()
+
+
+def _pieces(engine: FakeEngine, method: str) -> list[list[int]]:
+    """Spy on the engine's store: the piece sizes of each object of every `method` call."""
+    store = engine.cache._l3.store
+    seen: list[list[int]] = []
+    real = getattr(store, method)
+
+    def spy(names, buffers):
+        seen.extend(buffers.sizes)
+        return real(names, buffers)
+
+    setattr(store, method, spy)
+    return seen
+
+
+def test_a_group_in_consecutive_slots_travels_as_one_piece(mooncake_master, engines):
+    """Mooncake moves fewer, larger pieces faster: a group whose pages lie in consecutive host
+    slots, in order, is put and got as one piece, any other group as a piece per page. A store
+    into blocks that run down takes slots that run down too (its GPU copy is then one row), so
+    its groups go as pieces; a fetch takes its slots in order. Every byte is checked."""
+    cfg = l3_config(mooncake_master, group_pages=4)
+    writer = engines(cfg)
+    puts = _pieces(writer, "put_from")
+    p, q = prompt(11, 33), prompt(12, 33)  # 8 pages each: 2 groups of 4 pages of 64 bytes
+    for rid, tokens, blocks in (("p", p, list(range(8))), ("q", q, list(range(15, 7, -1)))):
+        writer.compute(tokens, blocks, 0)
+        writer.cache.store(rid, tokens, blocks)
+        writer.cache.release(rid)
+    settled(writer)
+    assert puts == [[256], [256], [64] * 4, [64] * 4]  # p's slots run up, q's down
+    reader = engines(cfg)
+    gets = _pieces(reader, "get_into")
+    for rid, tokens in (("p", p), ("q", q)):
+        m = reader.run(rid, tokens)
+        assert (m.hit_tokens, m.l3_tokens) == (32, 32)
+    assert gets == [[256]] * 4
+
+
 def test_l3_threads_and_the_store_clients_run_on_the_worker_cpus(mooncake_master):
     """worker_cpus keeps every thread L3 starts off the engine's cores: its workers, the store
     client's threads, and the threads Mooncake's client starts on the connect thread."""
