@@ -4,15 +4,16 @@
 
 1. Throughput, for objects of 512 KiB and of 4 MiB, round by round: raw
    `batch_put_from_multi_buffers` / `batch_get_into_multi_buffers` of 32 objects (one contiguous
-   piece each, and 4 scattered pieces each as hicache's groups are; one client puts them and
-   another reads them, as hicache's writer and reader are two caches: on loopback TCP a client
-   reads what it put itself twice as fast; the batches take turns over buffers as large as the
-   caches' host tiers, as a cache's slots do), then hicache's write-behind (a
-   `store` of 128 pages = 32 groups of 4 = 32 objects, timed from its host copy's end (at once
-   on the CPU) until every put has been applied) and fill (a fresh cache's `match` of the same
-   prompt, timed until the pages are in its host tier and the match is no longer pending). The
-   caches stand in for idle engines: between steps they sleep until hicache's `wake` callback
-   says an L3 result was posted, 0.5 ms at most.
+   piece each, as hicache sends a group whose page slots are consecutive, and 4 scattered
+   pieces each, as it sends a group in scattered slots; `hicache_pieces_per_object` says which
+   it did; one client puts them and another reads them, as hicache's writer and reader are
+   two caches: on loopback TCP a client reads what it put itself twice as fast; the batches
+   take turns over buffers as large as the caches' host tiers, as a cache's slots do), then
+   hicache's write-behind (a `store` of 128 pages = 32 groups of 4 = 32 objects, timed from
+   its host copy's end (at once on the CPU) until every put has been applied) and fill (a
+   fresh cache's `match` of the same prompt, timed until the pages are in its host tier and
+   the match is no longer pending). The caches stand in for idle engines: between steps they
+   sleep until hicache's `wake` callback says an L3 result was posted, 0.5 ms at most.
    Objects live in a segment of another process in both cases, so every byte crosses loopback
    TCP.
 2. Engine-thread time of `store` and `match` while the store is saturated (a write-behind queue of
@@ -117,11 +118,13 @@ _WOKEN: dict[HiCache, threading.Event] = {}
 
 class CallClock:
     """Stands in for a cache's Mooncake client and adds up the seconds of its batch calls, so
-    that a job's store call can be told from the rest of the job."""
+    that a job's store call can be told from the rest of the job, and counts the objects and
+    pieces of its puts and gets (how hicache laid them out)."""
 
     def __init__(self, client) -> None:
         self._client = client
         self.seconds: dict[str, float] = {}
+        self.objects = self.pieces = 0
 
     def __getattr__(self, name: str):
         fn = getattr(self._client, name)
@@ -129,6 +132,9 @@ class CallClock:
             return fn
 
         def timed(*args):
+            if name.endswith("multi_buffers"):  # (keys, ptrs, sizes, ...)
+                self.objects += len(args[1])
+                self.pieces += sum(map(len, args[1]))
             t0 = time.perf_counter()
             try:
                 return fn(*args)
@@ -283,7 +289,8 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
     obj = 4 * page_bytes
     writer = make_cache(master, page_bytes, pages)
     reader = make_cache(master, page_bytes, pages)
-    puts, gets = call_clock(writer).seconds, call_clock(reader).seconds
+    clocks = call_clock(writer), call_clock(reader)
+    puts, gets = clocks[0].seconds, clocks[1].seconds
     client, raw_reader = raw_client(master.address, 0), raw_client(master.address, 0)
     # The raw calls move the same bytes between memory as large as the caches' host tiers (16
     # batches), a batch at a time in turn: a cache's slots are not the few MiB that one reused
@@ -318,6 +325,8 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
         "put_call",
         "fill_mooncake_call",
         "put_mooncake_call",
+        "raw_put_x4",
+        "raw_get_x4",
         "raw4_put_x4",
         "raw4_get_x4",
         "put_x4",
@@ -361,12 +370,16 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
             raise SystemExit(f"round {r}: fetched {got} bytes, hit {m.l3_tokens} tokens")
         # four requests at once: their hand-offs to the engine thread overlap the calls
         src, dst = regions(STREAM)
-        raw_x4 = raw_pieces(client, src, obj, 4, 32, f"{r}x", raw_reader, dst)
+        raw_x4 = raw_pieces(client, src, obj, 1, 32, f"{r}x", raw_reader, dst)
+        src, dst = regions(STREAM)
+        raw4_x4 = raw_pieces(client, src, obj, 4, 32, f"{r}x4", raw_reader, dst)
         prompts = [rng.integers(0, 50_000, pages * 16 + 1, dtype=np.int32) for _ in range(STREAM)]
         put_x4, fill_x4 = streamed(writer, reader, prompts, pages, f"{r}")
         return {
-            "raw4_put_x4": raw_x4[0],
-            "raw4_get_x4": raw_x4[1],
+            "raw_put_x4": raw_x4[0],
+            "raw_get_x4": raw_x4[1],
+            "raw4_put_x4": raw4_x4[0],
+            "raw4_get_x4": raw4_x4[1],
             "put_x4": put_x4,
             "fill_x4": fill_x4,
             "raw_put": one["put_ms_median_round"] / 1e3,
@@ -404,18 +417,22 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
         "rounds": rounds,
         "median_gbps": gbps,
         "median_ms": {k: round(statistics.median(v) * 1e3, 2) for k, v in t.items()},
-        "ratio_put_vs_raw_same_pieces": round(gbps["put"] / gbps["raw4_put"], 3),
-        "ratio_fill_vs_raw_same_pieces": round(gbps["fill"] / gbps["raw4_get"], 3),
-        "ratio_put_x4_vs_raw_same_pieces": round(gbps["put_x4"] / gbps["raw4_put_x4"], 3),
-        "ratio_fill_x4_vs_raw_same_pieces": round(gbps["fill_x4"] / gbps["raw4_get_x4"], 3),
-        "ratio_put_vs_raw_one_piece": round(gbps["put"] / gbps["raw_put"], 3),
-        "ratio_fill_vs_raw_one_piece": round(gbps["fill"] / gbps["raw_get"], 3),
-        "ratio_fill_mooncake_call_vs_raw_same_pieces": round(
-            gbps["fill_mooncake_call"] / gbps["raw4_get"], 3
-        ),
-        "ratio_put_mooncake_call_vs_raw_same_pieces": round(
-            gbps["put_mooncake_call"] / gbps["raw4_put"], 3
-        ),
+        "hicache_pieces_per_object": {
+            "put": round(clocks[0].pieces / max(clocks[0].objects, 1), 3),
+            "get": round(clocks[1].pieces / max(clocks[1].objects, 1), 3),
+        },
+        **{
+            f"ratio_{ours}_vs_raw_{layout}": round(gbps[ours] / gbps[raw + tail], 3)
+            for layout, raw in (("one_piece", "raw"), ("four_pieces", "raw4"))
+            for ours, tail in (
+                ("put", "_put"),
+                ("fill", "_get"),
+                ("put_x4", "_put_x4"),
+                ("fill_x4", "_get_x4"),
+                ("put_mooncake_call", "_put"),
+                ("fill_mooncake_call", "_get"),
+            )
+        },
         "notes": "put: the store's host copy done (CUDA; store() returning on the CPU) -> "
         "every put applied (write-behind worker, poll); "
         "put_call: the put job alone, from store queueing it to the worker's return (waiting "
@@ -423,8 +440,9 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
         "*_mooncake_call: the Mooncake batch call inside that job alone; "
         "fill: first match -> match no longer pending (a fetch that fits the reserve is one "
         "batched get and one hand-off; a larger one asks exists first); raw: one batch call "
-        "each, objects of one contiguous piece (raw_*) or of 4 scattered pieces as hicache's "
-        "groups of 4 page slots are (raw4_*), put by one client and read by another, as "
+        "each, objects of one contiguous piece (raw_*: as hicache sends a group whose slots "
+        "are consecutive, see hicache_pieces_per_object) or of 4 scattered pieces (raw4_*: as "
+        "it sends a group in scattered slots), put by one client and read by another, as "
         "hicache's writer and reader are two caches; *_x4: four requests at once (four "
         "stores, then four matches), against four raw batch calls one after the other",
     }
