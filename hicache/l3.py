@@ -383,10 +383,8 @@ class L3:
         job = _Job("put", ends, state_ends, pins, state_pins, lease=lease, ready=ready)
         job.started = self.clock()
         self._submit(self._put_jobs, job)
-        for key in ends:
-            held.add(key)
-        for key in state_ends:
-            self._states_held.add(key)
+        held.add_all(ends)
+        self._states_held.add_all(state_ends)
 
     # -- engine thread: results -------------------------------------------------------------------
 
@@ -496,8 +494,7 @@ class L3:
             )
             if self.events is not None:
                 emit(self.events, "stored", "host", self.host.page_slots.keys_of(fresh))
-            for key in job.ends[:ok]:
-                self._groups_held.add(key)
+            self._groups_held.add_all(job.ends[:ok])
             if fetch.state_lease is not None:
                 boundary_key = got[-1]
                 self.host.state_slots.publish(fetch.state_lease.slots, [boundary_key])
@@ -689,21 +686,21 @@ class L3:
         self.store.close()
 
 
-class _Seen:
-    """The most recent `cap` keys added (an LRU set). Engine thread only."""
+class _Seen(OrderedDict[bytes, None]):
+    """The most recent `cap` keys added (an LRU set; `in` is the dict's own test, without a
+    Python call). Engine thread only."""
 
     def __init__(self, cap: int) -> None:
-        self._keys: OrderedDict[bytes, None] = OrderedDict()
-        self._cap = cap
+        super().__init__()
+        self.cap = cap
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._keys
-
-    def add(self, key: bytes) -> None:
-        self._keys[key] = None
-        self._keys.move_to_end(key)
-        if len(self._keys) > self._cap:
-            self._keys.popitem(last=False)
+    def add_all(self, keys: Sequence[bytes]) -> None:
+        """Add `keys`, the last one most recent."""
+        for key in keys:
+            self[key] = None
+            self.move_to_end(key)
+        while len(self) > self.cap:
+            self.popitem(last=False)
 
     def discard(self, key: bytes) -> None:
-        self._keys.pop(key, None)
+        self.pop(key, None)
