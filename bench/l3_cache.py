@@ -217,12 +217,16 @@ def raw_pieces(
     tag: str,
     reader,
     reader_bases: list[int],
+    spread: tuple[int, np.random.Generator] | None = None,
 ) -> tuple[float, float]:
     """Raw batch puts, then gets, of one batch of `batch` objects per entry of `bases`, each
-    object from/into `pieces` separate buffers (as hicache's groups are: one piece per page
-    slot). `client` puts batch b from `bases[b]`, `reader` (another client, as hicache's reader
-    is another cache) gets it into `reader_bases[b]`; all puts go out before the first get, as
-    hicache's stores do before its matches. Returns (put seconds, get seconds) summed."""
+    object from/into `pieces` separate buffers (as a group in scattered slots is: one piece per
+    page slot). `client` puts batch b from `bases[b]`, `reader` (another client, as hicache's
+    reader is another cache) gets it into `reader_bases[b]`; all puts go out before the first
+    get, as hicache's stores do before its matches. With `spread` (bytes, rng), each object
+    lies at a random place of its own within that many bytes from the base, its pieces back to
+    back, as a group in consecutive slots of a host tier does; without it the batch's pieces
+    fill one region. Returns (put seconds, get seconds) summed."""
     from mooncake.store import ReplicateConfig
 
     rep = ReplicateConfig()
@@ -230,6 +234,9 @@ def raw_pieces(
     part = obj // pieces
 
     def scattered(base: int) -> list[list[int]]:
+        if spread is not None:  # object i in slot slots[i] of a pool of objects
+            slots = spread[1].choice(spread[0] // obj, batch, replace=False).tolist()
+            return [[base + s * obj + j * part for j in range(pieces)] for s in slots]
         # object i's piece j lies at slot j * batch + i, like slots of a pool
         return [[base + (j * batch + i) * part for j in range(pieces)] for i in range(batch)]
 
@@ -315,6 +322,10 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
 
     rng = np.random.default_rng(0)
     keys = (
+        "raws_put",
+        "raws_get",
+        "raws_put_x4",
+        "raws_get_x4",
         "raw_put",
         "raw_get",
         "raw4_put",
@@ -339,6 +350,9 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
         one = measure(client, src[0], obj, 32, 1, 0, raw_reader, dst[0])
         src, dst = regions(1)
         put4, get4 = raw_pieces(client, src, obj, 4, 32, str(r), raw_reader, dst)
+        pool = (ROTATE * region, rng)  # one piece per object, anywhere in the buffers
+        base, rbase = [buf.data_ptr()], [rbuf.data_ptr()]
+        puts1, gets1 = raw_pieces(client, base, obj, 1, 32, f"{r}s", raw_reader, rbase, pool)
         tokens = rng.integers(0, 50_000, pages * 16 + 1, dtype=np.int32)
         before = writer.stats()["l3_put_bytes"]
         put_before = writer.histograms()["hicache_l3_put_seconds"]["sum"]
@@ -373,9 +387,16 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
         raw_x4 = raw_pieces(client, src, obj, 1, 32, f"{r}x", raw_reader, dst)
         src, dst = regions(STREAM)
         raw4_x4 = raw_pieces(client, src, obj, 4, 32, f"{r}x4", raw_reader, dst)
+        raws_x4 = raw_pieces(
+            client, base * STREAM, obj, 1, 32, f"{r}xs", raw_reader, rbase * STREAM, pool
+        )
         prompts = [rng.integers(0, 50_000, pages * 16 + 1, dtype=np.int32) for _ in range(STREAM)]
         put_x4, fill_x4 = streamed(writer, reader, prompts, pages, f"{r}")
         return {
+            "raws_put": puts1,
+            "raws_get": gets1,
+            "raws_put_x4": raws_x4[0],
+            "raws_get_x4": raws_x4[1],
             "raw_put_x4": raw_x4[0],
             "raw_get_x4": raw_x4[1],
             "raw4_put_x4": raw4_x4[0],
@@ -423,7 +444,11 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
         },
         **{
             f"ratio_{ours}_vs_raw_{layout}": round(gbps[ours] / gbps[raw + tail], 3)
-            for layout, raw in (("one_piece", "raw"), ("four_pieces", "raw4"))
+            for layout, raw in (
+                ("one_piece_spread", "raws"),
+                ("one_piece", "raw"),
+                ("four_pieces", "raw4"),
+            )
             for ours, tail in (
                 ("put", "_put"),
                 ("fill", "_get"),
@@ -440,9 +465,11 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
         "*_mooncake_call: the Mooncake batch call inside that job alone; "
         "fill: first match -> match no longer pending (a fetch that fits the reserve is one "
         "batched get and one hand-off; a larger one asks exists first); raw: one batch call "
-        "each, objects of one contiguous piece (raw_*: as hicache sends a group whose slots "
-        "are consecutive, see hicache_pieces_per_object) or of 4 scattered pieces (raw4_*: as "
-        "it sends a group in scattered slots), put by one client and read by another, as "
+        "each, objects of one contiguous piece, each at a random place of a buffer as large as "
+        "a host tier (raws_*: as hicache sends a group whose slots are consecutive, see "
+        "hicache_pieces_per_object), or back to back in one region (raw_*), or of 4 scattered "
+        "pieces (raw4_*: as it sends a group in scattered slots), put by one client and read "
+        "by another, as "
         "hicache's writer and reader are two caches; *_x4: four requests at once (four "
         "stores, then four matches), against four raw batch calls one after the other",
     }
