@@ -632,8 +632,8 @@ class L3:
         `page_slots`, then one state per entry of `state_slots`. A group whose pages lie in
         consecutive slots, in order, is one piece (the rows are back to back); another group is
         one piece per page. Mooncake moves fewer, larger pieces faster: a batch of 32 objects
-        of 512 KiB as one piece each takes ~8 % less time than as 4 pieces each on the H200
-        host (`bench/results/l3_cache_h200.json`, raw calls)."""
+        of 512 KiB as one piece each took 4-11 % less time than as 4 pieces each in five runs
+        on H200 hosts (`bench/results/l3_*_h200*.json`, raw gets)."""
         base, stride, size = self._page_rows
         G = self.G
         merge = stride == size  # rows back to back: consecutive slots are one piece
