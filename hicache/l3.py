@@ -394,7 +394,8 @@ class L3:
         the reserve holds at least half its size: the request that fetch answers is matched
         right after this poll, and should not wait for slots that a later fetch needs."""
         fetched = self.apply()
-        if not fetched or 2 * len(self._reserve or ()) < self._reserve_size():
+        have = len(self._reserve) if self._reserve is not None else 0
+        if not fetched or 2 * have < self._reserve_size():
             self.refill()
 
     def apply(self) -> bool:

@@ -110,6 +110,27 @@ def test_a_fetch_that_fits_the_reserve_is_one_get_and_a_missing_group_ends_it(
     reader.cache.host.page_slots.check()
 
 
+def test_the_poll_that_finishes_a_fetch_leaves_the_refill_to_the_next_one(mooncake_master, engines):
+    """The request a fetch answers is matched right after the poll that applies it: that poll
+    does not stop to refill the reserve while half of it is left; the next poll does."""
+    writer = engines()
+    p = prompt(13, 17)  # 4 full pages: 2 groups
+    writer.run("w", p)
+    settled(writer)
+    reader = engines(l3_config(mooncake_master, fetch_reserve=16 * 64))
+    reader.cache.poll()
+    assert reader.cache.stats()["l3_fetch_reserve"] == 8
+    assert reader.cache.match("r", p).pending  # 4 of the 8 reserved slots lent to the get
+    wait_until(lambda: len(reader.cache._l3._results) == 1)
+    reader.cache.poll()  # applies the get: 4 left of 8, not refilled yet
+    assert reader.cache.stats()["l3_fetch_reserve"] == 4
+    m = reader.cache.match("r", p)
+    assert (m.pending, m.hit_tokens, m.l3_tokens) == (False, 16, 16)
+    reader.cache.poll()
+    assert reader.cache.stats()["l3_fetch_reserve"] == 8
+    reader.cache.release("r")
+
+
 @pytest.mark.parametrize("tokens", [34, 42])  # 8 pages: one get; 10: exists, then get
 @pytest.mark.parametrize("prep", [2, 3, 128])
 def test_the_engine_thread_hashes_a_fetch_only_up_to_its_bound(
