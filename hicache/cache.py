@@ -202,22 +202,18 @@ class HiCache:
                 f"of page_tokens={P} below the prompt length {n}"
             )
         req = self._request(request_id, tokens, salt)
+        again = _pending_answer(req, n, computed_tokens)  # the same question as last time
         if req.fetch is not None and req.fetch.busy:  # its answer may have come since poll
             self._l3.apply()  # type: ignore[union-attr]
-            if self._still_waiting(req, n, computed_tokens):
-                m = req.match
-                self._stats.matched(m, n)  # type: ignore[arg-type]
-                self._stats.latency["hicache_match_seconds"].observe(time.perf_counter() - started)
-                return m  # type: ignore[return-value]  # the same answer, its pins kept
+            if again is not None and self._l3.waiting(req.fetch):  # type: ignore[union-attr]
+                return self._answer(req, again, n, started)  # the same answer, its pins kept
         first = computed_tokens // P
         cap = max(0, n - self.policy.min_recompute_tokens) // P
-        if req.fetch is not None and not req.fetch.busy:
-            _adopt_keys(req.chain, req.fetch)
-            m = self._fetched(req, n, computed_tokens, cap)
-            if m is not None:  # the pending answer, grown by its fetch up to the cap
-                self._stats.matched(m, n)
-                self._stats.latency["hicache_match_seconds"].observe(time.perf_counter() - started)
-                return m
+        done = req.fetch if req.fetch is not None and not req.fetch.busy else None
+        if done is not None:
+            _adopt_keys(req.chain, done)
+            if again is not None and (grown := self._fetched(req, again, done, cap)) is not None:
+                return self._answer(req, grown, n, started)
         req.drop_pins()
         slots = self._host_prefix(req.chain, first)
         keys = req.chain.hashed
@@ -233,13 +229,13 @@ class HiCache:
             if state_slot is not None:
                 req.state = self.host.state_slots.lease([state_slot])
             hit_tokens = hit * P
-            if req.fetch is not None and not req.fetch.busy:
-                _, hi = req.fetch.pages
-                l3_tokens = max(0, min(hit, hi) - max(first, req.fetch.host_pages)) * P
+            if done is not None:
+                _, hi = done.pages
+                l3_tokens = max(0, min(hit, hi) - max(first, done.host_pages)) * P
         else:
             hit, hit_tokens = first, computed_tokens
-        if req.fetch is not None and not req.fetch.busy:
-            req.fetch.release()  # its pages are pinned by this match now, or not needed
+        if done is not None:
+            done.release()  # its pages are pinned by this match now, or not needed
         m = Match(
             request_id=request_id,
             hit_tokens=hit_tokens,
@@ -251,6 +247,10 @@ class HiCache:
             pending=pending,
             limited_tokens=(found - hit) * P,
         )
+        return self._answer(req, m, n, started)
+
+    def _answer(self, req: Request, m: Match, n: int, started: float) -> Match:
+        """Make `m` the request's current answer to a prompt of `n` tokens, and count it."""
         req.match, req.asked = m, n
         self._stats.matched(m, n)
         self._stats.latency["hicache_match_seconds"].observe(time.perf_counter() - started)
@@ -292,41 +292,17 @@ class HiCache:
             req.fetch = self._l3.start_fetch(req.chain, found, cap)
         return req.fetch is not None and self._l3.waiting(req.fetch)
 
-    def _still_waiting(self, req: Request, n: int, computed_tokens: int) -> bool:
-        """Whether a request asked again, whose fetch is busy, still waits for it with the
-        prompt and `computed_tokens` of its pending answer: then that answer stands (its host
-        hit stays pinned, so it is still true, and what the fetch brings comes after it)."""
-        m = req.match
-        return (
-            m is not None
-            and m.pending
-            and req.asked == n
-            and m.computed_tokens == computed_tokens
-            and self._l3.waiting(req.fetch)  # type: ignore[union-attr, arg-type]
-        )
-
-    def _fetched(self, req: Request, n: int, computed_tokens: int, cap: int) -> Match | None:
-        """The answer to a request asked again once its fetch has finished, when the fetch
-        reached the cap: its pending answer (the host hit, still pinned) followed by the
-        fetched pages up to the cap, whose pins move from the fetch to the request. Nothing is
-        looked up or hashed. None when the general walk must answer: another question (prompt,
-        computed tokens), a state layout (the hit snaps to a state), a fetch that fell short of
+    def _fetched(self, req: Request, pending: Match, fetch: Fetch, cap: int) -> Match | None:
+        """The `pending` answer grown by its finished `fetch`, when the fetch reached the cap:
+        the host hit (still pinned) followed by the fetched pages up to the cap, whose pins move
+        from the fetch to the request. Nothing is looked up or hashed. None when the general
+        walk must answer: a state layout (the hit snaps to a state), a fetch that fell short of
         the cap, or a page past the host hit that the host tier held under another slot by then
         (another request stored it meanwhile)."""
-        m, fetch = req.match, req.fetch
-        if (
-            m is None
-            or not m.pending
-            or req.asked != n
-            or m.computed_tokens != computed_tokens
-            or self._hooks is not None
-            or fetch is None
-            or fetch.lease is None
-        ):
-            return None
-        found = m.first_page + m.load_pages  # the host hit the fetch went on from
+        found = pending.first_page + pending.load_pages  # its host hit, pinned
         lo, hi = fetch.pages
-        if hi < cap or found < lo or found >= cap:
+        # (a fetch started by an earlier question may have begun past this host hit)
+        if self._hooks is not None or fetch.lease is None or hi < cap or not lo <= found < cap:
             return None
         mine = fetch.lease.slots[found - lo : hi - lo]  # the slots of pages [found, hi)
         if fetch.fresh[len(fetch.fresh) - len(mine) :] != mine:
@@ -339,17 +315,15 @@ class HiCache:
         else:
             req.pages.absorb(taken)
         P = self.layout.page_tokens
-        m = Match(
-            request_id=m.request_id,
+        return Match(
+            request_id=pending.request_id,
             hit_tokens=cap * P,
-            computed_tokens=computed_tokens,
-            first_page=m.first_page,
-            load_pages=cap - m.first_page,
+            computed_tokens=pending.computed_tokens,
+            first_page=pending.first_page,
+            load_pages=cap - pending.first_page,
             l3_tokens=(cap - found) * P,
             limited_tokens=(hi - cap) * P,
         )
-        req.match = m
-        return m
 
     def _snap_to_state(self, keys: list[bytes], first: int, hit: int) -> tuple[int, int | None]:
         """The deepest page count in (first, hit] whose boundary has a stored state."""
@@ -635,6 +609,16 @@ def _store_tier(config: HiCacheConfig) -> StoreTierConfig | None:
         where = f"tiers.{config.tiers.index(stores[0])}.worker_cpus"
         threads.check_cpus(stores[0].worker_cpus, where)
     return stores[0] if stores else None
+
+
+def _pending_answer(req: Request, n: int, computed_tokens: int) -> Match | None:
+    """The request's pending answer, if it is asked the same question again (a prompt of `n`
+    tokens, `computed_tokens`): while its fetch runs that answer stands, and once the fetch is
+    in it can grow by what the fetch brought."""
+    m = req.match
+    if m is not None and m.pending and req.asked == n and m.computed_tokens == computed_tokens:
+        return m
+    return None
 
 
 def _adopt_keys(chain: KeyChain, fetch: Fetch) -> None:
