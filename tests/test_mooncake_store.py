@@ -684,3 +684,20 @@ def test_start_without_a_master_returns_at_once_and_connects_later(
     assert store.wait_ready(30)
     assert store.state is StoreState.READY
     assert store.exists(["k"]) == [False]
+
+
+@pytest.mark.mooncake
+def test_a_stopped_master_takes_its_own_log_directory_and_keeps_a_given_one(
+    start_mooncake_master: Callable[..., MooncakeMaster], tmp_path: Path
+) -> None:
+    own = start_mooncake_master()
+    logs = own.log_dir
+    assert [p.name for p in logs.iterdir()] == [f"master-{own.rpc_port}-1.log"]
+    own.stop()
+    assert not logs.exists()
+    own.restart()  # on the same ports, with a fresh directory
+    assert own.running and own.log_dir.is_dir()
+    own.stop()
+    given = MooncakeMaster(log_dir=str(tmp_path)).start()
+    given.stop()
+    assert [p.name for p in tmp_path.iterdir()] == [f"master-{given.rpc_port}-1.log"]

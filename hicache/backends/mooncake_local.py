@@ -97,6 +97,7 @@ class LocalMaster:
         self.binary = binary
         self.extra_args = list(extra_args)
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="hicache-mooncake-"))
+        self._own_log_dir = log_dir is None  # made here: removed by `stop`
         self.rpc_port = 0
         self.metrics_port = 0
         self.proc: subprocess.Popen[bytes] | None = None
@@ -132,6 +133,7 @@ class LocalMaster:
 
     def _launch(self, timeout_s: float) -> LocalMaster:
         self.starts += 1
+        self.log_dir.mkdir(parents=True, exist_ok=True)  # `stop` removes one made here
         log = open(self.log_dir / f"master-{self.rpc_port}-{self.starts}.log", "wb")  # noqa: SIM115
         args = [
             self.binary,
@@ -164,8 +166,12 @@ class LocalMaster:
         self._reap(signal.SIGKILL)
 
     def stop(self) -> None:
-        """End the master (SIGTERM, SIGKILL after 5 s). Close its clients first."""
+        """End the master (SIGTERM, SIGKILL after 5 s). Close its clients first. A log directory
+        this object made itself is removed with its logs (one given to it is kept); a master
+        that failed to start leaves its logs where the error said."""
         self._reap(signal.SIGTERM)
+        if self._own_log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalMaster:
         return self.start()
