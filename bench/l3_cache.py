@@ -61,6 +61,7 @@ from l3_raw import measure, raw_client, report  # noqa: E402
 from mooncake_master import MooncakeMaster, _SegmentHolder  # noqa: E402
 
 from hicache import HiCache, PagedBuffer, load_config  # noqa: E402
+from hicache.config import StoreTierConfig  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 DEVICE = "cpu"  # --device cuda puts the engine's pool on the GPU (copies: the CUDA paths)
@@ -70,6 +71,7 @@ PROFILE = False  # --profile: cProfile the engine-thread stores
 GC_FREEZE = False  # --gc-freeze: freeze the heap before the engine-thread timings
 ENGINE_CPU: int | None = None  # --engine-cpu: the engine thread's CPU while it is timed
 OTHERS: frozenset[int] = frozenset()  # then: every other CPU (less its SMT siblings)
+FETCH_WORKERS: int | None = None  # --fetch-workers: the caches' fetch threads (None: default)
 STREAM = 4  # requests at once in the streamed throughput
 ROTATE = 16  # the raw calls' buffers: as many batches as a cache's host tier holds here
 
@@ -84,6 +86,7 @@ def make_cache(master: MooncakeMaster | None, page_bytes: int, pages: int, **sto
         "call_timeout_s": 2.0,
         "breaker_reprobe_s": 0.5,
         "worker_cpus": sorted(OTHERS),
+        **({"fetch_workers": FETCH_WORKERS} if FETCH_WORKERS else {}),
         **store,
     }
     # a host tier of 16 stores' pages, and at least 512 MiB: the fetch reserve (64 MiB by
@@ -657,9 +660,11 @@ def main() -> None:
         help="time the engine thread on this CPU; everything else (the caches' L3 threads "
         "through worker_cpus, the master, the raw clients) runs on the other cores",
     )
+    ap.add_argument("--fetch-workers", type=int, help="the caches' fetch_workers")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    global DEVICE, CUDA, ENGINE_PAGE, PROFILE, GC_FREEZE
+    global DEVICE, CUDA, ENGINE_PAGE, PROFILE, GC_FREEZE, FETCH_WORKERS
+    FETCH_WORKERS = args.fetch_workers
     DEVICE, CUDA, PROFILE = args.device, args.device.startswith("cuda"), args.profile
     GC_FREEZE = args.gc_freeze
     if args.engine_cpu is not None:
@@ -699,6 +704,7 @@ def main() -> None:
         + ", loopback TCP, Mooncake 0.3.13.post1",
         "command": "python " + " ".join(sys.argv),
         "engine_cpu": ENGINE_CPU,
+        "fetch_workers": FETCH_WORKERS or StoreTierConfig.model_fields["fetch_workers"].default,
         "throughput": flow,
         "engine_thread_host_only_baseline": baseline,
         "engine_thread_store_saturated": saturated,

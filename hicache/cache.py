@@ -140,6 +140,7 @@ class HiCache:
             key_prefix=cfg.key_prefix,
             queue_depth=cfg.write_queue_depth,
             fetch_depth=cfg.fetch_queue_depth,
+            fetch_workers=cfg.fetch_workers,
             reserve_pages=cfg.fetch_reserve // self.layout.page_size,
             worker_cpus=frozenset(cfg.worker_cpus),  # checked by _store_tier
         )

@@ -84,6 +84,8 @@ class L3Settings:
     """Put jobs queued or running at most."""
     fetch_depth: int = 64
     """Fetch jobs queued or running at most."""
+    fetch_workers: int = 1
+    """Threads taking fetch jobs from one queue."""
     reserve_pages: int = 0
     """Host page slots kept reserved for fetches that skip the exists (`fetch_reserve`)."""
     worker_cpus: frozenset[int] = frozenset()
@@ -231,7 +233,10 @@ class L3:
         cpus = settings.worker_cpus
         store.start()
         self._threads = [
-            threads.start(self._work, "hicache-l3-fetch", cpus, (self._fetch_jobs,)),
+            *(
+                threads.start(self._work, f"hicache-l3-fetch-{i}", cpus, (self._fetch_jobs,))
+                for i in range(settings.fetch_workers)
+            ),
             threads.start(self._work, "hicache-l3-put", cpus, (self._put_jobs,)),
         ]
         threads.start(self._register, "hicache-l3-register", cpus)
@@ -676,7 +681,8 @@ class L3:
 
     def close(self) -> None:
         """Stop the workers (after their current job) and close the store. Blocks."""
-        self._fetch_jobs.put(None)
+        for _ in range(self.settings.fetch_workers):
+            self._fetch_jobs.put(None)
         self._put_jobs.put(None)
         for t in self._threads:
             t.join(timeout=30)

@@ -457,6 +457,44 @@ def test_fetches_behind_a_stalled_store_are_bounded(start_mooncake_master):
         e.cache.close()
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_each_fetch_worker_has_one_call_out(start_mooncake_master, workers):
+    """Fetch jobs wait in one queue for `fetch_workers` threads: with the master paused, that
+    many calls are out at once and the others queue. Once it answers, every request gets its
+    pages."""
+    master = start_mooncake_master()
+    writer = FakeEngine(l3_config(master))
+    reader_cfg = l3_config(master)
+    reader_cfg["tiers"][1]["fetch_workers"] = workers
+    reader = FakeEngine(reader_cfg)
+    try:
+        prompts = [prompt(120 + i, 17) for i in range(3)]  # 4 full pages each: 2 groups
+        for i, p in enumerate(prompts):
+            writer.run(f"w{i}", p)
+        settled(writer)
+        reader.cache.poll()
+        store = reader.cache._l3.store
+        calls = store.stats().calls
+        master.pause()
+        try:
+            assert all(reader.cache.match(f"r{i}", p).pending for i, p in enumerate(prompts))
+            wait_until(lambda: store.stats().calls - calls == workers)
+            time.sleep(0.2)  # no further call starts while these are out
+            assert store.stats().calls - calls == workers
+            assert reader.cache.stats()["l3_jobs_in_flight"] == 3
+        finally:
+            master.resume()
+        wait_until(lambda: reader.cache.l3_idle, reader)
+        for i, p in enumerate(prompts):
+            m = reader.cache.match(f"r{i}", p)
+            assert (m.pending, m.hit_tokens, m.l3_tokens) == (False, 16, 16)
+        # the reserve (8 slots) held the first two: a get each; the third asked exists first
+        assert store.stats().calls - calls == 4
+    finally:
+        writer.cache.close()
+        reader.cache.close()
+
+
 def test_asking_again_while_the_fetch_runs_returns_the_same_answer(start_mooncake_master):
     """An engine asks again every step while a request waits for L3: as long as the fetch is
     out, it gets the same pending answer back (its host hit still pinned, nothing walked again);
@@ -644,7 +682,8 @@ def test_l3_threads_and_the_store_clients_run_on_the_worker_cpus(mooncake_master
         host = {str(t.native_id) for t in threading.enumerate() if t.name == "hicache-host-alloc"}
         new = set(os.listdir("/proc/self/task")) - before - host  # (the host tier's, if alive)
         named = {t.name for t in threading.enumerate() if t.native_id in {int(n) for n in new}}
-        assert {"hicache-l3-fetch", "hicache-l3-put", "hicache-l3-connect"} <= named
+        workers = {"hicache-l3-fetch-0", "hicache-l3-fetch-1", "hicache-l3-put"}
+        assert workers | {"hicache-l3-connect"} <= named
         assert len(new) > len(named)  # Mooncake's own threads too
         assert {n: os.sched_getaffinity(int(n)) for n in new} == {n: {cpu} for n in new}
     finally:
