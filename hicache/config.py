@@ -136,8 +136,9 @@ class StoreTierConfig(TierConfig):
     (counted): behind that many calls a new fetch would not land within l3_max_wait_ms anyway,
     and a store that stopped answering would otherwise collect one job per request."""
     fetch_workers: int = Field(default=2, ge=1, le=16)
-    """Threads that run fetch calls: with two, one request's call runs while another's is
-    prepared or answered, and their transfers overlap."""
+    """Threads that run fetch calls. A fetch goes to the least busy, the first of equals: one
+    fetch at a time always runs on the first; with several out, one request's call runs while
+    another's is prepared or answered, and their transfers overlap."""
     fetch_reserve: Bytes = 64 << 20
     """Host memory kept free for fetches from the store (at most an eighth of the host tier). A
     fetch that fits in it is one call on the worker thread (a get into these slots, no exists

@@ -1,7 +1,8 @@
 """The engine side of L3: look-ahead fetches and write-behind puts, run on worker threads.
 
-The engine thread never calls the store. It hands jobs to two worker threads and applies their
-results in `poll` (and in `match`, for a request whose fetch is running):
+The engine thread never calls the store. It hands jobs to worker threads — one for puts,
+`fetch_workers` for fetches, each fetch to the least busy of them — and applies their results in
+`poll` (and in `match`, for a request whose fetch is running):
 
 - a *fetch* (for one request whose prompt runs past the host tier's hit): the pages after the
   host hit are hashed, by the engine thread for the first `ENGINE_PREP_PAGES` pages and by the
@@ -180,6 +181,8 @@ class _Job:
     worker)."""
     started: float = 0.0
     finished: float = 0.0
+    worker: int = 0
+    """For a fetch job: the fetch worker it was queued for."""
 
     def release(self) -> None:
         if self.lease is not None:
@@ -225,8 +228,14 @@ class L3:
         self._lent = 0  # reserve slots that unprobed gets are reading into now
         self.jobs_in_flight = 0
         """Jobs handed to the workers whose results `poll` has not applied yet."""
-        # SimpleQueue: putting never blocks, nor releases the GIL (queue.Queue's lock may)
-        self._fetch_jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        # SimpleQueue: putting never blocks, nor releases the GIL (queue.Queue's lock may). A
+        # queue per fetch worker: a job goes to the least busy, the first of equals, so that
+        # one fetch at a time always finds the same thread (and its state in Mooncake's client)
+        # and a second thread runs only while the first is busy.
+        self._fetch_jobs: list[queue.SimpleQueue[_Job | None]] = [
+            queue.SimpleQueue() for _ in range(settings.fetch_workers)
+        ]
+        self._fetch_load = [0] * settings.fetch_workers  # per worker: fetch jobs queued or running
         self._put_jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._puts_out = 0  # put jobs queued or running (at most settings.queue_depth)
         self._fetches_out = 0  # fetch jobs queued or running (at most settings.fetch_depth)
@@ -234,8 +243,8 @@ class L3:
         store.start()
         self._threads = [
             *(
-                threads.start(self._work, f"hicache-l3-fetch-{i}", cpus, (self._fetch_jobs,))
-                for i in range(settings.fetch_workers)
+                threads.start(self._work, f"hicache-l3-fetch-{i}", cpus, (jobs,))
+                for i, jobs in enumerate(self._fetch_jobs)
             ),
             threads.start(self._work, "hicache-l3-put", cpus, (self._put_jobs,)),
         ]
@@ -292,7 +301,7 @@ class L3:
             # bytes, not an array copy: the caller may reuse its tokens, and numpy releases the
             # GIL to copy an array this long (a worker waiting for it would cut into this call)
             job.hash_from = (job.page_keys[-1], chain.tokens[own * P : end * P].tobytes())
-        self._submit(self._fetch_jobs, job)
+        self._submit_fetch(job)
         return fetch
 
     def _can_get_at_once(self, pages: int) -> bool:
@@ -415,6 +424,7 @@ class L3:
                 self._puts_out -= 1
             else:
                 self._fetches_out -= 1
+                self._fetch_load[job.worker] -= 1
             family = _LATENCY[job.kind]
             self.stats.latency[family].observe(job.finished - job.started)
             failed = isinstance(outcome, BaseException)
@@ -476,7 +486,7 @@ class L3:
             get.state_slots = state_lease.slots
         get.started = self.clock()
         fetch.lease, fetch.state_lease, fetch.phase = lease, state_lease, "get"
-        self._submit(self._fetch_jobs, get)
+        self._submit_fetch(get)
 
     def _on_get(self, job: _Job, codes: list[int] | None) -> None:
         fetch = job.fetch
@@ -551,6 +561,13 @@ class L3:
     def idle(self) -> bool:
         """No job is queued or running."""
         return self.jobs_in_flight == 0
+
+    def _submit_fetch(self, job: _Job) -> None:
+        """Queue a fetch job for the least busy fetch worker (the first of equals)."""
+        load = self._fetch_load
+        job.worker = load.index(min(load))
+        load[job.worker] += 1
+        self._submit(self._fetch_jobs[job.worker], job)
 
     def _submit(self, jobs: queue.SimpleQueue[_Job | None], job: _Job) -> None:
         jobs.put(job)
@@ -681,8 +698,8 @@ class L3:
 
     def close(self) -> None:
         """Stop the workers (after their current job) and close the store. Blocks."""
-        for _ in range(self.settings.fetch_workers):
-            self._fetch_jobs.put(None)
+        for jobs in self._fetch_jobs:
+            jobs.put(None)
         self._put_jobs.put(None)
         for t in self._threads:
             t.join(timeout=30)

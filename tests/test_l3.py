@@ -459,9 +459,9 @@ def test_fetches_behind_a_stalled_store_are_bounded(start_mooncake_master):
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_each_fetch_worker_has_one_call_out(start_mooncake_master, workers):
-    """Fetch jobs wait in one queue for `fetch_workers` threads: with the master paused, that
-    many calls are out at once and the others queue. Once it answers, every request gets its
-    pages."""
+    """A fetch job goes to the least busy of `fetch_workers` threads: with the master paused,
+    that many calls are out at once and the others queue. Once it answers, every request gets
+    its pages."""
     master = start_mooncake_master()
     writer = FakeEngine(l3_config(master))
     reader_cfg = l3_config(master)
@@ -493,6 +493,31 @@ def test_each_fetch_worker_has_one_call_out(start_mooncake_master, workers):
     finally:
         writer.cache.close()
         reader.cache.close()
+
+
+def test_fetches_one_at_a_time_all_run_on_the_first_worker(mooncake_master, engines, monkeypatch):
+    """The second fetch worker takes a job only while the first is busy: fetches that never
+    overlap all run on the first thread."""
+    writer = engines()
+    reader = engines()
+    store = reader.cache._l3.store
+    ran_on: list[str] = []
+    real = store.get_into
+
+    def spy(*args):
+        ran_on.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(store, "get_into", spy)
+    for i in range(4):
+        p = prompt(140 + i, 17)
+        writer.run(f"w{i}", p)
+        settled(writer)
+        assert reader.cache.match(f"r{i}", p).pending
+        wait_until(lambda: reader.cache.l3_idle, reader)
+        assert reader.cache.match(f"r{i}", p).l3_tokens == 16
+        reader.cache.release(f"r{i}")
+    assert ran_on == ["hicache-l3-fetch-0"] * 4
 
 
 def test_asking_again_while_the_fetch_runs_returns_the_same_answer(start_mooncake_master):
