@@ -458,29 +458,37 @@ def test_fetches_behind_a_stalled_store_are_bounded(start_mooncake_master):
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_each_fetch_worker_has_one_call_out(start_mooncake_master, workers):
-    """A fetch job goes to the least busy of `fetch_workers` threads: with the master paused,
-    that many calls are out at once and the others queue. Once it answers, every request gets
-    its pages."""
+def test_fetch_calls_go_out_one_at_a_time(start_mooncake_master, workers, monkeypatch):
+    """However many fetch workers, one fetch call is out at a time: with the master paused,
+    the first call holds the store and the other jobs wait, a second worker's prepared. Once
+    the master answers, every request gets its pages, the jobs spread over the workers."""
     master = start_mooncake_master()
     writer = FakeEngine(l3_config(master))
     reader_cfg = l3_config(master)
     reader_cfg["tiers"][1]["fetch_workers"] = workers
     reader = FakeEngine(reader_cfg)
+    store = reader.cache._l3.store
+    ran_on: list[str] = []
+    real = store.get_into
+
+    def spy(*args):
+        ran_on.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(store, "get_into", spy)
     try:
         prompts = [prompt(120 + i, 17) for i in range(3)]  # 4 full pages each: 2 groups
         for i, p in enumerate(prompts):
             writer.run(f"w{i}", p)
         settled(writer)
         reader.cache.poll()
-        store = reader.cache._l3.store
         calls = store.stats().calls
         master.pause()
         try:
             assert all(reader.cache.match(f"r{i}", p).pending for i, p in enumerate(prompts))
-            wait_until(lambda: store.stats().calls - calls == workers)
-            time.sleep(0.2)  # no further call starts while these are out
-            assert store.stats().calls - calls == workers
+            wait_until(lambda: store.stats().calls - calls == 1)
+            time.sleep(0.3)  # no other call starts while this one is out
+            assert store.stats().calls - calls == 1
             assert reader.cache.stats()["l3_jobs_in_flight"] == 3
         finally:
             master.resume()
@@ -490,6 +498,8 @@ def test_each_fetch_worker_has_one_call_out(start_mooncake_master, workers):
             assert (m.pending, m.hit_tokens, m.l3_tokens) == (False, 16, 16)
         # the reserve (8 slots) held the first two: a get each; the third asked exists first
         assert store.stats().calls - calls == 4
+        threads = [f"hicache-l3-fetch-{i}" for i in range(workers)]
+        assert sorted(set(ran_on)) == threads
     finally:
         writer.cache.close()
         reader.cache.close()
