@@ -457,6 +457,19 @@ def test_fetches_behind_a_stalled_store_are_bounded(start_mooncake_master):
         e.cache.close()
 
 
+def _threads_of_gets(store, monkeypatch) -> list[str]:
+    """The names of the threads that called `store.get_into`, call by call."""
+    ran_on: list[str] = []
+    real = store.get_into
+
+    def spy(*args):
+        ran_on.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(store, "get_into", spy)
+    return ran_on
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_fetch_calls_go_out_one_at_a_time(start_mooncake_master, workers, monkeypatch):
     """However many fetch workers, one fetch call is out at a time: with the master paused,
@@ -468,14 +481,7 @@ def test_fetch_calls_go_out_one_at_a_time(start_mooncake_master, workers, monkey
     reader_cfg["tiers"][1]["fetch_workers"] = workers
     reader = FakeEngine(reader_cfg)
     store = reader.cache._l3.store
-    ran_on: list[str] = []
-    real = store.get_into
-
-    def spy(*args):
-        ran_on.append(threading.current_thread().name)
-        return real(*args)
-
-    monkeypatch.setattr(store, "get_into", spy)
+    ran_on = _threads_of_gets(store, monkeypatch)
     try:
         prompts = [prompt(120 + i, 17) for i in range(3)]  # 4 full pages each: 2 groups
         for i, p in enumerate(prompts):
@@ -511,14 +517,7 @@ def test_fetches_one_at_a_time_all_run_on_the_first_worker(mooncake_master, engi
     writer = engines()
     reader = engines()
     store = reader.cache._l3.store
-    ran_on: list[str] = []
-    real = store.get_into
-
-    def spy(*args):
-        ran_on.append(threading.current_thread().name)
-        return real(*args)
-
-    monkeypatch.setattr(store, "get_into", spy)
+    ran_on = _threads_of_gets(store, monkeypatch)
     for i in range(4):
         p = prompt(140 + i, 17)
         writer.run(f"w{i}", p)
