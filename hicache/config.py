@@ -137,8 +137,8 @@ class StoreTierConfig(TierConfig):
     and a store that stopped answering would otherwise collect one job per request."""
     fetch_workers: int = Field(default=2, ge=1, le=16)
     """Threads that run fetch calls. A fetch goes to the least busy, the first of equals: one
-    fetch at a time always runs on the first. The calls go to the store one at a time; with
-    several fetches out, one worker prepares and answers its job while another's call runs."""
+    fetch at a time always runs on the first; with several out, one request's call runs while
+    another's is prepared or answered, and their transfers overlap."""
     fetch_reserve: Bytes = 64 << 20
     """Host memory kept free for fetches from the store (at most an eighth of the host tier). A
     fetch that fits in it is one call on the worker thread (a get into these slots, no exists
