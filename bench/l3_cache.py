@@ -60,8 +60,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "bench")]
 from l3_raw import measure, raw_client, report  # noqa: E402
 from mooncake_master import MooncakeMaster, _SegmentHolder  # noqa: E402
 
-from hicache import HiCache, PagedBuffer, load_config  # noqa: E402
-from hicache.config import StoreTierConfig  # noqa: E402
+from hicache import HiCache, PagedBuffer, load_config, threads  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 DEVICE = "cpu"  # --device cuda puts the engine's pool on the GPU (copies: the CUDA paths)
@@ -704,7 +703,7 @@ def main() -> None:
         + ", loopback TCP, Mooncake 0.3.13.post1",
         "command": "python " + " ".join(sys.argv),
         "engine_cpu": ENGINE_CPU,
-        "fetch_workers": FETCH_WORKERS or StoreTierConfig.model_fields["fetch_workers"].default,
+        "fetch_workers": FETCH_WORKERS or threads.fetch_workers(OTHERS),
         "throughput": flow,
         "engine_thread_host_only_baseline": baseline,
         "engine_thread_store_saturated": saturated,

@@ -135,14 +135,15 @@ class HiCache:
         if cfg is None:
             return None
         store = tier_class(cfg.type)(cfg)
+        cpus = frozenset(cfg.worker_cpus)  # checked by _store_tier
         settings = L3Settings(
             group_pages=cfg.group_pages,
             key_prefix=cfg.key_prefix,
             queue_depth=cfg.write_queue_depth,
             fetch_depth=cfg.fetch_queue_depth,
-            fetch_workers=cfg.fetch_workers,
+            fetch_workers=cfg.fetch_workers or threads.fetch_workers(cpus),
             reserve_pages=cfg.fetch_reserve // self.layout.page_size,
-            worker_cpus=frozenset(cfg.worker_cpus),  # checked by _store_tier
+            worker_cpus=cpus,
         )
         return L3(
             store,

@@ -135,10 +135,11 @@ class StoreTierConfig(TierConfig):
     """Fetch calls queued or running at most; beyond this a request takes its host hit at once
     (counted): behind that many calls a new fetch would not land within l3_max_wait_ms anyway,
     and a store that stopped answering would otherwise collect one job per request."""
-    fetch_workers: int = Field(default=2, ge=1, le=16)
+    fetch_workers: int | None = Field(default=None, ge=1, le=16)
     """Threads that run fetch calls. A fetch goes to the least busy, the first of equals: one
     fetch at a time always runs on the first; with several out, one request's call runs while
-    another's is prepared or answered, and their transfers overlap."""
+    another's is prepared or answered, and their transfers overlap. None: 2 where L3's threads
+    may use 4 CPUs or more, else 1 (on fewer cores, transfers at once compete for them)."""
     fetch_reserve: Bytes = 64 << 20
     """Host memory kept free for fetches from the store (at most an eighth of the host tier). A
     fetch that fits in it is one call on the worker thread (a get into these slots, no exists

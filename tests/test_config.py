@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -114,3 +115,11 @@ def test_the_fetch_reserve_takes_a_byte_size(tmp_path: Path):
     assert cfg.tiers[1].fetch_reserve == 32 << 20
     default = load_config(write(tmp_path, text.replace(", fetch_reserve: 32MiB", "")), env={})
     assert default.tiers[1].fetch_reserve == 64 << 20
+
+
+def test_two_fetch_workers_by_default_only_with_four_cpus_or_more() -> None:
+    from hicache.threads import fetch_workers
+
+    assert [fetch_workers(frozenset(range(n))) for n in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 2]
+    mine = len(os.sched_getaffinity(0))
+    assert fetch_workers(frozenset()) == (2 if mine >= 4 else 1)  # this process's CPUs
