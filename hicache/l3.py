@@ -86,7 +86,7 @@ class L3Settings:
     fetch_depth: int = 64
     """Fetch jobs queued or running at most."""
     fetch_workers: int = 1
-    """Threads taking fetch jobs from one queue."""
+    """Fetch worker threads, each with its own queue; a fetch job goes to the least busy."""
     reserve_pages: int = 0
     """Host page slots kept reserved for fetches that skip the exists (`fetch_reserve`)."""
     worker_cpus: frozenset[int] = frozenset()
@@ -235,10 +235,10 @@ class L3:
         self._fetch_jobs: list[queue.SimpleQueue[_Job | None]] = [
             queue.SimpleQueue() for _ in range(settings.fetch_workers)
         ]
-        self._fetch_load = [0] * settings.fetch_workers  # per worker: fetch jobs queued or running
+        # per fetch worker: jobs queued or running (together at most settings.fetch_depth)
+        self._fetch_load = [0] * settings.fetch_workers
         self._put_jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._puts_out = 0  # put jobs queued or running (at most settings.queue_depth)
-        self._fetches_out = 0  # fetch jobs queued or running (at most settings.fetch_depth)
         cpus = settings.worker_cpus
         store.start()
         self._threads = [
@@ -273,7 +273,7 @@ class L3:
         if not self.usable():
             self.stats.l3_skipped += 1
             return None
-        if self._fetches_out >= self.settings.fetch_depth:
+        if sum(self._fetch_load) >= self.settings.fetch_depth:
             self.stats.l3_skipped_busy += 1
             return None
         if not self._worth_fetching():
@@ -396,6 +396,7 @@ class L3:
         lease = _Leases(self.host.page_slots.lease(pins), self.host.state_slots.lease(state_pins))
         job = _Job("put", ends, state_ends, pins, state_pins, lease=lease, ready=ready)
         job.started = self.clock()
+        self._puts_out += 1
         self._submit(self._put_jobs, job)
         held.add_all(ends)
         self._states_held.add_all(state_ends)
@@ -423,7 +424,6 @@ class L3:
             if job.kind == "put":
                 self._puts_out -= 1
             else:
-                self._fetches_out -= 1
                 self._fetch_load[job.worker] -= 1
             family = _LATENCY[job.kind]
             self.stats.latency[family].observe(job.finished - job.started)
@@ -572,10 +572,6 @@ class L3:
     def _submit(self, jobs: queue.SimpleQueue[_Job | None], job: _Job) -> None:
         jobs.put(job)
         self.jobs_in_flight += 1
-        if job.kind == "put":
-            self._puts_out += 1
-        else:
-            self._fetches_out += 1
 
     # -- worker threads ---------------------------------------------------------------------------
 

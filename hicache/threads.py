@@ -44,7 +44,7 @@ def fetch_workers(cpus: frozenset[int]) -> int:
     this process may run on): 2 with at least 4 CPUs, else 1. Two calls at once overlap one's
     Python with the other's transfer (four fills of 512 KiB objects at once: 93-96 % -> 102 % of
     raw gets on an H200 host, 16 vCPUs), but on 2 cores their transfers compete (four fills of
-    4 MiB objects at once: 96 -> 81 % on the 2-core VM)."""
+    4 MiB objects at once: 90-96 -> 81 % of raw gets on the 2-core VM)."""
     if not cpus and hasattr(os, "sched_getaffinity"):
         cpus = frozenset(os.sched_getaffinity(0))
     return 2 if (len(cpus) or os.cpu_count() or 1) >= 4 else 1
