@@ -27,8 +27,11 @@ HERE = Path(__file__).resolve().parent
 
 
 def l3_config(master, *, group_pages: int = 2, fetch_reserve: int | None = None, **policy) -> dict:
+    """Two fetch workers, as on the hosts engines run on (the default gives 2-core machines,
+    such as CI's, one)."""
     cfg = config(host_pages=64, **policy)
     tier = {"type": "mooncake", **master.tier_config, "group_pages": group_pages}
+    tier["fetch_workers"] = 2
     if fetch_reserve is not None:
         tier["fetch_reserve"] = fetch_reserve
     cfg["tiers"].append(tier)
@@ -514,9 +517,7 @@ def test_fetches_one_at_a_time_all_run_on_the_first_worker(mooncake_master, engi
     """The second fetch worker takes a job only while the first is busy: fetches that never
     overlap all run on the first thread."""
     writer = engines()
-    cfg = l3_config(mooncake_master)
-    cfg["tiers"][1]["fetch_workers"] = 2
-    reader = engines(cfg)
+    reader = engines()
     store = reader.cache._l3.store
     ran_on = _threads_of_gets(store, monkeypatch)
     for i in range(4):
@@ -710,6 +711,7 @@ def test_l3_threads_and_the_store_clients_run_on_the_worker_cpus(mooncake_master
     before = set(os.listdir("/proc/self/task"))
     cfg = l3_config(mooncake_master)
     cfg["tiers"][1]["worker_cpus"] = [cpu]
+    del cfg["tiers"][1]["fetch_workers"]  # the default for one CPU
     e = FakeEngine(cfg)  # waits until the host tier and the store are ready
     try:
         e.run("r", prompt(3))
