@@ -162,6 +162,8 @@ def test_config_accepts_units_and_defaults() -> None:
         ("breaker_failures", 0, "tiers.1.breaker_failures"),
         ("breaker_reprobe_s", -1, "tiers.1.breaker_reprobe_s"),
         ("write_queue_depth", 0, "tiers.1.write_queue_depth"),
+        ("fetch_workers", 0, "tiers.1.fetch_workers"),
+        ("fetch_workers", 17, "tiers.1.fetch_workers"),
         ("device_names", "mlx5_0, mlx5_1", "tiers.1.device_names"),
         ("protocol", "udp", "tiers.1.protocol"),
         ("no_such_field", 1, "tiers.1.no_such_field"),
