@@ -321,7 +321,7 @@ class L3:
         if not self.host.ready:
             return
         want = self._reserve_size() - self._lent
-        have = len(self._reserve) if self._reserve is not None else 0
+        have = self._reserve_free()
         if have >= want:
             return
         fresh = self.host.page_slots.reserve(want - have)
@@ -329,6 +329,10 @@ class L3:
             self._reserve = fresh
         else:
             self._reserve.absorb(fresh)
+
+    def _reserve_free(self) -> int:
+        """Free slots in the reserve now (none before the first refill)."""
+        return len(self._reserve) if self._reserve is not None else 0
 
     def _reserve_size(self) -> int:
         """Free slots held for fetches when none is out: `reserve_pages`, at most an eighth of
@@ -409,7 +413,7 @@ class L3:
         the reserve holds at least half its size: the request that fetch answers is matched
         right after this poll, and should not wait for slots that a later fetch needs."""
         fetched = self.apply()
-        have = len(self._reserve) if self._reserve is not None else 0
+        have = self._reserve_free()
         if not fetched or 2 * have < self._reserve_size():
             self.refill()
 
@@ -554,7 +558,7 @@ class L3:
             "l3_available": int(self.store.available),
             "l3_queue_depth": self._puts_out,
             "l3_jobs_in_flight": self.jobs_in_flight,
-            "l3_fetch_reserve": len(self._reserve) if self._reserve is not None else 0,
+            "l3_fetch_reserve": self._reserve_free(),
         }
 
     @property
