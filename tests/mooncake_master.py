@@ -21,7 +21,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import pytest
@@ -85,10 +87,18 @@ class MooncakeMaster(LocalMaster):
             self._segment.close()
             self._segment = None
 
-    def pause(self) -> None:
-        """SIGSTOP: the master keeps its sockets but answers nothing."""
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGSTOP)
+    def pause(self, timeout_s: float = 5.0) -> None:
+        """SIGSTOP: the master keeps its sockets but answers nothing. Returns once every thread
+        of it has stopped (a busy machine can let it answer one more call after the signal)."""
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGSTOP)
+        tasks = Path(f"/proc/{self.proc.pid}/task")
+        deadline = time.monotonic() + timeout_s
+        while not all(_stopped(task) for task in tasks.iterdir()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"mooncake_master {self.proc.pid} did not stop on SIGSTOP")
+            time.sleep(0.001)
 
     def resume(self) -> None:
         if self.proc is not None:
@@ -100,8 +110,18 @@ class MooncakeMaster(LocalMaster):
         super().stop()
 
 
+def _stopped(task: Path) -> bool:
+    """Whether the thread `task` (/proc/PID/task/TID) is stopped by a signal (state T), or gone."""
+    try:
+        stat = (task / "stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rindex(")") + 2] == "T"
+
+
 _HOLD_SEGMENT = """
 import sys
+import time
 from mooncake.store import MooncakeDistributedStore
 client = MooncakeDistributedStore()
 rc = client.setup("127.0.0.1", "P2PHANDSHAKE", int(sys.argv[2]), 16 << 20, "tcp", "", sys.argv[1])
