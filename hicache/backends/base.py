@@ -35,9 +35,8 @@ class Buffers:
     """Where the objects of one store call lie in registered memory: object ``i`` is the bytes of
     its pieces, ``sizes[i][j]`` bytes at address ``ptrs[i][j]``, in order.
 
-    This is the form Mooncake's batch calls take, so a call passes the lists as they are; hicache
-    builds them with a few numpy calls per batch rather than a Python step per piece. The lists
-    are not copied: the caller must not change them while a call uses them.
+    This is the form Mooncake's batch calls take, so a call passes the lists as they are. The
+    lists are not copied: the caller must not change them while a call uses them.
     """
 
     ptrs: list[list[int]]
