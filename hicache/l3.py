@@ -652,51 +652,15 @@ class L3:
 
     def _buffers(self, page_slots: list[int], state_slots: list[int] | tuple[()] = ()) -> Buffers:
         """Where the objects lie in the host pools: a page group per `G` consecutive entries of
-        `page_slots`, then one state per entry of `state_slots`. A group whose pages lie in
-        consecutive slots, in order, is one piece (the rows are back to back); another group is
-        one piece per page. Mooncake moves fewer, larger pieces faster: a batch of 32 objects
-        of 512 KiB as one piece each took 4-11 % less time than as 4 pieces each in five runs
-        on H200 hosts (`bench/results/l3_*_h200*.json`, raw gets)."""
-        base, stride, size = self._page_rows
-        G = self.G
-        merge = stride == size  # rows back to back: consecutive slots are one piece
-        n = len(page_slots)
-        if (
-            merge
-            and n
-            and not state_slots
-            and page_slots == list(range(page_slots[0], n + page_slots[0]))
-        ):
-            # the usual fetch (sorted slots of a fresh reserve): one run, a piece per group,
-            # without a list per group (half the time of the loop below, on the fill's path)
-            first = base + stride * page_slots[0]
-            return Buffers(
-                [[at] for at in range(first, first + n * stride, G * stride)],
-                [[G * size] for _ in range(n // G)],
-                (first, first + n * stride),
-            )
-        ptrs: list[list[int]] = []
-        sizes: list[list[int]] = []
-        for i in range(0, n, G):  # plain ints: cheaper than numpy at this size
-            group = page_slots[i : i + G]
-            first = group[0]
-            if merge and group == list(range(first, first + G)):
-                ptrs.append([base + stride * first])
-                sizes.append([G * size])
-            else:
-                ptrs.append([base + stride * slot for slot in group])
-                sizes.append([size] * G)
+        `page_slots` (laid out by `group_pieces`), then one state per entry of `state_slots`."""
+        pieces = group_pieces(self._page_rows, self.G, page_slots)
         if not state_slots:  # all in the page pool: the store checks the span, not each piece
-            if not page_slots:
-                return Buffers(ptrs, sizes)
-            # min/max of the ints, not numpy reductions (each costs more than the loop here)
-            low, high = min(page_slots), max(page_slots)
-            return Buffers(ptrs, sizes, (base + stride * low, base + stride * high + size))
+            return pieces
         for slot in state_slots:
             row = self.host.state(slot)
-            ptrs.append([row.data_ptr()])
-            sizes.append([row.numel()])
-        return Buffers(ptrs, sizes)
+            pieces.ptrs.append([row.data_ptr()])
+            pieces.sizes.append([row.numel()])
+        return Buffers(pieces.ptrs, pieces.sizes)
 
     def _register(self) -> None:
         """Register the host pools with the store, off the engine thread (registering tens of
@@ -723,6 +687,45 @@ class L3:
             self._reserve.release()
             self._reserve = None
         self.store.close()
+
+
+def group_pieces(rows: tuple[int, int, int], G: int, slots: list[int]) -> Buffers:
+    """The pieces of page groups of `G` pages, a group per `G` consecutive entries of `slots`, in
+    a pool whose `rows` are (address of slot 0, bytes between slots, bytes of a page).
+
+    Where rows lie back to back, a group whose pages are in consecutive slots, in order, is one
+    piece; any other group is a piece per page. Mooncake moves fewer, larger pieces faster: a
+    batch of 32 objects of 512 KiB as one piece each took 4-11 % less time than as 4 pieces each
+    in five runs on H200 hosts (`bench/results/l3_*_h200*.json`, raw gets). The span of every
+    piece comes with them (None for no slots)."""
+    base, stride, size = rows
+    n = len(slots)
+    if not n:
+        return Buffers([], [])
+    merge = stride == size  # rows back to back: consecutive slots are one piece
+    if merge and slots == list(range(slots[0], slots[0] + n)):
+        # the usual fetch (sorted slots of a fresh reserve): one run, a piece per group,
+        # without a list per group (half the time of the loop below, on the fill's path)
+        first = base + stride * slots[0]
+        return Buffers(
+            [[at] for at in range(first, first + n * stride, G * stride)],
+            [[G * size] for _ in range(n // G)],
+            (first, first + n * stride),
+        )
+    ptrs: list[list[int]] = []
+    sizes: list[list[int]] = []
+    for i in range(0, n, G):  # plain ints: cheaper than numpy at this size
+        group = slots[i : i + G]
+        first = group[0]
+        if merge and group == list(range(first, first + G)):
+            ptrs.append([base + stride * first])
+            sizes.append([G * size])
+        else:
+            ptrs.append([base + stride * slot for slot in group])
+            sizes.append([size] * G)
+    # min/max of the ints, not numpy reductions (each costs more than the loop here)
+    low, high = min(slots), max(slots)
+    return Buffers(ptrs, sizes, (base + stride * low, base + stride * high + size))
 
 
 class _Seen(OrderedDict[bytes, None]):
