@@ -121,7 +121,6 @@ def _stopped(task: Path) -> bool:
 
 _HOLD_SEGMENT = """
 import sys
-import time
 from mooncake.store import MooncakeDistributedStore
 client = MooncakeDistributedStore()
 rc = client.setup("127.0.0.1", "P2PHANDSHAKE", int(sys.argv[2]), 16 << 20, "tcp", "", sys.argv[1])
