@@ -469,8 +469,10 @@ class HiCache:
         try:
             latency = self._stats.latency["hicache_store_copy_seconds"]
             src_ids = ids if len(missing) == len(ids) else native.gather_int32(ids, missing)
-            lease.slots = native.align_slots(src_ids, lease.slots)  # runs of blocks: one row
-            self._transfers.copy(self._route(to_host=True), src_ids, _int32(lease.slots), latency)
+            slots = native.align_slots(src_ids, lease.slots)  # runs of blocks: one row
+            lease.slots = slots.tolist()
+            dst_ids = np.frombuffer(slots, dtype=np.int32)
+            self._transfers.copy(self._route(to_host=True), src_ids, dst_ids, latency)
         except BaseException:
             lease.release()
             raise

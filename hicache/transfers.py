@@ -70,6 +70,7 @@ class Transfers:
 
     def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
         self.device = device
+        self.on_cuda = device.type == "cuda"
         self._waiting: deque[tuple[Completion, Callable[[], None], _Timing | None]] = deque()
         self._timing: _Timing | None = None  # the timed copy enqueued since the last `then`
         self._copies = 0
@@ -83,10 +84,6 @@ class Transfers:
             if stream is not None and stream.device.index != self._index:
                 raise ValueError(f"the stream is on {stream.device}, the GPU pool on {device}")
             self._stream = stream.cuda_stream if stream is not None else None
-
-    @property
-    def on_cuda(self) -> bool:
-        return self.device.type == "cuda"
 
     def stream(self) -> int:
         """The handle of the stream copies go on: the one given at construction, else the

@@ -238,7 +238,7 @@ def test_fresh_slots_run_the_way_the_block_ids_run(ids, slots, want):
 
     if native.library() is None:
         pytest.skip("no C compiler: slots are left as they come")
-    assert native.align_slots(np.array(ids, dtype=np.int32), slots) == want
+    assert native.align_slots(np.array(ids, dtype=np.int32), slots).tolist() == want
 
 
 def test_a_route_checks_its_buffers_once_and_copies_exact_bytes():

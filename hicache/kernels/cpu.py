@@ -62,5 +62,5 @@ class CpuRoute:
             return
         src_rows, dst_rows, segments = self._rows
         self._lib.hicache_copy_pages_cpu(
-            src_rows, dst_rows, segments, src_ids.ctypes.data, dst_ids.ctypes.data, n
+            src_rows, dst_rows, segments, native.address(src_ids), native.address(dst_ids), n
         )

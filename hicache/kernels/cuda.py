@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hicache import native
 from hicache.kernels.buffer import PagedBuffer
 
 __all__ = [
@@ -408,8 +409,8 @@ class CudaRoute:
             self._ext.copy_batch(
                 self._table_ptr,
                 self._segments,
-                src_ids.ctypes.data,
-                dst_ids.ctypes.data,
+                native.address(src_ids),
+                native.address(dst_ids),
                 n,
                 COPY_ENGINE_ROWS_PER_CALL,
                 stream,

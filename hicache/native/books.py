@@ -89,6 +89,12 @@ class CompiledBooks:
         self._fresh = array("B", bytes(max(capacity, 1)))  # publish's new-key flags
         self._evicted = np.zeros(max(capacity, 1), dtype=f"V{KEY_BYTES}")
         self._n_evicted = ctypes.c_int64()
+        # reserve's arguments that never change, made once (each costs ~1 µs to make)
+        self._reserve_out = (
+            self._out.buffer_info()[0],
+            self._evicted.ctypes.data,
+            ctypes.byref(self._n_evicted),
+        )
 
     def pin(self, slots: Sequence[int]) -> None:
         if not slots:
@@ -106,13 +112,7 @@ class CompiledBooks:
 
     def reserve(self, n: int) -> tuple[list[int], int]:
         n = min(n, self.capacity)
-        got = self._reserve_c(
-            self._ref,
-            n,
-            self._out.buffer_info()[0],
-            self._evicted.ctypes.data,
-            ctypes.byref(self._n_evicted),
-        )
+        got = self._reserve_c(self._ref, n, *self._reserve_out)
         return self._out[:got].tolist(), self._n_evicted.value
 
     def evicted_keys(self) -> list[bytes]:
