@@ -8,6 +8,9 @@ releases the GIL: the events are made and recorded by hicache's copy extension (
 ``Event.record`` releases it, which lets a hicache worker that wants the GIL cut into the
 engine-thread call).
 
+Events without timing are recorded again once `poll` has seen them complete (making and
+destroying one per copy costs more); the completion they leave reads done from then on.
+
 Copies in both directions go on the same stream, so a load enqueued after a store reads the
 stored bytes, and the engine's kernels enqueued after a load see the loaded pages.
 """
@@ -31,6 +34,9 @@ if TYPE_CHECKING:
 #: On CUDA one copy in this many is timed (a timing event before it, read once both completed):
 #: enough for the latency histograms, and one event fewer for the others.
 TIME_EVERY = 8
+#: Completed events (without timing) kept to be recorded again by later copies: on the CUDA
+#: paths making and destroying an event costs the engine thread more than recording one again.
+SPARE_EVENTS = 64
 
 
 class _Event(Protocol):
@@ -52,9 +58,14 @@ class Completion:
 
     def wait(self) -> None:
         """Block until the copies have finished, sleeping (the event is a blocking one) with the
-        GIL released. For hicache's worker threads only: never call it on the engine thread."""
-        if self.event is not None:
-            self.event.synchronize()
+        GIL released. For hicache's worker threads only: never call it on the engine thread.
+
+        Once `Transfers.poll` has retired the copies it takes the event back for later copies
+        (`event` becomes None). A wait that read the event just before may then also wait for
+        those later copies: later, never too early."""
+        event = self.event
+        if event is not None:
+            event.synchronize()
 
 
 DONE = Completion(None)
@@ -72,6 +83,7 @@ class Transfers:
         self.device = device
         self.on_cuda = device.type == "cuda"
         self._waiting: deque[tuple[Completion, Callable[[], None], _Timing | None]] = deque()
+        self._spare: list[CudaEvent] = []  # completed events to record again (`SPARE_EVENTS`)
         self._timing: _Timing | None = None  # the timed copy enqueued since the last `then`
         self._copies = 0
         self._stream: int | None = None  # the handle of the stream given, if one was
@@ -123,7 +135,10 @@ class Transfers:
         timing, self._timing = self._timing, None
         stream = self._used if self._used is not None else self.stream()
         self._used = None
-        event = self._event(self._index, timing=timing is not None)
+        if timing is None and self._spare:
+            event = self._spare.pop()
+        else:
+            event = self._event(self._index, timing=timing is not None)
         event.record(stream, self._index)
         done = Completion(event)
         self._waiting.append((done, callback, timing))
@@ -137,6 +152,11 @@ class Transfers:
             if timing is not None:
                 latency, start = timing
                 latency.observe(start.elapsed_s(done.event))  # both events completed
+            elif len(self._spare) < SPARE_EVENTS:
+                # the completion reads done without its event from now on, so recording the
+                # event again for later copies cannot change what it answers
+                self._spare.append(done.event)
+                done.event = None
             callback()
             ran += 1
         return ran

@@ -96,6 +96,32 @@ def test_calls_return_while_the_stream_is_busy():
     cache.close()
 
 
+def test_a_retired_copy_hands_its_event_to_the_next_and_stays_done():
+    from hicache.kernels import route
+    from hicache.transfers import Transfers
+
+    gpu = PagedBuffer.page_first(torch.zeros(4, 1 << 16, dtype=torch.uint8, device="cuda"))
+    host = PagedBuffer.page_first(torch.zeros(4, 1 << 16, dtype=torch.uint8).pin_memory())
+    stream = torch.cuda.Stream()
+    transfers = Transfers(torch.device("cuda", torch.cuda.current_device()), stream)
+    to_host, ids, ran = route(gpu, host), np.arange(4, dtype=np.int32), []
+    transfers.copy(to_host, ids, ids)
+    first = transfers.then(lambda: ran.append("first"))
+    event = first.event
+    stream.synchronize()
+    assert transfers.poll() == 1
+    assert first.event is None and first.done()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)  # hold the stream: the next copy stays in flight
+    transfers.copy(to_host, ids, ids)
+    second = transfers.then(lambda: ran.append("second"))
+    assert second.event is event  # recorded again, not made anew
+    assert first.done() and not second.done()
+    assert transfers.poll() == 0 and ran == ["first"]
+    stream.synchronize()
+    assert transfers.poll() == 1 and ran == ["first", "second"]
+
+
 @pytest.mark.mooncake
 def test_write_behind_queued_before_the_copy_ran_puts_the_copied_bytes(mooncake_master):
     """store queues the L3 put at once, while the engine's stream still holds the copy back: the

@@ -53,17 +53,22 @@ void check(cudaError_t err, const char* what) {
   }
 }
 
-// Makes `device` current for the scope and restores the previous one.
+// Makes `device` current for the scope and restores the previous one (no call at all when it
+// was current already: the usual case, on the engine thread of a one-GPU rank).
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
     check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+    switched_ = previous_ != device;
+    if (switched_) check(cudaSetDevice(device), "cudaSetDevice");
   }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
+  ~DeviceGuard() {
+    if (switched_) cudaSetDevice(previous_);
+  }
 
  private:
   int previous_ = 0;
+  bool switched_ = false;
 };
 
 // The segment that holds chunk `c` of a page: the last one whose first_chunk <= c.
