@@ -1,0 +1,184 @@
+"""Where the engine thread's time goes in a host-tier `store` of 64 pages, piece by piece.
+
+    python bench/store_parts.py [--device cuda] [--calls 600] [--out FILE]
+
+A host-only cache stores 64 new pages per call, as the engine-thread phase of `l3_cache.py` does
+(64 KiB pages on CUDA, 4 KiB on the CPU; into 64 consecutive blocks, then into 64 blocks drawn
+at random from 128), with the heap frozen and in a tight loop (a warm thread: the figures are a
+floor for the bench's, whose calls alternate with other work). First the whole call untimed
+inside; then again with each piece wrapped in a timer (each wrapper costs ~0.3 µs, so the
+wrapped total is larger). On CUDA it also times the extension's event and copy calls alone.
+Prints JSON: p50 and p99 in µs, and how many times a store calls each piece.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import gc
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
+
+import l3_cache  # noqa: E402
+from l3_raw import report  # noqa: E402
+
+from hicache import PagedBuffer, cache, keys, native, slots, transfers  # noqa: E402
+from hicache.backends import gpu  # noqa: E402
+
+PIECES = [
+    (cache.HiCache, "_request"),
+    (keys.KeyChain, "upto"),
+    (keys, "page_keys"),
+    (gpu.GpuTier, "block_ids"),
+    (slots.SlotPool, "split"),
+    (slots.SlotPool, "reserve"),
+    (native, "align_slots"),
+    (transfers.Transfers, "copy"),
+    (slots.SlotPool, "publish"),
+    (transfers.Transfers, "then"),
+    (cache.HiCache, "_after_store"),
+    (slots.SlotPool, "_unpin"),
+]
+
+
+def pct(xs: list[float]) -> dict[str, float]:
+    xs = sorted(xs)
+    return {
+        "p50": round(xs[len(xs) // 2] * 1e6, 1),
+        "p99": round(xs[int(0.99 * (len(xs) - 1))] * 1e6, 1),
+    }
+
+
+def stores(calls: int, scattered: bool) -> list[float]:
+    """Seconds of each of `calls` stores of 64 new pages into a fresh host-only cache."""
+    c = l3_cache.make_cache(None, l3_cache.ENGINE_PAGE, 128)
+    rng = np.random.default_rng(1)
+    total: list[float] = []
+    gc.collect()
+    gc.freeze()  # as an engine does once started (and as the bench runs with --gc-freeze)
+    try:
+        for i in range(calls):
+            tokens = rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32)
+            blocks = rng.permutation(128)[:64].tolist() if scattered else list(range(64))
+            t0 = time.perf_counter()
+            c.store(f"s{i}", tokens, blocks)
+            total.append(time.perf_counter() - t0)
+            c.release(f"s{i}")
+            c.poll()
+    finally:
+        gc.unfreeze()
+        c.close()
+    return total
+
+
+def _timer(fn, into: list[float]):
+    """`fn`, appending the seconds of each call to `into`."""
+
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - t0)
+
+    return timed
+
+
+@contextlib.contextmanager
+def pieces_timed(samples: dict[str, list[float]]):
+    """Wrap every piece of `PIECES` in a timer that appends to `samples` under its name."""
+    originals = []
+    for owner, name in PIECES:
+        fn = getattr(owner, name)
+        label = f"{getattr(owner, '__name__', owner)}.{name}".removeprefix("hicache.")
+        originals.append((owner, name, fn))
+        setattr(owner, name, _timer(fn, samples.setdefault(label, [])))
+    try:
+        yield
+    finally:
+        for owner, name, fn in reversed(originals):
+            setattr(owner, name, fn)
+
+
+def cuda_calls() -> dict:
+    """The copy extension's calls alone, warm: events, and a copy of 64 pages of 64 KiB."""
+    from hicache.kernels import cuda
+
+    ext = cuda.load_extension()
+    stream = torch.cuda.Stream()
+    handle = stream.cuda_stream
+
+    def each(fn, n: int = 2000) -> dict[str, float]:
+        for _ in range(100):
+            fn()
+        xs = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            xs.append(time.perf_counter() - t0)
+        stream.synchronize()
+        return pct(xs)
+
+    event = ext.event_create(False, 0)
+    gpu_pages = PagedBuffer.page_first(torch.empty(256, 64 << 10, dtype=torch.uint8, device="cuda"))
+    host_pages = PagedBuffer.page_first(torch.empty(1024, 64 << 10, dtype=torch.uint8).pin_memory())
+    route = cuda.CudaRoute(gpu_pages, host_pages)
+    run = np.arange(64, dtype=np.int32)
+    spread = np.random.default_rng(0).permutation(128)[:64].astype(np.int32)
+    dst = np.arange(512, 576, dtype=np.int32)
+    out = {
+        "event_create_and_destroy": each(lambda: ext.event_destroy(ext.event_create(False, 0))),
+        "event_record": each(lambda: ext.event_record(event, handle, 0)),
+        "copy_64_pages_consecutive_blocks": each(lambda: route.copy(run, dst, handle), 600),
+        "copy_64_pages_scattered_blocks": each(lambda: route.copy(spread, dst, handle), 600),
+    }
+    stream.synchronize()
+    ext.event_destroy(event)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--calls", type=int, default=600)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.device.startswith("cuda"):
+        l3_cache.DEVICE, l3_cache.CUDA = args.device, True
+        l3_cache.ENGINE_PAGE = 64 << 10
+        torch.cuda.set_stream(torch.cuda.Stream())
+    result = {
+        "bench": "store_parts",
+        "machine": f"{platform.processor() or platform.machine()}, "
+        + (torch.cuda.get_device_name() if l3_cache.CUDA else "CPU pool"),
+        "command": "python " + " ".join(sys.argv),
+    }
+    for kind, scattered in (("consecutive_blocks", False), ("scattered_blocks", True)):
+        plain = stores(args.calls, scattered)
+        samples: dict[str, list[float]] = {}
+        with pieces_timed(samples):
+            wrapped = stores(args.calls, scattered)
+        result[kind] = {
+            "store_us": pct(plain),
+            "store_with_timers_us": pct(wrapped),
+            "pieces_us": {
+                k: pct(v) | {"per_store": round(len(v) / args.calls, 2)} for k, v in samples.items()
+            },
+        }
+    if l3_cache.CUDA:
+        result["cuda_calls_us"] = cuda_calls()
+    report(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
