@@ -75,6 +75,16 @@ STREAM = 4  # requests at once in the streamed throughput
 ROTATE = 16  # the raw calls' buffers: as many batches as a cache's host tier holds here
 
 
+def percentiles(xs: list[float]) -> dict[str, float]:
+    """p50, p99 and max of `xs` (in the unit given), rounded to 0.1."""
+    xs = sorted(xs)
+    return {
+        "p50": round(xs[len(xs) // 2], 1),
+        "p99": round(xs[int(0.99 * (len(xs) - 1))], 1),
+        "max": round(xs[-1], 1),
+    }
+
+
 def make_cache(master: MooncakeMaster | None, page_bytes: int, pages: int, **store) -> HiCache:
     """A cache over a CPU pool of `pages` pages; with `master` None, the host tier alone."""
     l3 = {
@@ -617,24 +627,16 @@ def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -
         if pair is not None:
             pair.close()
 
-    def pct(xs: list[float]) -> dict:
-        xs = sorted(xs)
-        return {
-            "p50": round(xs[len(xs) // 2], 1),
-            "p99": round(xs[int(0.99 * (len(xs) - 1))], 1),
-            "max": round(xs[-1], 1),
-        }
-
     return {
         "calls": calls,
-        **{k: pct(v) for k, v in times.items()},
+        **{k: percentiles(v) for k, v in times.items()},
         "puts_dropped": stats["l3_puts_dropped"],
         "puts_skipped_store_down": stats["l3_puts_skipped"],
         "l3_errors": stats["l3_errors"],
         "fetches_skipped_store_down": stats["l3_skipped"],
         "calls_with_a_garbage_collection": with_gc,
-        "garbage_collections": {"count": len(pauses), **(pct(pauses) if pauses else {})},
-        **({"host_only_alongside": {k: pct(v) for k, v in beside.items()}} if pair else {}),
+        "garbage_collections": {"count": len(pauses), **(percentiles(pauses) if pauses else {})},
+        **({"host_only_alongside": {k: percentiles(v) for k, v in beside.items()}} if pair else {}),
     }
 
 
