@@ -10,6 +10,10 @@ Measures Mooncake's own batch calls (``batch_put_from_multi_buffers``,
 Usage::
 
     python bench/l3_raw.py --out bench/results/l3_raw_loopback.json [--master HOST:PORT]
+    python bench/l3_raw.py --split --rounds 30 --out ...   # one get against concurrent shares
+
+``--split`` asks instead whether a fetch would finish sooner split into concurrent calls
+(`split_gets`): one batched get of 32 objects against 2 and 4 concurrent gets of a share each.
 
 Without ``--master`` a master is started on loopback (tests/mooncake_master.py) and stopped after.
 Importable: `measure` runs one (object size, batch) point on a raw client that the caller set up,
@@ -19,6 +23,7 @@ so another bench can put hicache's own L3 path next to the raw calls in the same
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -27,6 +32,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +124,100 @@ def _serve_segment(master: str, segment_bytes: int) -> None:
     client.close()
 
 
+@contextlib.contextmanager
+def segment_server(master: str, segment_bytes: int) -> Iterator[None]:
+    """Another process contributes the store's only segment while the block runs."""
+    server = subprocess.Popen(
+        [sys.executable, __file__, "--serve-segment", master, str(segment_bytes)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = server.stdout.readline() if server.stdout else ""
+        if line.strip() != "ready":
+            raise RuntimeError("segment server did not start")
+        yield
+    finally:
+        if server.stdin:
+            server.stdin.close()
+        server.wait(60)
+
+
+def split_gets(
+    master: str,
+    sizes: tuple[int, ...] = (512 * KiB, 4 * MiB),
+    batch: int = 32,
+    rounds: int = 30,
+    ways: tuple[int, ...] = (1, 2, 4),
+) -> list[dict[str, Any]]:
+    """Would a fetch finish sooner split into concurrent calls? For each object size: `batch`
+    objects (in another process's segment) read by one batched get, or by 2 or 4 concurrent
+    gets of an equal share each, from as many threads (one client: hicache's fetch workers
+    share their cache's). The ways take turns within each round, in alternating order, and
+    every way goes through the same thread pool, so hand-off costs are alike. Median ms."""
+    import torch
+    from mooncake.store import ReplicateConfig
+
+    rep = ReplicateConfig()
+    rep.replica_num = 1
+    span = batch * max(sizes)
+    src = torch.full((span,), 7, dtype=torch.uint8)
+    dst = torch.zeros(span, dtype=torch.uint8)
+    out = []
+    with segment_server(master, 2 * span), ThreadPoolExecutor(max(ways)) as pool:
+        writer, reader = raw_client(master, 0), raw_client(master, 0)
+        try:
+            if writer.register_buffer(src.data_ptr(), span) or reader.register_buffer(
+                dst.data_ptr(), span
+            ):
+                raise RuntimeError("register_buffer failed")
+            for obj in sizes:
+                keys = [f"split/{uuid.uuid4().hex[:8]}/{i}" for i in range(batch)]
+                put = writer.batch_put_from_multi_buffers(
+                    keys, [[src.data_ptr() + i * obj] for i in range(batch)], [[obj]] * batch, rep
+                )
+                if any(c != 0 for c in put):
+                    raise RuntimeError(f"split: put codes {set(put)}")
+
+                def get(lo: int, hi: int, obj: int = obj, keys: list[str] = keys) -> None:
+                    ptrs = [[dst.data_ptr() + i * obj] for i in range(lo, hi)]
+                    got = reader.batch_get_into_multi_buffers(
+                        keys[lo:hi], ptrs, [[obj]] * (hi - lo)
+                    )
+                    if any(g != obj for g in got):
+                        raise RuntimeError(f"split: get codes {set(got)}")
+
+                times: dict[int, list[float]] = {w: [] for w in ways}
+                for r in range(rounds + 1):
+                    for w in ways if r % 2 else ways[::-1]:
+                        share = batch // w
+                        t0 = time.perf_counter()
+                        for f in [pool.submit(get, k * share, (k + 1) * share) for k in range(w)]:
+                            f.result()
+                        if r:  # round 0 warms up
+                            times[w].append(time.perf_counter() - t0)
+                writer.batch_remove(keys, True)
+                one = statistics.median(times[ways[0]])
+                out.append(
+                    {
+                        "object_bytes": obj,
+                        "batch": batch,
+                        "rounds": rounds,
+                        "median_ms": {
+                            str(w): round(statistics.median(t) * 1e3, 3) for w, t in times.items()
+                        },
+                        "speedup_vs_one_call": {
+                            str(w): round(one / statistics.median(t), 3) for w, t in times.items()
+                        },
+                    }
+                )
+        finally:
+            writer.close()
+            reader.close()
+    return out
+
+
 def run(
     master: str,
     sizes: tuple[int, ...] = (512 * KiB, 4 * MiB),
@@ -140,16 +241,7 @@ def run(
     finally:
         client.close()
 
-    server = subprocess.Popen(
-        [sys.executable, __file__, "--serve-segment", master, str(segment)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        line = server.stdout.readline() if server.stdout else ""
-        if line.strip() != "ready":
-            raise RuntimeError("segment server did not start")
+    with segment_server(master, segment):
         client = raw_client(master, 0)
         try:
             if client.register_buffer(mem.data_ptr(), span) != 0:
@@ -159,10 +251,6 @@ def run(
             ]
         finally:
             client.close()
-    finally:
-        if server.stdin:
-            server.stdin.close()
-        server.wait(60)
     return results
 
 
@@ -173,6 +261,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--machine", default="2-core CPU VM, loopback TCP")
+    ap.add_argument(
+        "--split", action="store_true", help="one batched get against 2 and 4 concurrent shares"
+    )
     ap.add_argument("--serve-segment", nargs=2, metavar=("MASTER", "BYTES"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_segment:
@@ -188,7 +279,10 @@ def main() -> None:
         master_proc = MooncakeMaster().start()
         address = master_proc.address
     try:
-        results = run(address, batch=args.batch, rounds=args.rounds)
+        if args.split:
+            results = {"split_gets": split_gets(address, batch=args.batch, rounds=args.rounds)}
+        else:
+            results = run(address, batch=args.batch, rounds=args.rounds)
     finally:
         if master_proc is not None:
             master_proc.stop()

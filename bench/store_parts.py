@@ -1,6 +1,6 @@
 """Where the engine thread's time goes in a host-tier `store` of 64 pages, piece by piece.
 
-    python bench/store_parts.py [--device cuda] [--calls 600] [--out FILE]
+    python bench/store_parts.py [--device cuda] [--calls 600] [--under-load] [--out FILE]
 
 A host-only cache stores 64 new pages per call, as the engine-thread phase of `l3_cache.py` does
 (64 KiB pages on CUDA, 4 KiB on the CPU; into 64 consecutive blocks, then into 64 blocks drawn
@@ -8,7 +8,9 @@ at random from 128), with the heap frozen and in a tight loop (a warm thread: th
 floor for the bench's, whose calls alternate with other work). First the whole call untimed
 inside; then again with each piece wrapped in a timer (each wrapper costs ~0.3 µs, so the
 wrapped total is larger). On CUDA it also times the extension's event and copy calls alone.
-Prints JSON: p50, p99 and max in µs, and how many times a store calls each piece.
+Prints JSON: p50, p99 and max in µs, and how many times a store calls each piece. With
+--under-load also `under_load`: which pieces carry the slowest stores while the store is
+saturated (a real `mooncake_master` on loopback, as in `l3_cache.py`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ import contextlib
 import functools
 import gc
 import platform
+import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -30,8 +35,9 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
 
 import l3_cache  # noqa: E402
 from l3_raw import report  # noqa: E402
+from mooncake_master import MooncakeMaster, _SegmentHolder  # noqa: E402
 
-from hicache import PagedBuffer, cache, keys, native, slots, transfers  # noqa: E402
+from hicache import PagedBuffer, cache, keys, l3, native, slots, transfers  # noqa: E402
 from hicache.backends import gpu  # noqa: E402
 
 PIECES = [
@@ -77,8 +83,8 @@ def stores(calls: int, scattered: bool) -> list[float]:
     return total
 
 
-def _timer(fn, into: list[float]):
-    """`fn`, appending the seconds of each call to `into`."""
+def _timer(fn, label: str, sink: Callable[[str, float], None]):
+    """`fn`, handing `sink` its label and the seconds of each call."""
 
     @functools.wraps(fn)
     def timed(*args, **kwargs):
@@ -86,25 +92,96 @@ def _timer(fn, into: list[float]):
         try:
             return fn(*args, **kwargs)
         finally:
-            into.append(time.perf_counter() - t0)
+            sink(label, time.perf_counter() - t0)
 
     return timed
 
 
 @contextlib.contextmanager
-def pieces_timed(samples: dict[str, list[float]]):
-    """Wrap every piece of `PIECES` in a timer that appends to `samples` under its name."""
+def pieces_timed(sink: Callable[[str, float], None], pieces=PIECES):
+    """Wrap every piece of `pieces` in a timer that hands `sink` its name and seconds."""
     originals = []
-    for owner, name in PIECES:
+    for owner, name in pieces:
         fn = getattr(owner, name)
         label = f"{getattr(owner, '__name__', owner)}.{name}".removeprefix("hicache.")
         originals.append((owner, name, fn))
-        setattr(owner, name, _timer(fn, samples.setdefault(label, [])))
+        setattr(owner, name, _timer(fn, label, sink))
     try:
         yield
     finally:
         for owner, name, fn in reversed(originals):
             setattr(owner, name, fn)
+
+
+def under_load(calls: int) -> dict:
+    """Which pieces carry the slowest stores while the store is saturated.
+
+    Runs `l3_cache`'s saturated phase (an L3 cache with a write-behind queue of 2, and a
+    host-only cache making the same calls beside it) with every piece timed on the engine
+    thread, store by store (both kinds of store; nested pieces are counted in their caller
+    too: `KeyChain.upto` holds `keys.page_keys`, `HiCache._after_store` holds
+    `Transfers.then` and `L3.write_behind`). For each cache: a piece's median over the stores
+    within 10 % of the median store, against its mean over the slowest 1 %. A piece whose share
+    grows far more than the others' is what makes a store slow; every piece growing alike is
+    the thread running slower as a whole.
+    """
+    engine = threading.get_ident()
+    records: list[dict] = []
+    current: list[dict | None] = [None]
+
+    def sink(label: str, seconds: float) -> None:
+        rec = current[0]
+        if rec is not None and threading.get_ident() == engine:  # workers hash pages too
+            rec[label] = rec.get(label, 0.0) + seconds
+
+    plain_store = cache.HiCache.store
+
+    def store(self, *args, **kwargs):
+        rec = current[0] = {"l3": self._l3 is not None}
+        t0 = time.perf_counter()
+        try:
+            return plain_store(self, *args, **kwargs)
+        finally:
+            rec["store"] = time.perf_counter() - t0
+            current[0] = None
+            records.append(rec)
+
+    master = MooncakeMaster().start()
+    holder = _SegmentHolder(master.address, 8 << 30)
+    l3_cache.GC_FREEZE = True
+    try:
+        with pieces_timed(sink, [*PIECES, (l3.L3, "write_behind")]):
+            cache.HiCache.store = store
+            try:
+                l3_cache.engine_thread_times(master, calls, "saturated")
+            finally:
+                cache.HiCache.store = plain_store
+    finally:
+        holder.close()
+        master.stop()
+    out = {}
+    for name, with_l3 in (("l3_cache", True), ("host_only_alongside", False)):
+        recs = [r for r in records if r["l3"] == with_l3]
+        totals = sorted(r["store"] for r in recs)
+        p50, p99 = totals[len(totals) // 2], totals[int(0.99 * (len(totals) - 1))]
+        slow = [r for r in recs if r["store"] >= p99]
+        typical = [r for r in recs if abs(r["store"] - p50) <= 0.1 * p50]
+        labels = ["store", *sorted({k for r in recs for k in r} - {"l3", "store"})]
+        out[name] = {
+            "stores": len(recs),
+            "slowest": len(slow),
+            "typical": len(typical),
+            "us": {
+                k: {
+                    "typical_median": round(
+                        statistics.median(r.get(k, 0.0) for r in typical) * 1e6, 1
+                    ),
+                    "slowest_mean": round(statistics.mean(r.get(k, 0.0) for r in slow) * 1e6, 1),
+                }
+                for k in labels
+            },
+        }
+    return out
 
 
 def cuda_calls() -> dict:
@@ -149,6 +226,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--calls", type=int, default=600)
     ap.add_argument("--out")
+    ap.add_argument(
+        "--under-load",
+        action="store_true",
+        help="also: which pieces carry the slowest stores while the store is saturated",
+    )
     args = ap.parse_args()
     if args.device.startswith("cuda"):
         l3_cache.DEVICE, l3_cache.CUDA = args.device, True
@@ -163,7 +245,7 @@ def main() -> None:
     for kind, scattered in (("consecutive_blocks", False), ("scattered_blocks", True)):
         plain = stores(args.calls, scattered)
         samples: dict[str, list[float]] = {}
-        with pieces_timed(samples):
+        with pieces_timed(lambda label, t, into=samples: into.setdefault(label, []).append(t)):
             wrapped = stores(args.calls, scattered)
         result[kind] = {
             "store_us": pct(plain),
@@ -174,6 +256,8 @@ def main() -> None:
         }
     if l3_cache.CUDA:
         result["cuda_calls_us"] = cuda_calls()
+    if args.under_load:
+        result["under_load"] = under_load(args.calls)
     report(result, args.out)
 
 
