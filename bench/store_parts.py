@@ -1,6 +1,7 @@
 """Where the engine thread's time goes in a host-tier `store` of 64 pages, piece by piece.
 
-    python bench/store_parts.py [--device cuda] [--calls 600] [--under-load] [--out FILE]
+    python bench/store_parts.py [--device cuda] [--calls 600] [--under-load] [--beside-load N]
+                                [--out FILE]
 
 A host-only cache stores 64 new pages per call, as the engine-thread phase of `l3_cache.py` does
 (64 KiB pages on CUDA, 4 KiB on the CPU; into 64 consecutive blocks, then into 64 blocks drawn
@@ -10,7 +11,9 @@ inside; then again with each piece wrapped in a timer (each wrapper costs ~0.3 Â
 wrapped total is larger). On CUDA it also times the extension's event and copy calls alone.
 Prints JSON: p50, p99 and max in Âµs, and how many times a store calls each piece. With
 --under-load also `under_load`: which pieces carry the slowest stores while the store is
-saturated (a real `mooncake_master` on loopback, as in `l3_cache.py`).
+saturated (a real `mooncake_master` on loopback, as in `l3_cache.py`). With --beside-load N
+also `beside_load`: a host-only store alone and beside N busy processes, which compute only or
+stream memory (what the machine's other work does to the engine thread without any L3).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import multiprocessing as mp
 import platform
 import statistics
 import sys
@@ -184,6 +188,49 @@ def under_load(calls: int) -> dict:
     return out
 
 
+def _occupy(kind: str, stop) -> None:
+    """Child process of `beside_load`: keep one CPU busy until `stop` is set, with arithmetic
+    on a few registers (`spin`) or by copying 64 MiB arrays (`stream`: the memory bus and the
+    shared caches, as loopback TCP's copies do)."""
+    if kind == "spin":
+        while not stop.is_set():
+            x = 0
+            for i in range(100_000):
+                x += i
+        return
+    src = np.ones(8 << 20)
+    dst = np.empty_like(src)
+    while not stop.is_set():
+        np.copyto(dst, src)
+
+
+def beside_load(calls: int, procs: int) -> dict:
+    """A host-only `store` (consecutive blocks) with nothing else running, then beside `procs`
+    processes that only compute, then beside `procs` that stream memory, then alone again (a
+    drift check). No L3, no Mooncake: what other work on the machine does to the engine
+    thread by itself."""
+    ctx = mp.get_context("spawn")
+    out = {}
+    for label in ("alone", "beside_spin", "beside_stream", "alone_again"):
+        kind = label.removeprefix("beside_")
+        stop = ctx.Event()
+        workers = (
+            []
+            if label.startswith("alone")
+            else [ctx.Process(target=_occupy, args=(kind, stop), daemon=True) for _ in range(procs)]
+        )
+        for w in workers:
+            w.start()
+        time.sleep(2.0 if workers else 0.0)  # let them start and get busy
+        try:
+            out[label] = pct(stores(calls, scattered=False))
+        finally:
+            stop.set()
+            for w in workers:
+                w.join(10)
+    return {"processes": procs, "store_us": out}
+
+
 def cuda_calls() -> dict:
     """The copy extension's calls alone, warm: events, and a copy of 64 pages of 64 KiB."""
     from hicache.kernels import cuda
@@ -231,6 +278,12 @@ def main() -> None:
         action="store_true",
         help="also: which pieces carry the slowest stores while the store is saturated",
     )
+    ap.add_argument(
+        "--beside-load",
+        type=int,
+        metavar="N",
+        help="also: a host-only store alone and beside N busy processes (compute, then memory)",
+    )
     args = ap.parse_args()
     if args.device.startswith("cuda"):
         l3_cache.DEVICE, l3_cache.CUDA = args.device, True
@@ -258,6 +311,8 @@ def main() -> None:
         result["cuda_calls_us"] = cuda_calls()
     if args.under_load:
         result["under_load"] = under_load(args.calls)
+    if args.beside_load:
+        result["beside_load"] = beside_load(args.calls, args.beside_load)
     report(result, args.out)
 
 
