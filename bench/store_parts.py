@@ -152,7 +152,7 @@ def under_load(calls: int) -> dict:
 
     master = MooncakeMaster().start()
     holder = _SegmentHolder(master.address, 8 << 30)
-    l3_cache.GC_FREEZE = True
+    frozen, l3_cache.GC_FREEZE = l3_cache.GC_FREEZE, True  # as the bench runs with --gc-freeze
     try:
         with pieces_timed(sink, [*PIECES, (l3.L3, "write_behind")]):
             cache.HiCache.store = store
@@ -161,6 +161,7 @@ def under_load(calls: int) -> dict:
             finally:
                 cache.HiCache.store = plain_store
     finally:
+        l3_cache.GC_FREEZE = frozen
         holder.close()
         master.stop()
     out = {}
