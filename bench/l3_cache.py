@@ -25,7 +25,11 @@
    CPU (so that the CPU stand-in for the GPU copy does not hide the L3 part), 64 KiB on CUDA.
    In each phase a host-only cache makes the same calls side by side (`host_only_alongside`),
    so that what L3 adds is read under the same machine conditions; a separate host-only phase
-   runs first (`engine_thread_host_only_baseline`).
+   runs first (`engine_thread_host_only_baseline`), and one more times a host-only cache while
+   another process keeps the store as busy, at the same put rate
+   (`engine_thread_host_only_store_busy_elsewhere`):
+   the store's traffic without L3's threads in the engine's process. `store_put_gbps` says how
+   many bytes were put per second meanwhile.
 
 With --engine-cpu N the timed engine thread runs on CPU N alone, and everything else on the
 other cores (less N's SMT siblings): the caches' L3 threads and the Mooncake clients' own
@@ -57,7 +61,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "bench")]
 
-from l3_raw import measure, raw_client, report  # noqa: E402
+from l3_raw import measure, raw_client, report, store_load  # noqa: E402
 from mooncake_master import MooncakeMaster, _SegmentHolder  # noqa: E402
 
 from hicache import HiCache, PagedBuffer, load_config, threads  # noqa: E402
@@ -545,7 +549,9 @@ def breaker_opened(cache: HiCache, rng: np.random.Generator, timeout_s: float = 
         i += 1
 
 
-def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -> dict:
+def engine_thread_times(
+    master: MooncakeMaster | None, calls: int, phase: str, load_gbps: float | None = None
+) -> dict:
     """Wall and CPU time of store, match and poll on the engine thread. `master` None: a
     host-only cache (the baseline); phase 'down' kills the master just before the calls (its
     breaker is still closed: work is still offered to it), 'down_open' kills it and waits until
@@ -553,9 +559,17 @@ def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -
 
     With a master, a host-only cache makes the same calls side by side, alternating which of
     the two goes first (`alongside`): the machine's own drift (clock, other load) hits both
-    alike, so the difference is what L3 costs the engine thread."""
-    cache = make_cache(master, ENGINE_PAGE, 128, write_queue_depth=2)
-    pair = make_cache(None, ENGINE_PAGE, 128) if master is not None else None
+    alike, so the difference is what L3 costs the engine thread.
+
+    Phase 'host_only_store_busy_elsewhere' times a host-only cache alone while another process
+    puts objects of a group's size into the store (`l3_raw.store_load`), at `load_gbps` (the
+    saturated phase's put rate) or without pause: the store's traffic of the saturated phase
+    without L3's threads in this process. Where the
+    host-only cache is fast here and slow beside a saturated L3 cache, what slows it lives in
+    the process; where it is slow in both, the traffic itself."""
+    elsewhere = phase == "host_only_store_busy_elsewhere"
+    cache = make_cache(None if elsewhere else master, ENGINE_PAGE, 128, write_queue_depth=2)
+    pair = make_cache(None, ENGINE_PAGE, 128) if master is not None and not elsewhere else None
     rng = np.random.default_rng(1)
     calls_timed = ("store", "store_scattered", "match", "poll")
     names = [f"{c}_{k}" for c in calls_timed for k in ("wall_us", "cpu_us")]
@@ -601,18 +615,27 @@ def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -
         gc.freeze()  # what engines do once started: the start-up heap is never scanned again
     gc.callbacks.append(count)
 
+    load: dict[str, float] = {}
+    put_before = cache.stats().get("l3_put_bytes", 0)
     try:
         if phase.startswith("down"):
             master.kill()
         if phase == "down_open":
             breaker_opened(cache, rng)
-        with on_engine_cpu():
+        with contextlib.ExitStack() as busy:
+            if elsewhere:
+                load = busy.enter_context(
+                    store_load(master.address, 4 * ENGINE_PAGE, gbps=load_gbps)
+                )
+            started = time.perf_counter()
+            busy.enter_context(on_engine_cpu())
             for i in range(calls):
                 prompts = [rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32) for _ in range(3)]
                 scattered = rng.permutation(128)[:64].tolist()
                 turns = [(cache, times)] if pair is None else [(cache, times), (pair, beside)]
                 for c, into in turns[:: 1 if i % 2 else -1]:
                     step(c, into, i, *prompts, scattered)
+            seconds = time.perf_counter() - started
         stats = cache.stats()
         if profile is not None:
             print(f"== profile of store, {phase}", file=sys.stderr)
@@ -634,6 +657,11 @@ def engine_thread_times(master: MooncakeMaster | None, calls: int, phase: str) -
         "puts_skipped_store_down": stats["l3_puts_skipped"],
         "l3_errors": stats["l3_errors"],
         "fetches_skipped_store_down": stats["l3_skipped"],
+        "seconds": round(seconds, 2),
+        # bytes this cache's write-behind put per second meanwhile, or the other process's
+        "store_put_gbps": load.get("gbps")
+        if elsewhere
+        else round((stats.get("l3_put_bytes", 0) - put_before) / seconds / 1e9, 3),
         "calls_with_a_garbage_collection": with_gc,
         "garbage_collections": {"count": len(pauses), **(percentiles(pauses) if pauses else {})},
         **({"host_only_alongside": {k: percentiles(v) for k, v in beside.items()}} if pair else {}),
@@ -686,13 +714,16 @@ def main() -> None:
         )
     holder = _SegmentHolder(master.address, segment)
     try:
-        flow, baseline, saturated, down, down_open = [], None, None, None, None
+        flow, baseline, saturated, elsewhere, down, down_open = [], None, None, None, None, None
         if "throughput" in parts:
             touch_segment(master, segment)
             flow = [throughput(master, args.rounds, size) for size in (128 * KiB, 1 * MiB)]
         if "engine" in parts:
             baseline = engine_thread_times(None, args.calls, "host_only")
             saturated = engine_thread_times(master, args.calls, "saturated")
+            elsewhere = engine_thread_times(
+                master, args.calls, "host_only_store_busy_elsewhere", saturated["store_put_gbps"]
+            )
             down = engine_thread_times(master, args.calls, "down")
             down_open = engine_thread_times(master, args.calls, "down_open")
     finally:
@@ -709,6 +740,7 @@ def main() -> None:
         "throughput": flow,
         "engine_thread_host_only_baseline": baseline,
         "engine_thread_store_saturated": saturated,
+        "engine_thread_host_only_store_busy_elsewhere": elsewhere,
         "engine_thread_store_down": down,
         "engine_thread_store_down_breaker_open": down_open,
         "targets": {"ratio": 0.9, "p99_us": 200},

@@ -17,7 +17,8 @@ Usage::
 
 Without ``--master`` a master is started on loopback (tests/mooncake_master.py) and stopped after.
 Importable: `measure` runs one (object size, batch) point on a raw client that the caller set up,
-so another bench can put hicache's own L3 path next to the raw calls in the same run.
+so another bench can put hicache's own L3 path next to the raw calls in the same run, and
+`store_load` keeps the store busy from another process while a block runs.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -142,6 +144,68 @@ def segment_server(master: str, segment_bytes: int) -> Iterator[None]:
         if server.stdin:
             server.stdin.close()
         server.wait(60)
+
+
+@contextlib.contextmanager
+def store_load(
+    master: str, obj_bytes: int, batch: int = 16, gbps: float | None = None
+) -> Iterator[dict[str, float]]:
+    """Another process puts batches of `batch` objects into the store and removes them again
+    while the block runs, without pause or paced to `gbps`: the store's traffic of a saturated
+    write-behind, from outside the measuring process. The dict yielded gets the loader's `gbps`
+    (bytes put per second) and `seconds` once the block has ended."""
+    pace = str(gbps or 0)
+    loader = subprocess.Popen(
+        [sys.executable, __file__, "--load-store", master, str(obj_bytes), str(batch), pace],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    result: dict[str, float] = {}
+    try:
+        line = loader.stdout.readline() if loader.stdout else ""
+        if line.strip() != "ready":
+            raise RuntimeError("store loader did not start")
+        yield result
+    finally:
+        if loader.stdin:
+            loader.stdin.close()
+        line = loader.stdout.readline() if loader.stdout else ""
+        loader.wait(60)
+        if line.strip():
+            result.update(json.loads(line))
+
+
+def _load_store(master: str, obj_bytes: int, batch: int, gbps: float) -> None:
+    """Child process of `store_load`: put and remove batches until stdin closes (no faster than
+    `gbps` when it is not 0), then print the rate as one JSON line."""
+    import torch
+    from mooncake.store import ReplicateConfig
+
+    client = raw_client(master, 0)
+    buf = torch.full((obj_bytes * batch,), 7, dtype=torch.uint8)
+    if client.register_buffer(buf.data_ptr(), buf.numel()) != 0:
+        raise RuntimeError("register_buffer failed")
+    rep = ReplicateConfig()
+    rep.replica_num = 1
+    ptrs = [[buf.data_ptr() + i * obj_bytes] for i in range(batch)]
+    sizes = [[obj_bytes]] * batch
+    closed = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), closed.set()), daemon=True).start()
+    run, n, moved = uuid.uuid4().hex[:8], 0, 0
+    print("ready", flush=True)
+    t0 = time.perf_counter()
+    while not closed.is_set():
+        keys = [f"load/{run}/{n}/{i}" for i in range(batch)]
+        n += 1
+        codes = client.batch_put_from_multi_buffers(keys, ptrs, sizes, rep)
+        moved += obj_bytes * sum(c == 0 for c in codes)
+        client.batch_remove(keys, True)
+        if gbps:
+            time.sleep(max(0.0, t0 + moved / (gbps * 1e9) - time.perf_counter()))
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"gbps": round(moved / seconds / 1e9, 3), "seconds": round(seconds, 2)}))
+    client.close()
 
 
 def split_gets(
@@ -265,9 +329,19 @@ def main() -> None:
         "--split", action="store_true", help="one batched get against 2 and 4 concurrent shares"
     )
     ap.add_argument("--serve-segment", nargs=2, metavar=("MASTER", "BYTES"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--load-store",
+        nargs=4,
+        metavar=("MASTER", "BYTES", "BATCH", "GBPS"),
+        help=argparse.SUPPRESS,
+    )
     args = ap.parse_args()
     if args.serve_segment:
         _serve_segment(args.serve_segment[0], int(args.serve_segment[1]))
+        return
+    if args.load_store:
+        master, obj, batch, gbps = args.load_store
+        _load_store(master, int(obj), int(batch), float(gbps))
         return
 
     master_proc = None
