@@ -27,9 +27,8 @@
    so that what L3 adds is read under the same machine conditions; a separate host-only phase
    runs first (`engine_thread_host_only_baseline`), and one more times a host-only cache while
    another process keeps the store as busy, at the same put rate
-   (`engine_thread_host_only_store_busy_elsewhere`):
-   the store's traffic without L3's threads in the engine's process. `store_put_gbps` says how
-   many bytes were put per second meanwhile.
+   (`engine_thread_host_only_store_busy_elsewhere`): the store's traffic without L3's threads
+   in the engine's process. `store_put_gbps` says how many bytes were put per second meanwhile.
 
 With --engine-cpu N the timed engine thread runs on CPU N alone, and everything else on the
 other cores (less N's SMT siblings): the caches' L3 threads and the Mooncake clients' own
@@ -564,9 +563,9 @@ def engine_thread_times(
     Phase 'host_only_store_busy_elsewhere' times a host-only cache alone while another process
     puts objects of a group's size into the store (`l3_raw.store_load`), at `load_gbps` (the
     saturated phase's put rate) or without pause: the store's traffic of the saturated phase
-    without L3's threads in this process. Where the
-    host-only cache is fast here and slow beside a saturated L3 cache, what slows it lives in
-    the process; where it is slow in both, the traffic itself."""
+    without L3's threads in this process. Where the host-only cache is fast here and slow
+    beside a saturated L3 cache, what slows it lives in the process; where it is slow in both,
+    the traffic itself."""
     elsewhere = phase == "host_only_store_busy_elsewhere"
     cache = make_cache(None if elsewhere else master, ENGINE_PAGE, 128, write_queue_depth=2)
     pair = make_cache(None, ENGINE_PAGE, 128) if master is not None and not elsewhere else None
