@@ -127,23 +127,34 @@ def _serve_segment(master: str, segment_bytes: int) -> None:
 
 
 @contextlib.contextmanager
-def segment_server(master: str, segment_bytes: int) -> Iterator[None]:
-    """Another process contributes the store's only segment while the block runs."""
-    server = subprocess.Popen(
-        [sys.executable, __file__, "--serve-segment", master, str(segment_bytes)],
+def _child(what: str, *args: str) -> Iterator[dict[str, str]]:
+    """This script in a child process, in the hidden mode `args` names, from its "ready" line
+    until the block ends; then its stdin is closed (its signal to finish) and what it printed
+    after "ready" goes under "said" in the dict yielded. `what` names it in errors."""
+    child = subprocess.Popen(
+        [sys.executable, __file__, *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
+    out: dict[str, str] = {}
     try:
-        line = server.stdout.readline() if server.stdout else ""
+        line = child.stdout.readline() if child.stdout else ""
         if line.strip() != "ready":
-            raise RuntimeError("segment server did not start")
-        yield
+            raise RuntimeError(f"{what} did not start")
+        yield out
     finally:
-        if server.stdin:
-            server.stdin.close()
-        server.wait(60)
+        if child.stdin:
+            child.stdin.close()
+        out["said"] = child.stdout.read() if child.stdout else ""
+        child.wait(60)
+
+
+@contextlib.contextmanager
+def segment_server(master: str, segment_bytes: int) -> Iterator[None]:
+    """Another process contributes the store's only segment while the block runs."""
+    with _child("segment server", "--serve-segment", master, str(segment_bytes)):
+        yield
 
 
 @contextlib.contextmanager
@@ -154,26 +165,16 @@ def store_load(
     while the block runs, without pause or paced to `gbps`: the store's traffic of a saturated
     write-behind, from outside the measuring process. The dict yielded gets the loader's `gbps`
     (bytes put per second) and `seconds` once the block has ended."""
-    pace = str(gbps or 0)
-    loader = subprocess.Popen(
-        [sys.executable, __file__, "--load-store", master, str(obj_bytes), str(batch), pace],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
     result: dict[str, float] = {}
+    out: dict[str, str] = {}
+    args = ("--load-store", master, str(obj_bytes), str(batch), str(gbps or 0))
     try:
-        line = loader.stdout.readline() if loader.stdout else ""
-        if line.strip() != "ready":
-            raise RuntimeError("store loader did not start")
-        yield result
+        with _child("store loader", *args) as out:
+            yield result
     finally:
-        if loader.stdin:
-            loader.stdin.close()
-        line = loader.stdout.readline() if loader.stdout else ""
-        loader.wait(60)
-        if line.strip():
-            result.update(json.loads(line))
+        said = out.get("said", "").strip()
+        if said:
+            result.update(json.loads(said))
 
 
 def _load_store(master: str, obj_bytes: int, batch: int, gbps: float) -> None:
