@@ -28,7 +28,9 @@
    runs first (`engine_thread_host_only_baseline`), and one more times a host-only cache while
    another process keeps the store as busy, at the same put rate
    (`engine_thread_host_only_store_busy_elsewhere`): the store's traffic without L3's threads
-   in the engine's process. `store_put_gbps` says how many bytes were put per second meanwhile.
+   in the engine's process. `store_put_gbps` says how many bytes were put per second meanwhile;
+   `reference_hash_us`, how fast the CPU itself ran (a fixed compiled hash of 64 pages, timed
+   once per step: the lent machines' CPUs change speed by half within a minute, idle).
 
 With --engine-cpu N the timed engine thread runs on CPU N alone, and everything else on the
 other cores (less N's SMT siblings): the caches' L3 threads and the Mooncake clients' own
@@ -63,7 +65,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "bench")]
 from l3_raw import measure, raw_client, report, store_load  # noqa: E402
 from mooncake_master import MooncakeMaster, _SegmentHolder  # noqa: E402
 
-from hicache import HiCache, PagedBuffer, load_config, threads  # noqa: E402
+from hicache import HiCache, PagedBuffer, load_config, native, threads  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 DEVICE = "cpu"  # --device cuda puts the engine's pool on the GPU (copies: the CUDA paths)
@@ -573,6 +575,8 @@ def engine_thread_times(
     calls_timed = ("store", "store_scattered", "match", "poll")
     names = [f"{c}_{k}" for c in calls_timed for k in ("wall_us", "cpu_us")]
     times: dict[str, list[float]] = {n: [] for n in names}
+    reference = np.ascontiguousarray(rng.integers(0, 50_000, (64, 16), dtype=np.int32))
+    hashed: list[float] = []  # the CPU's own speed: a fixed compiled hash, once per step
     beside: dict[str, list[float]] = {n: [] for n in names}
 
     profile = cProfile.Profile() if PROFILE else None
@@ -634,6 +638,9 @@ def engine_thread_times(
                 turns = [(cache, times)] if pair is None else [(cache, times), (pair, beside)]
                 for c, into in turns[:: 1 if i % 2 else -1]:
                     step(c, into, i, *prompts, scattered)
+                t0 = time.perf_counter()
+                native.chain_keys(bytes(16), reference)
+                hashed.append((time.perf_counter() - t0) * 1e6)
             seconds = time.perf_counter() - started
         stats = cache.stats()
         if profile is not None:
@@ -661,6 +668,7 @@ def engine_thread_times(
         "store_put_gbps": load.get("gbps")
         if elsewhere
         else round((stats.get("l3_put_bytes", 0) - put_before) / seconds / 1e9, 3),
+        "reference_hash_us": percentiles(hashed),
         "calls_with_a_garbage_collection": with_gc,
         "garbage_collections": {"count": len(pauses), **(percentiles(pauses) if pauses else {})},
         **({"host_only_alongside": {k: percentiles(v) for k, v in beside.items()}} if pair else {}),

@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -177,36 +177,54 @@ def store_load(
             result.update(json.loads(said))
 
 
-def _load_store(master: str, obj_bytes: int, batch: int, gbps: float) -> None:
-    """Child process of `store_load`: put and remove batches until stdin closes (no faster than
-    `gbps` when it is not 0), then print the rate as one JSON line."""
+def put_loop(
+    master: str,
+    obj_bytes: int,
+    batch: int,
+    gbps: float,
+    stop: threading.Event,
+    on_ready: Callable[[], None] = lambda: None,
+) -> dict[str, float]:
+    """Put and remove batches of `batch` objects of `obj_bytes`, with a client of its own, until
+    `stop` is set (no faster than `gbps` when it is not 0). `on_ready` is called once the client
+    is set up. Returns the rate put (`gbps`, 1e9 bytes per second) and how long it ran
+    (`seconds`): the store's traffic of a saturated write-behind, from anywhere."""
     import torch
     from mooncake.store import ReplicateConfig
 
     client = raw_client(master, 0)
-    buf = torch.full((obj_bytes * batch,), 7, dtype=torch.uint8)
-    if client.register_buffer(buf.data_ptr(), buf.numel()) != 0:
-        raise RuntimeError("register_buffer failed")
-    rep = ReplicateConfig()
-    rep.replica_num = 1
-    ptrs = [[buf.data_ptr() + i * obj_bytes] for i in range(batch)]
-    sizes = [[obj_bytes]] * batch
+    try:
+        buf = torch.full((obj_bytes * batch,), 7, dtype=torch.uint8)
+        if client.register_buffer(buf.data_ptr(), buf.numel()) != 0:
+            raise RuntimeError("register_buffer failed")
+        rep = ReplicateConfig()
+        rep.replica_num = 1
+        ptrs = [[buf.data_ptr() + i * obj_bytes] for i in range(batch)]
+        sizes = [[obj_bytes]] * batch
+        run, n, moved = uuid.uuid4().hex[:8], 0, 0
+        on_ready()
+        t0 = time.perf_counter()
+        while not stop.is_set():
+            keys = [f"load/{run}/{n}/{i}" for i in range(batch)]
+            n += 1
+            codes = client.batch_put_from_multi_buffers(keys, ptrs, sizes, rep)
+            moved += obj_bytes * sum(c == 0 for c in codes)
+            client.batch_remove(keys, True)
+            if gbps:
+                time.sleep(max(0.0, t0 + moved / (gbps * 1e9) - time.perf_counter()))
+        seconds = time.perf_counter() - t0
+        return {"gbps": round(moved / seconds / 1e9, 3), "seconds": round(seconds, 2)}
+    finally:
+        client.close()
+
+
+def _load_store(master: str, obj_bytes: int, batch: int, gbps: float) -> None:
+    """Child process of `store_load`: `put_loop` until stdin closes, then print its rate as
+    one JSON line."""
     closed = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), closed.set()), daemon=True).start()
-    run, n, moved = uuid.uuid4().hex[:8], 0, 0
-    print("ready", flush=True)
-    t0 = time.perf_counter()
-    while not closed.is_set():
-        keys = [f"load/{run}/{n}/{i}" for i in range(batch)]
-        n += 1
-        codes = client.batch_put_from_multi_buffers(keys, ptrs, sizes, rep)
-        moved += obj_bytes * sum(c == 0 for c in codes)
-        client.batch_remove(keys, True)
-        if gbps:
-            time.sleep(max(0.0, t0 + moved / (gbps * 1e9) - time.perf_counter()))
-    seconds = time.perf_counter() - t0
-    print(json.dumps({"gbps": round(moved / seconds / 1e9, 3), "seconds": round(seconds, 2)}))
-    client.close()
+    rate = put_loop(master, obj_bytes, batch, gbps, closed, lambda: print("ready", flush=True))
+    print(json.dumps(rate), flush=True)
 
 
 def split_gets(

@@ -1,7 +1,7 @@
 """Where the engine thread's time goes in a host-tier `store` of 64 pages, piece by piece.
 
     python bench/store_parts.py [--device cuda] [--calls 600] [--under-load] [--beside-load N]
-                                [--out FILE]
+                                [--beside-l3 ROUNDS] [--out FILE]
 
 A host-only cache stores 64 new pages per call, as the engine-thread phase of `l3_cache.py` does
 (64 KiB pages on CUDA, 4 KiB on the CPU; into 64 consecutive blocks, then into 64 blocks drawn
@@ -13,7 +13,9 @@ Prints JSON: p50, p99 and max in µs, and how many times a store calls each piec
 --under-load also `under_load`: which pieces carry the slowest stores while the store is
 saturated (a real `mooncake_master` on loopback, as in `l3_cache.py`). With --beside-load N
 also `beside_load`: a host-only store alone and beside N busy processes, which compute only or
-stream memory (what the machine's other work does to the engine thread without any L3).
+stream memory (what the machine's other work does to the engine thread without any L3). With
+--beside-l3 ROUNDS also `beside_l3`: a host-only store alone, beside the store's traffic from
+another process or from a thread of its own, and beside a saturated L3 cache in its process.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
 
 import l3_cache  # noqa: E402
-from l3_raw import report  # noqa: E402
+from l3_raw import put_loop, report, store_load  # noqa: E402
 from mooncake_master import MooncakeMaster, _SegmentHolder  # noqa: E402
 
 from hicache import PagedBuffer, cache, keys, l3, native, slots, transfers  # noqa: E402
@@ -232,6 +234,115 @@ def beside_load(calls: int, procs: int) -> dict:
     return {"processes": procs, "store_us": out}
 
 
+CONDITIONS = ("alone", "busy_elsewhere", "busy_in_thread", "beside_saturated_l3")
+"""`beside_l3`'s conditions, in the order of its even rounds."""
+
+
+def beside_l3(calls: int, rounds: int) -> dict:
+    """Does L3 in the engine's process slow the engine thread's other work? A host-only `store`
+    (consecutive blocks) timed back to back under four conditions, round by round, the order
+    reversed every other round (the machine's speed drifts within a minute):
+
+    - `alone`: nothing else runs;
+    - `busy_elsewhere`: another process puts group-size objects (`l3_raw.store_load`);
+    - `busy_in_thread`: a thread of this process does the same (`l3_raw.put_loop`): a Mooncake
+      client, its transfer threads and the loopback traffic inside the engine's process,
+      without hicache's L3;
+    - `beside_saturated_l3`: an L3 cache in this process is stored into before every timed
+      store, its write-behind queue of 2 always full (`l3_cache.py`'s saturated phase):
+      hicache's L3 workers and Mooncake's threads in the process.
+
+    The loaders put at the rate the saturated L3 cache reaches here, measured first. Every step
+    also times a fixed compiled hash of 64 pages (`reference_hash_us`, no Python, nothing
+    shared): the CPU's own speed at that moment. Where the store beside L3 stays within the
+    spread of the `alone` rounds, L3 does not slow the rest of the engine thread; a difference
+    that the reference hash shows too is the machine, not the process."""
+    master = MooncakeMaster().start()
+    holder = _SegmentHolder(master.address, 4 << 30)
+    host = l3_cache.make_cache(None, l3_cache.ENGINE_PAGE, 128)
+    busy = l3_cache.make_cache(master, l3_cache.ENGINE_PAGE, 128, write_queue_depth=2)
+    rng = np.random.default_rng(1)
+    reference = np.ascontiguousarray(rng.integers(0, 50_000, (64, 16), dtype=np.int32))
+    seed = bytes(keys.KEY_BYTES)
+    obj = 4 * l3_cache.ENGINE_PAGE  # a group of 4 pages: what the caches put
+
+    def feed_l3(i: int) -> None:
+        busy.store(f"b{i}", rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32), list(range(64)))
+        busy.release(f"b{i}")
+        busy.poll()
+
+    def timed(feed: Callable[[int], None] | None) -> dict:
+        put_before, t_start = busy.stats().get("l3_put_bytes", 0), time.perf_counter()
+        store, hashed = [], []
+        for i in range(calls):
+            tokens = rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32)
+            if feed is not None:
+                feed(i)
+            t0 = time.perf_counter()
+            host.store(f"s{i}", tokens, list(range(64)))
+            store.append(time.perf_counter() - t0)
+            host.release(f"s{i}")
+            t0 = time.perf_counter()
+            native.chain_keys(seed, reference)
+            hashed.append(time.perf_counter() - t0)
+            host.poll()
+        seconds = time.perf_counter() - t_start
+        put = busy.stats().get("l3_put_bytes", 0) - put_before
+        return {
+            "store_us": pct(store),
+            "reference_hash_us": pct(hashed),
+            "seconds": round(seconds, 2),
+            "l3_put_gbps": round(put / seconds / 1e9, 3),
+        }
+
+    def one(condition: str, gbps: float) -> dict:
+        if condition == "alone":
+            return timed(None)
+        if condition == "beside_saturated_l3":
+            return timed(feed_l3)
+        if condition == "busy_elsewhere":
+            with store_load(master.address, obj, gbps=gbps) as load:
+                row = timed(None)
+            return row | {"loader_gbps": load.get("gbps")}
+        stop, ready, load = threading.Event(), threading.Event(), {}
+        loader = threading.Thread(
+            target=lambda: load.update(put_loop(master.address, obj, 16, gbps, stop, ready.set))
+        )
+        loader.start()
+        try:
+            if not ready.wait(60):
+                raise RuntimeError("the in-process loader did not start")
+            row = timed(None)
+        finally:
+            stop.set()
+            loader.join()
+        return row | {"loader_gbps": load.get("gbps")}
+
+    gc.collect()
+    gc.freeze()
+    try:
+        rate = timed(feed_l3)["l3_put_gbps"]  # also warms both caches up
+        out: dict[str, list[dict]] = {c: [] for c in CONDITIONS}
+        for r in range(rounds):
+            for condition in CONDITIONS if r % 2 == 0 else CONDITIONS[::-1]:
+                out[condition].append(one(condition, rate))
+    finally:
+        gc.unfreeze()
+        busy.close()
+        host.close()
+        holder.close()
+        master.stop()
+    return {
+        "calls_per_round": calls,
+        "loader_target_gbps": rate,
+        "rounds": out,
+        "store_p99_us_by_round": {c: [x["store_us"]["p99"] for x in out[c]] for c in CONDITIONS},
+        "reference_hash_p50_us_by_round": {
+            c: [x["reference_hash_us"]["p50"] for x in out[c]] for c in CONDITIONS
+        },
+    }
+
+
 def cuda_calls() -> dict:
     """The copy extension's calls alone, warm: events, and a copy of 64 pages of 64 KiB."""
     from hicache.kernels import cuda
@@ -285,6 +396,14 @@ def main() -> None:
         metavar="N",
         help="also: a host-only store alone and beside N busy processes (compute, then memory)",
     )
+    ap.add_argument(
+        "--beside-l3",
+        type=int,
+        metavar="ROUNDS",
+        help="also: a host-only store alone, beside the store's traffic from another process "
+        "or a thread, and beside a saturated L3 cache, in ROUNDS rounds",
+    )
+    ap.add_argument("--beside-l3-calls", type=int, default=3000, help="stores per condition")
     args = ap.parse_args()
     if args.device.startswith("cuda"):
         l3_cache.DEVICE, l3_cache.CUDA = args.device, True
@@ -314,6 +433,8 @@ def main() -> None:
         result["under_load"] = under_load(args.calls)
     if args.beside_load:
         result["beside_load"] = beside_load(args.calls, args.beside_load)
+    if args.beside_l3:
+        result["beside_l3"] = beside_l3(args.beside_l3_calls, args.beside_l3)
     report(result, args.out)
 
 
