@@ -118,43 +118,18 @@ def measure(
     return out
 
 
-def _serve_segment(master: str, segment_bytes: int) -> None:
-    """Child process: contribute a segment and keep it until stdin closes."""
-    client = raw_client(master, segment_bytes)
-    print("ready", flush=True)
-    sys.stdin.read()
-    client.close()
-
-
-@contextlib.contextmanager
-def _child(what: str, *args: str) -> Iterator[dict[str, str]]:
-    """This script in a child process, in the hidden mode `args` names, from its "ready" line
-    until the block ends; then its stdin is closed (its signal to finish) and what it printed
-    after "ready" goes under "said" in the dict yielded. `what` names it in errors."""
-    child = subprocess.Popen(
-        [sys.executable, __file__, *args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    out: dict[str, str] = {}
-    try:
-        line = child.stdout.readline() if child.stdout else ""
-        if line.strip() != "ready":
-            raise RuntimeError(f"{what} did not start")
-        yield out
-    finally:
-        if child.stdin:
-            child.stdin.close()
-        out["said"] = child.stdout.read() if child.stdout else ""
-        child.wait(60)
-
-
 @contextlib.contextmanager
 def segment_server(master: str, segment_bytes: int) -> Iterator[None]:
-    """Another process contributes the store's only segment while the block runs."""
-    with _child("segment server", "--serve-segment", master, str(segment_bytes)):
+    """Another process contributes the store's only segment while the block runs (the tests'
+    segment holder)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from mooncake_master import _SegmentHolder
+
+    holder = _SegmentHolder(master, segment_bytes)
+    try:
         yield
+    finally:
+        holder.close()
 
 
 @contextlib.contextmanager
@@ -166,13 +141,19 @@ def store_load(
     write-behind, from outside the measuring process. The dict yielded gets the loader's `gbps`
     (bytes put per second) and `seconds` once the block has ended."""
     result: dict[str, float] = {}
-    out: dict[str, str] = {}
     args = ("--load-store", master, str(obj_bytes), str(batch), str(gbps or 0))
+    child = subprocess.Popen(
+        [sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
-        with _child("store loader", *args) as out:
-            yield result
+        if not child.stdout or child.stdout.readline().strip() != "ready":
+            raise RuntimeError("the store loader did not start")
+        yield result
     finally:
-        said = out.get("said", "").strip()
+        if child.stdin:
+            child.stdin.close()  # its signal to finish; then it prints its rate
+        said = child.stdout.read().strip() if child.stdout else ""
+        child.wait(60)
         if said:
             result.update(json.loads(said))
 
@@ -347,7 +328,6 @@ def main() -> None:
     ap.add_argument(
         "--split", action="store_true", help="one batched get against 2 and 4 concurrent shares"
     )
-    ap.add_argument("--serve-segment", nargs=2, metavar=("MASTER", "BYTES"), help=argparse.SUPPRESS)
     ap.add_argument(
         "--load-store",
         nargs=4,
@@ -355,9 +335,6 @@ def main() -> None:
         help=argparse.SUPPRESS,
     )
     args = ap.parse_args()
-    if args.serve_segment:
-        _serve_segment(args.serve_segment[0], int(args.serve_segment[1]))
-        return
     if args.load_store:
         master, obj, batch, gbps = args.load_store
         _load_store(master, int(obj), int(batch), float(gbps))
