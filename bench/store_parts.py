@@ -248,9 +248,10 @@ def beside_l3(calls: int, rounds: int) -> dict:
     - `busy_in_thread`: a thread of this process does the same (`l3_raw.put_loop`): a Mooncake
       client, its transfer threads and the loopback traffic inside the engine's process,
       without hicache's L3;
-    - `beside_saturated_l3`: an L3 cache in this process is stored into before every timed
-      store, its write-behind queue of 2 always full (`l3_cache.py`'s saturated phase):
-      hicache's L3 workers and Mooncake's threads in the process.
+    - `beside_saturated_l3`: before every timed store, an L3 cache in this process stores 64
+      new pages (its write-behind queue of 2 always full) and matches a new prompt (a fetch
+      starts), as in a step of `l3_cache.py`'s saturated phase: hicache's L3 workers and
+      Mooncake's threads in the process.
 
     The loaders put at the rate the saturated L3 cache reaches here, measured first. Every step
     also times a fixed compiled hash of 64 pages (`reference_hash_us`, no Python, nothing
@@ -266,9 +267,11 @@ def beside_l3(calls: int, rounds: int) -> dict:
     seed = bytes(keys.KEY_BYTES)
     obj = 4 * l3_cache.ENGINE_PAGE  # a group of 4 pages: what the caches put
 
-    def feed_l3(i: int) -> None:
+    def feed_l3(i: int) -> None:  # the L3 cache's calls of a saturated phase's step
         busy.store(f"b{i}", rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32), list(range(64)))
         busy.release(f"b{i}")
+        busy.match(f"m{i}", rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32))  # a fetch
+        busy.release(f"m{i}")
         busy.poll()
 
     def timed(feed: Callable[[int], None] | None) -> dict:
