@@ -63,7 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "bench")]
 
 from l3_raw import measure, raw_client, report, store_load  # noqa: E402
-from mooncake_master import MooncakeMaster, _SegmentHolder  # noqa: E402
+from mooncake_master import MooncakeMaster, SegmentHolder  # noqa: E402
 
 from hicache import HiCache, PagedBuffer, load_config, native, threads  # noqa: E402
 
@@ -719,7 +719,7 @@ def main() -> None:
             f"--rounds {args.rounds} leaves {kept / 2**30:.1f} GiB in the store: give "
             f"--segment-gib {int(kept / 0.85 / 2**30) + 1} or fewer rounds"
         )
-    holder = _SegmentHolder(master.address, segment)
+    holder = SegmentHolder(master.address, segment)
     try:
         flow, baseline, saturated, elsewhere, down, down_open = [], None, None, None, None, None
         if "throughput" in parts:

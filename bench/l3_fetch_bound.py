@@ -22,7 +22,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "bench")]
 
 import l3_cache  # noqa: E402
 from l3_raw import report  # noqa: E402
-from mooncake_master import MooncakeMaster, _SegmentHolder  # noqa: E402
+from mooncake_master import MooncakeMaster, SegmentHolder  # noqa: E402
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
 
         l3_cache.make_cache = bounded
         master = MooncakeMaster().start()
-        holder = _SegmentHolder(master.address, 1 << 30)
+        holder = SegmentHolder(master.address, 1 << 30)
         try:
             r = l3_cache.engine_thread_times(master, args.calls, "down")
         finally:

@@ -28,7 +28,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "bench")]
 
 import l3_cache  # noqa: E402
 from l3_raw import report  # noqa: E402
-from mooncake_master import MooncakeMaster, _SegmentHolder  # noqa: E402
+from mooncake_master import MooncakeMaster, SegmentHolder  # noqa: E402
 
 STEPS = [
     ("match, before the fetch starts", "t0", "submit0"),
@@ -72,7 +72,7 @@ def main() -> None:
         l3_cache.DEVICE, l3_cache.CUDA = args.device, True
         torch.cuda.set_stream(torch.cuda.Stream())
     master = MooncakeMaster().start()
-    holder = _SegmentHolder(master.address, 2 << 30)
+    holder = SegmentHolder(master.address, 2 << 30)
     page, pages = 128 << 10, 128
     writer = l3_cache.make_cache(master, page, pages)
     reader = l3_cache.make_cache(master, page, pages)

@@ -123,9 +123,9 @@ def segment_server(master: str, segment_bytes: int) -> Iterator[None]:
     """Another process contributes the store's only segment while the block runs (the tests'
     segment holder)."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from mooncake_master import _SegmentHolder
+    from mooncake_master import SegmentHolder
 
-    holder = _SegmentHolder(master, segment_bytes)
+    holder = SegmentHolder(master, segment_bytes)
     try:
         yield
     finally:

@@ -41,7 +41,7 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
 
 import l3_cache  # noqa: E402
 from l3_raw import put_loop, report, store_load  # noqa: E402
-from mooncake_master import MooncakeMaster, _SegmentHolder  # noqa: E402
+from mooncake_master import MooncakeMaster, SegmentHolder  # noqa: E402
 
 from hicache import PagedBuffer, cache, keys, l3, native, slots, transfers  # noqa: E402
 from hicache.backends import gpu  # noqa: E402
@@ -153,7 +153,7 @@ def under_load(calls: int) -> dict:
             records.append(rec)
 
     master = MooncakeMaster().start()
-    holder = _SegmentHolder(master.address, 8 << 30)
+    holder = SegmentHolder(master.address, 8 << 30)
     frozen, l3_cache.GC_FREEZE = l3_cache.GC_FREEZE, True  # as the bench runs with --gc-freeze
     try:
         with pieces_timed(sink, [*PIECES, (l3.L3, "write_behind")]):
@@ -259,7 +259,7 @@ def beside_l3(calls: int, rounds: int) -> dict:
     spread of the `alone` rounds, L3 does not slow the rest of the engine thread; a difference
     that the reference hash shows too is the machine, not the process."""
     master = MooncakeMaster().start()
-    holder = _SegmentHolder(master.address, 4 << 30)
+    holder = SegmentHolder(master.address, 4 << 30)
     host = l3_cache.make_cache(None, l3_cache.ENGINE_PAGE, 128)
     busy = l3_cache.make_cache(master, l3_cache.ENGINE_PAGE, 128, write_queue_depth=2)
     rng = np.random.default_rng(1)

@@ -53,7 +53,7 @@ class MooncakeMaster(LocalMaster):
     def __init__(self, extra_args: Sequence[str] = (), log_dir: str | None = None) -> None:
         super().__init__(extra_args, log_dir)
         self._clients: list[_Closable] = []
-        self._segment: _SegmentHolder | None = None
+        self._segment: SegmentHolder | None = None
 
     @property
     def tier_config(self) -> dict[str, object]:
@@ -64,7 +64,7 @@ class MooncakeMaster(LocalMaster):
         the master runs, so that objects outlive the engine that put them (a client's segment,
         and every object in it, goes away when the client closes)."""
         if self._segment is None:
-            self._segment = _SegmentHolder(self.address, 128 << 20)
+            self._segment = SegmentHolder(self.address, 128 << 20)
         return {
             "master_address": self.address,
             "local_hostname": "127.0.0.1",
@@ -131,7 +131,7 @@ if rc == 0:
 """
 
 
-class _SegmentHolder:
+class SegmentHolder:
     """A process that contributes one segment to the store until `close`."""
 
     def __init__(self, master_address: str, nbytes: int) -> None:
