@@ -90,6 +90,17 @@ def percentiles(xs: list[float]) -> dict[str, float]:
     }
 
 
+REFERENCE_PAGES = np.random.default_rng(0).integers(0, 50_000, (64, 16), dtype=np.int32)
+
+
+def reference_hash_us() -> float:
+    """µs of one fixed compiled hash of 64 pages (no Python inside, nothing shared with other
+    threads): how fast this CPU runs right now, to read the engine-thread timings against."""
+    t0 = time.perf_counter()
+    native.chain_keys(bytes(16), REFERENCE_PAGES)
+    return (time.perf_counter() - t0) * 1e6
+
+
 def make_cache(master: MooncakeMaster | None, page_bytes: int, pages: int, **store) -> HiCache:
     """A cache over a CPU pool of `pages` pages; with `master` None, the host tier alone."""
     l3 = {
@@ -575,9 +586,8 @@ def engine_thread_times(
     calls_timed = ("store", "store_scattered", "match", "poll")
     names = [f"{c}_{k}" for c in calls_timed for k in ("wall_us", "cpu_us")]
     times: dict[str, list[float]] = {n: [] for n in names}
-    reference = np.ascontiguousarray(rng.integers(0, 50_000, (64, 16), dtype=np.int32))
-    hashed: list[float] = []  # the CPU's own speed: a fixed compiled hash, once per step
     beside: dict[str, list[float]] = {n: [] for n in names}
+    hashed: list[float] = []  # the CPU's own speed, once per step
 
     profile = cProfile.Profile() if PROFILE else None
     collections = [0]  # garbage collections so far (any generation)
@@ -638,9 +648,7 @@ def engine_thread_times(
                 turns = [(cache, times)] if pair is None else [(cache, times), (pair, beside)]
                 for c, into in turns[:: 1 if i % 2 else -1]:
                     step(c, into, i, *prompts, scattered)
-                t0 = time.perf_counter()
-                native.chain_keys(bytes(16), reference)
-                hashed.append((time.perf_counter() - t0) * 1e6)
+                hashed.append(reference_hash_us())
             seconds = time.perf_counter() - started
         stats = cache.stats()
         if profile is not None:

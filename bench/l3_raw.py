@@ -40,6 +40,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from mooncake_master import MooncakeMaster, SegmentHolder  # noqa: E402
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
@@ -122,9 +125,6 @@ def measure(
 def segment_server(master: str, segment_bytes: int) -> Iterator[None]:
     """Another process contributes the store's only segment while the block runs (the tests'
     segment holder)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from mooncake_master import SegmentHolder
-
     holder = SegmentHolder(master, segment_bytes)
     try:
         yield
@@ -343,9 +343,6 @@ def main() -> None:
     master_proc = None
     address = args.master
     if address is None:
-        sys.path.insert(0, str(ROOT / "tests"))
-        from mooncake_master import MooncakeMaster
-
         master_proc = MooncakeMaster().start()
         address = master_proc.address
     try:

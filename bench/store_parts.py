@@ -254,8 +254,8 @@ def beside_l3(calls: int, rounds: int) -> dict:
       Mooncake's threads in the process.
 
     The loaders put at the rate the saturated L3 cache reaches here, measured first. Every step
-    also times a fixed compiled hash of 64 pages (`reference_hash_us`, no Python, nothing
-    shared): the CPU's own speed at that moment. Where the store beside L3 stays within the
+    also times a fixed compiled hash of 64 pages (`l3_cache.reference_hash_us`, no Python,
+    nothing shared): the CPU's own speed at that moment. Where the store beside L3 stays within the
     spread of the `alone` rounds, L3 does not slow the rest of the engine thread; a difference
     that the reference hash shows too is the machine, not the process."""
     master = MooncakeMaster().start()
@@ -263,8 +263,6 @@ def beside_l3(calls: int, rounds: int) -> dict:
     host = l3_cache.make_cache(None, l3_cache.ENGINE_PAGE, 128)
     busy = l3_cache.make_cache(master, l3_cache.ENGINE_PAGE, 128, write_queue_depth=2)
     rng = np.random.default_rng(1)
-    reference = np.ascontiguousarray(rng.integers(0, 50_000, (64, 16), dtype=np.int32))
-    seed = bytes(keys.KEY_BYTES)
     obj = 4 * l3_cache.ENGINE_PAGE  # a group of 4 pages: what the caches put
 
     def feed_l3(i: int) -> None:  # the L3 cache's calls of a saturated phase's step
@@ -285,15 +283,13 @@ def beside_l3(calls: int, rounds: int) -> dict:
             host.store(f"s{i}", tokens, list(range(64)))
             store.append(time.perf_counter() - t0)
             host.release(f"s{i}")
-            t0 = time.perf_counter()
-            native.chain_keys(seed, reference)
-            hashed.append(time.perf_counter() - t0)
+            hashed.append(l3_cache.reference_hash_us())
             host.poll()
         seconds = time.perf_counter() - t_start
         put = busy.stats().get("l3_put_bytes", 0) - put_before
         return {
             "store_us": pct(store),
-            "reference_hash_us": pct(hashed),
+            "reference_hash_us": l3_cache.percentiles(hashed),
             "seconds": round(seconds, 2),
             "l3_put_gbps": round(put / seconds / 1e9, 3),
         }
