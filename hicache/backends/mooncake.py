@@ -30,7 +30,6 @@ Mooncake is imported in `start()`, so this module (and its config) loads without
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import enum
 import logging
@@ -40,16 +39,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any, Literal, TypeVar
 
-import numpy as np
-import torch
 from pydantic import Field, field_validator
 
 from hicache import threads
 from hicache.backends.base import Buffers, StoreTier, StoreUnavailable
 from hicache.backends.breaker import BreakerState, BreakerStats, CircuitBreaker
+from hicache.backends.regions import Region, Regions, check_keys
 from hicache.backends.registry import register_tier
 from hicache.config import Bytes, Layout, StoreTierConfig
 
@@ -268,13 +265,6 @@ class _Call:
     """Counted as a breaker failure by the watchdog already."""
 
 
-@dataclass(frozen=True)
-class _Region:
-    start: int
-    size: int
-    owner: torch.Tensor
-
-
 @register_tier("mooncake", MooncakeConfig)
 class MooncakeStore(StoreTier):
     """Batched, blocking client of one Mooncake Store. Thread-safe; call from worker threads.
@@ -308,10 +298,7 @@ class MooncakeStore(StoreTier):
         self._started = False
         self._failed_setups = 0
         self._setups = 0
-        self._regions: list[_Region] = []  # sorted by start
-        self._starts: list[int] = []
-        self._bounds = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-        """Starts and ends of the registered regions, as arrays (for `_check_buffers`)."""
+        self._memory: Regions[None] = Regions()
         self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_reprobe_s)
         self._running: dict[int, _Call] = {}  # calls out now, by id; under _lock
         self._drained = threading.Condition(self._lock)  # closing, and no call is out
@@ -389,7 +376,7 @@ class MooncakeStore(StoreTier):
                 return True
             self._closing = True
             client, self._client = self._client, None
-            regions = list(self._regions)
+            regions = self._memory.all()
             self._wake.notify_all()
         thread = self._thread
 
@@ -484,9 +471,7 @@ class MooncakeStore(StoreTier):
             log.warning("mooncake setup with master %s failed: %s", cfg.master_address, rc)
             client.close()
             return None
-        with self._lock:
-            regions = list(self._regions)
-        for r in regions:
+        for r in self._memory.all():
             self._register_raw(client, r)
         return client
 
@@ -498,83 +483,18 @@ class MooncakeStore(StoreTier):
         The store keeps a reference to it until `close`; it is registered again with every new
         connection. Registering the same tensor twice is a no-op; overlapping regions are refused.
         """
-        if not isinstance(memory, torch.Tensor):
-            raise TypeError(f"register needs a torch.Tensor, got {type(memory).__name__}")
-        if memory.device.type != "cpu" or not memory.is_contiguous():
-            raise ValueError("register needs a contiguous CPU tensor")
-        size = memory.numel() * memory.element_size()
-        if size == 0:
-            raise ValueError("register needs a non-empty tensor")
-        region = _Region(memory.data_ptr(), size, memory)
-        with self._lock:
-            i = bisect.bisect_right(self._starts, region.start)
-            if (
-                i
-                and self._regions[i - 1].start == region.start
-                and self._regions[i - 1].size == size
-            ):
-                return
-            prev_end = self._regions[i - 1].start + self._regions[i - 1].size if i else 0
-            next_start = self._starts[i] if i < len(self._starts) else None
-            if prev_end > region.start or (
-                next_start is not None and region.start + size > next_start
-            ):
-                raise ValueError("register: the tensor overlaps memory registered already")
-            self._regions.insert(i, region)
-            self._starts.insert(i, region.start)
-            self._bounds = (
-                np.array(self._starts, dtype=np.int64),
-                np.array([r.start + r.size for r in self._regions], dtype=np.int64),
-            )
-            client = self._client
+        region = self._memory.add(memory, None)
+        if region is None:
+            return
+        client = self._client
         if client is not None:
             self._register_raw(client, region)
 
     @staticmethod
-    def _register_raw(client: Any, region: _Region) -> None:
-        rc = client.register_buffer(region.start, region.size)
+    def _register_raw(client: Any, region: Region[None]) -> None:
+        rc = client.register_buffer(region.start, region.nbytes)
         if rc != 0:
-            raise RuntimeError(f"mooncake register_buffer of {region.size} bytes failed: {rc}")
-
-    def _check_buffers(self, keys: Sequence[str], buffers: Buffers) -> None:
-        """ValueError naming the first piece that is empty or outside registered memory (one
-        vectorized pass over all pieces: this runs on every put and get)."""
-        if not isinstance(buffers, Buffers):
-            raise TypeError(f"buffers must be Buffers, got {type(buffers).__name__}")
-        if len(keys) != len(buffers.ptrs) or len(keys) != len(buffers.sizes):
-            raise ValueError(
-                f"{len(keys)} keys but {len(buffers.ptrs)} pointer lists and "
-                f"{len(buffers.sizes)} size lists"
-            )
-        counts = list(map(len, buffers.ptrs))
-        if counts != list(map(len, buffers.sizes)):
-            raise ValueError("every object needs as many sizes as pointers")
-        if 0 in counts:
-            raise ValueError(f"key {keys[counts.index(0)]!r} has no pieces")
-        if buffers.span is not None and self._registered_span(*buffers.span):
-            return  # every piece lies in one registered region: nothing more to check
-        total = sum(counts)
-        ptr = np.fromiter(chain.from_iterable(buffers.ptrs), dtype=np.int64, count=total)
-        size = np.fromiter(chain.from_iterable(buffers.sizes), dtype=np.int64, count=total)
-        with self._lock:
-            starts, ends = self._bounds
-        region = np.searchsorted(starts, ptr, side="right") - 1
-        outside = (region < 0) | (ptr + size > ends[np.maximum(region, 0)])
-        bad = np.flatnonzero(outside | (size <= 0))
-        if bad.size:
-            j = int(bad[0])
-            key = keys[int(np.searchsorted(np.cumsum(counts), j, side="right"))]
-            if size[j] <= 0:
-                raise ValueError(f"key {key!r}: piece size must be > 0, got {size[j]}")
-            raise ValueError(
-                f"key {key!r}: piece ({int(ptr[j]):#x}, {size[j]}) is outside registered memory"
-            )
-
-    def _registered_span(self, low: int, high: int) -> bool:
-        """Whether [low, high) lies inside one registered region."""
-        with self._lock:
-            i = bisect.bisect_right(self._starts, low) - 1
-            return i >= 0 and low < high <= self._regions[i].start + self._regions[i].size
+            raise RuntimeError(f"mooncake register_buffer of {region.nbytes} bytes failed: {rc}")
 
     # -- calls -------------------------------------------------------------------------------
 
@@ -582,7 +502,7 @@ class MooncakeStore(StoreTier):
         """Which keys the store holds, in one batched call. A key whose own query failed reads
         as absent. Reading a key gives it a lease (10 s by default) that protects it from
         eviction and removal, so a get right after this finds it."""
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         if not keys:
             return []
         codes = self._call("exists", lambda c: c.batch_is_exist(keys), len(keys))
@@ -594,8 +514,8 @@ class MooncakeStore(StoreTier):
         The pieces of a key must add up to the object's exact size (larger: TRANSFER_FAIL,
         smaller: INVALID_PARAMS); a missing key is OBJECT_NOT_FOUND.
         """
-        keys = _check_keys(keys)
-        self._check_buffers(keys, buffers)
+        keys = check_keys(keys)
+        self._memory.check(keys, buffers)
         if not keys:
             return []
         ptrs, sizes = buffers.ptrs, buffers.sizes
@@ -614,8 +534,8 @@ class MooncakeStore(StoreTier):
         A key that exists already is left as it is and reads OK (objects are named by content).
         NO_SPACE means no segment had room now; the object is simply not stored.
         """
-        keys = _check_keys(keys)
-        self._check_buffers(keys, buffers)
+        keys = check_keys(keys)
+        self._memory.check(keys, buffers)
         if not keys:
             return []
         ptrs, sizes, rep = buffers.ptrs, buffers.sizes, self._replicate
@@ -633,7 +553,7 @@ class MooncakeStore(StoreTier):
     def remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
         """Remove objects; per key OK, OBJECT_NOT_FOUND, OBJECT_HAS_LEASE (read recently; pass
         `force` to remove anyway) or another negative code."""
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         if not keys:
             return []
         return self._call("remove", lambda c: c.batch_remove(keys, force), len(keys))
@@ -721,13 +641,3 @@ class MooncakeStore(StoreTier):
             breaker=self._breaker.stats(),
             **c,
         )
-
-
-def _check_keys(keys: Sequence[str]) -> list[str]:
-    if isinstance(keys, str):
-        raise TypeError("keys must be a sequence of str, not one str")
-    out = list(keys)
-    for k in out:
-        if not isinstance(k, str) or not k:
-            raise ValueError(f"every key must be a non-empty str, got {k!r}")
-    return out
