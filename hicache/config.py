@@ -149,6 +149,11 @@ class StoreTierConfig(TierConfig):
     """CPUs for the L3's threads (its workers, and the store client's threads, which inherit
     them): give CPUs other than the engine thread's, so that L3 never takes its core. Empty:
     wherever the process may run."""
+    own_process: bool = False
+    """Run the store's client in a child process (`hicache.backends.isolated`): its transfers
+    and threads then slow the engine thread less. The host pools become shared memory files
+    that the child maps, so transfers stay zero-copy; L3's workers stay in the engine's
+    process and wait on a socket for each call. A child that exits is started again."""
 
 
 class Policy(_Strict):
