@@ -76,6 +76,7 @@ GC_FREEZE = False  # --gc-freeze: freeze the heap before the engine-thread timin
 ENGINE_CPU: int | None = None  # --engine-cpu: the engine thread's CPU while it is timed
 OTHERS: frozenset[int] = frozenset()  # then: every other CPU (less its SMT siblings)
 FETCH_WORKERS: int | None = None  # --fetch-workers: the caches' fetch threads (None: default)
+OWN_PROCESS = False  # --own-process: the caches' store clients run in a process of their own
 STREAM = 4  # requests at once in the streamed throughput
 ROTATE = 16  # the raw calls' buffers: as many batches as a cache's host tier holds here
 
@@ -112,6 +113,7 @@ def make_cache(master: MooncakeMaster | None, page_bytes: int, pages: int, **sto
         "breaker_reprobe_s": 0.5,
         "worker_cpus": sorted(OTHERS),
         **({"fetch_workers": FETCH_WORKERS} if FETCH_WORKERS else {}),
+        "own_process": OWN_PROCESS,
         **store,
     }
     # a host tier of 16 stores' pages, and at least 512 MiB: the fetch reserve (64 MiB by
@@ -173,8 +175,11 @@ class CallClock:
 
 
 def call_clock(cache: HiCache) -> CallClock:
-    """Put a `CallClock` between `cache`'s store and its (connected) Mooncake client."""
+    """Put a `CallClock` between `cache`'s store and its (connected) Mooncake client. With
+    --own-process the client is in another process: the clock stands by and counts nothing."""
     store = cache._l3.store  # type: ignore[union-attr]
+    if OWN_PROCESS:
+        return CallClock(None)
     store._client = CallClock(store._client)
     return store._client
 
@@ -194,9 +199,10 @@ def on_engine_cpu():
         os.sched_setaffinity(0, OTHERS)
 
 
-def pin_engine(cpu: int) -> None:
-    """Keep this process and everything it starts from now on off `cpu` and its SMT siblings;
-    `on_engine_cpu` moves the engine thread onto `cpu` for the timed parts."""
+def pin_engine(cpu: int, avoid: frozenset[int] = frozenset()) -> None:
+    """Keep this process and everything it starts from now on off `cpu`, its SMT siblings and
+    the CPUs in `avoid` (siblings that the topology does not show: `bench/cpu_pairs.py` finds
+    them); `on_engine_cpu` moves the engine thread onto `cpu` for the timed parts."""
     global ENGINE_CPU, OTHERS
     path = f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
     siblings = {cpu}
@@ -204,7 +210,7 @@ def pin_engine(cpu: int) -> None:
         for part in Path(path).read_text().strip().split(","):
             lo, _, hi = part.partition("-")
             siblings.update(range(int(lo), int(hi or lo) + 1))
-    others = frozenset(os.sched_getaffinity(0) - siblings)
+    others = frozenset(os.sched_getaffinity(0) - siblings - avoid)
     if cpu not in os.sched_getaffinity(0) or not others:
         raise SystemExit(f"--engine-cpu {cpu}: not a CPU of this process, or no other core left")
     ENGINE_CPU, OTHERS = cpu, others
@@ -424,7 +430,7 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
         until_idle(writer)
         put_s = time.perf_counter() - t0
         put_call_s = writer.histograms()["hicache_l3_put_seconds"]["sum"] - put_before
-        mc_put_s = puts["batch_put_from_multi_buffers"] - mc_put_before
+        mc_put_s = puts.get("batch_put_from_multi_buffers", 0.0) - mc_put_before
         writer.release(f"w{r}")
         if writer.stats()["l3_put_bytes"] - before != pages * page_bytes:
             raise SystemExit(f"round {r}: not every page group was put")
@@ -438,7 +444,7 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
             m = reader.match(f"r{r}", tokens)
         fill_s = time.perf_counter() - t0
         get_s = reader.histograms()["hicache_l3_get_seconds"]["sum"] - get_before
-        mc_get_s = gets["batch_get_into_multi_buffers"] - mc_before
+        mc_get_s = gets.get("batch_get_into_multi_buffers", 0.0) - mc_before
         reader.release(f"r{r}")
         got = reader.stats()["l3_get_bytes"] - before
         if m.l3_tokens != pages * 16 or got != pages * page_bytes:
@@ -473,6 +479,7 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
     gbps = {
         k: round(nbytes * (STREAM if k.endswith("_x4") else 1) / statistics.median(v) / 1e9, 3)
         for k, v in t.items()
+        if statistics.median(v) > 0  # the Mooncake calls' own times: not seen with --own-process
     }
     return {
         "objects_per_batch": 32,
@@ -499,6 +506,7 @@ def throughput(master: MooncakeMaster, rounds: int, page_bytes: int) -> dict:
                 ("put_mooncake_call", "_put"),
                 ("fill_mooncake_call", "_get"),
             )
+            if ours in gbps
         },
         "notes": "put: the store's host copy done (CUDA; store() returning on the CPU) -> "
         "every put applied (write-behind worker, poll); "
@@ -704,15 +712,24 @@ def main() -> None:
         help="time the engine thread on this CPU; everything else (the caches' L3 threads "
         "through worker_cpus, the master, the raw clients) runs on the other cores",
     )
+    ap.add_argument(
+        "--avoid-cpus",
+        default="",
+        help="with --engine-cpu: CPUs (comma-separated) where nothing else runs either",
+    )
     ap.add_argument("--fetch-workers", type=int, help="the caches' fetch_workers")
+    ap.add_argument(
+        "--own-process", action="store_true", help="the caches' store clients in their own process"
+    )
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    global DEVICE, CUDA, ENGINE_PAGE, PROFILE, GC_FREEZE, FETCH_WORKERS
-    FETCH_WORKERS = args.fetch_workers
+    global DEVICE, CUDA, ENGINE_PAGE, PROFILE, GC_FREEZE, FETCH_WORKERS, OWN_PROCESS
+    FETCH_WORKERS, OWN_PROCESS = args.fetch_workers, args.own_process
     DEVICE, CUDA, PROFILE = args.device, args.device.startswith("cuda"), args.profile
     GC_FREEZE = args.gc_freeze
     if args.engine_cpu is not None:
-        pin_engine(args.engine_cpu)  # before the master and the caches start their threads
+        avoid = frozenset(int(c) for c in args.avoid_cpus.split(",") if c)
+        pin_engine(args.engine_cpu, avoid)  # before the master and the caches start their threads
     if CUDA:
         torch.cuda.set_stream(torch.cuda.Stream())  # an engine's own stream
         ENGINE_PAGE = 64 * KiB
@@ -751,7 +768,9 @@ def main() -> None:
         + ", loopback TCP, Mooncake 0.3.13.post1",
         "command": "python " + " ".join(sys.argv),
         "engine_cpu": ENGINE_CPU,
+        "other_cpus": sorted(OTHERS),
         "fetch_workers": FETCH_WORKERS or threads.fetch_workers(OTHERS),
+        "own_process": OWN_PROCESS,
         "throughput": flow,
         "engine_thread_host_only_baseline": baseline,
         "engine_thread_store_saturated": saturated,

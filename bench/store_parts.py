@@ -15,7 +15,8 @@ saturated (a real `mooncake_master` on loopback, as in `l3_cache.py`). With --be
 also `beside_load`: a host-only store alone and beside N busy processes, which compute only or
 stream memory (what the machine's other work does to the engine thread without any L3). With
 --beside-l3 ROUNDS also `beside_l3`: a host-only store alone, beside the store's traffic from
-another process or from a thread of its own, and beside a saturated L3 cache in its process.
+another process or from a thread of its own, beside a saturated L3 cache in its process (its
+store client in the process, or in one of its own), and beside GPU -> host copies alone.
 """
 
 from __future__ import annotations
@@ -234,13 +235,20 @@ def beside_load(calls: int, procs: int) -> dict:
     return {"processes": procs, "store_us": out}
 
 
-CONDITIONS = ("alone", "busy_elsewhere", "busy_in_thread", "beside_saturated_l3")
+CONDITIONS = (
+    "alone",
+    "busy_elsewhere",
+    "busy_in_thread",
+    "beside_saturated_l3",
+    "beside_saturated_l3_own_process",
+    "beside_copies",
+)
 """`beside_l3`'s conditions, in the order of its even rounds."""
 
 
 def beside_l3(calls: int, rounds: int) -> dict:
     """Does L3 in the engine's process slow the engine thread's other work? A host-only `store`
-    (consecutive blocks) timed back to back under four conditions, round by round, the order
+    (consecutive blocks) timed back to back under each condition, round by round, the order
     reversed every other round (the machine's speed drifts within a minute):
 
     - `alone`: nothing else runs;
@@ -251,7 +259,11 @@ def beside_l3(calls: int, rounds: int) -> dict:
     - `beside_saturated_l3`: before every timed store, an L3 cache in this process stores 64
       new pages (its write-behind queue of 2 always full) and matches a new prompt (a fetch
       starts), as in a step of `l3_cache.py`'s saturated phase: hicache's L3 workers and
-      Mooncake's threads in the process.
+      Mooncake's threads in the process;
+    - `beside_saturated_l3_own_process`: the same with a cache whose store client runs in a
+      process of its own (``own_process``): L3's workers in this process, Mooncake in another;
+    - `beside_copies`: before every timed store, a second host-only cache stores 64 new pages:
+      the GPU -> host copies that feed a saturated L3's write-behind, without L3.
 
     The loaders put at the rate the saturated L3 cache reaches here, measured first. Every step
     also times a fixed compiled hash of 64 pages (`l3_cache.reference_hash_us`, no Python,
@@ -262,18 +274,29 @@ def beside_l3(calls: int, rounds: int) -> dict:
     holder = SegmentHolder(master.address, 4 << 30)
     host = l3_cache.make_cache(None, l3_cache.ENGINE_PAGE, 128)
     busy = l3_cache.make_cache(master, l3_cache.ENGINE_PAGE, 128, write_queue_depth=2)
+    busy_own = l3_cache.make_cache(
+        master, l3_cache.ENGINE_PAGE, 128, write_queue_depth=2, own_process=True
+    )
     rng = np.random.default_rng(1)
     obj = 4 * l3_cache.ENGINE_PAGE  # a group of 4 pages: what the caches put
 
-    def feed_l3(i: int) -> None:  # the L3 cache's calls of a saturated phase's step
-        busy.store(f"b{i}", rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32), list(range(64)))
-        busy.release(f"b{i}")
-        busy.match(f"m{i}", rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32))  # a fetch
-        busy.release(f"m{i}")
-        busy.poll()
+    def feeder(c: cache.HiCache) -> Callable[[int], None]:
+        def feed(i: int) -> None:  # the calls of a saturated phase's step (with L3: a fetch)
+            tokens = rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32)
+            c.store(f"b{i}", tokens, list(range(64)))
+            c.release(f"b{i}")
+            c.match(f"m{i}", rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32))
+            c.release(f"m{i}")
+            c.poll()
+
+        return feed
+
+    copier = l3_cache.make_cache(None, l3_cache.ENGINE_PAGE, 128)
+    feed_l3, feed_own, feed_copies = feeder(busy), feeder(busy_own), feeder(copier)
 
     def timed(feed: Callable[[int], None] | None) -> dict:
-        put_before, t_start = busy.stats().get("l3_put_bytes", 0), time.perf_counter()
+        l3 = busy_own if feed is feed_own else busy
+        put_before, t_start = l3.stats().get("l3_put_bytes", 0), time.perf_counter()
         store, hashed = [], []
         for i in range(calls):
             tokens = rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32)
@@ -286,7 +309,7 @@ def beside_l3(calls: int, rounds: int) -> dict:
             hashed.append(l3_cache.reference_hash_us())
             host.poll()
         seconds = time.perf_counter() - t_start
-        put = busy.stats().get("l3_put_bytes", 0) - put_before
+        put = l3.stats().get("l3_put_bytes", 0) - put_before
         return {
             "store_us": pct(store),
             "reference_hash_us": l3_cache.percentiles(hashed),
@@ -299,6 +322,10 @@ def beside_l3(calls: int, rounds: int) -> dict:
             return timed(None)
         if condition == "beside_saturated_l3":
             return timed(feed_l3)
+        if condition == "beside_saturated_l3_own_process":
+            return timed(feed_own)
+        if condition == "beside_copies":
+            return timed(feed_copies)
         if condition == "busy_elsewhere":
             with store_load(master.address, obj, gbps=gbps) as load:
                 row = timed(None)
@@ -320,7 +347,8 @@ def beside_l3(calls: int, rounds: int) -> dict:
     gc.collect()
     gc.freeze()
     try:
-        rate = timed(feed_l3)["l3_put_gbps"]  # also warms both caches up
+        rate = timed(feed_l3)["l3_put_gbps"]  # also warms the caches up
+        timed(feed_own)
         out: dict[str, list[dict]] = {c: [] for c in CONDITIONS}
         for r in range(rounds):
             for condition in CONDITIONS if r % 2 == 0 else CONDITIONS[::-1]:
@@ -328,6 +356,8 @@ def beside_l3(calls: int, rounds: int) -> dict:
     finally:
         gc.unfreeze()
         busy.close()
+        busy_own.close()
+        copier.close()
         host.close()
         holder.close()
         master.stop()
