@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -176,7 +177,7 @@ class IsolatedStore(StoreTier):
         fds = (theirs.fileno(), their_status.fileno())
         cmd = [sys.executable, "-m", "hicache.backends.store_server", *map(str, fds)]
         try:
-            process = subprocess.Popen(cmd, pass_fds=fds)
+            process = subprocess.Popen(cmd, pass_fds=fds, env=_child_env())
         except OSError as err:
             log.error("hicache: starting the store process failed: %r", err)
             for s in (control, theirs, status, their_status):
@@ -330,3 +331,11 @@ class IsolatedStore(StoreTier):
         sock.settimeout(self.reply_timeout_s)
         self._local.channel = (generation, sock)
         return sock
+
+
+def _child_env() -> dict[str, str]:
+    """This environment, with the folder that holds this hicache first on the child's path: the
+    child imports the same hicache however the engine found it."""
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
