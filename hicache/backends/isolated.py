@@ -158,7 +158,8 @@ class IsolatedStore(StoreTier):
             if status is not None:
                 if self._generation > 1:
                     self.restarts += 1
-                self._follow(status)
+                if self._follow(status):  # it served: a later exit starts the backoff afresh
+                    delay = self.restart_backoff_s[0]
                 status.close()
             with self._lock:
                 if self._closing:
@@ -199,7 +200,7 @@ class IsolatedStore(StoreTier):
                 wire.send(control, ("config", self.config.type, self.config.model_dump()))
                 for region in self._memory.all():
                     self._send_file(control, region)
-            except (OSError, wire.ChannelClosed, RuntimeError) as err:
+            except Exception as err:  # the child is of no use: it goes, a new one is tried later
                 log.error("hicache: the store process failed at its start: %r", err)
                 process.kill()
                 control.close()
@@ -207,14 +208,17 @@ class IsolatedStore(StoreTier):
             self._control = control
         return status
 
-    def _follow(self, status: socket.socket) -> None:
-        """Track the child's availability until it exits (its status socket closes)."""
+    def _follow(self, status: socket.socket) -> bool:
+        """Track the child's availability until it exits (its status socket closes); whether
+        its store was ever available."""
+        served = False
         while True:
             try:
                 (_, available), _ = wire.recv(status)
             except (wire.ChannelClosed, OSError):
                 self._set_available(False)
-                return
+                return served
+            served = served or available
             self._set_available(available)
 
     def _set_available(self, available: bool) -> None:

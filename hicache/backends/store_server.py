@@ -69,6 +69,10 @@ class Server:
                 return
 
     def _register(self, index: int, fd: int, offset: int, nbytes: int) -> None:
+        """Map file `index` and register it with the store (once: a second time is a no-op)."""
+        if index in self._bases:
+            os.close(fd)
+            return
         try:
             size = os.fstat(fd).st_size
             if offset < 0 or nbytes <= 0 or offset + nbytes > size:
