@@ -29,8 +29,6 @@ from hicache.backends import wire
 from hicache.backends.base import Buffers, StoreTier
 from hicache.backends.registry import tier_class, tier_config_model
 
-log = logging.getLogger("hicache.store_server")
-
 STATUS_EVERY_S = 0.02
 """How often the store's availability is looked at (a change is sent at once)."""
 
@@ -164,7 +162,7 @@ class Server:
 
 
 def main(argv: list[str]) -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="hicache store process: %(message)s")
     control = socket.socket(fileno=int(argv[1]))
     status = socket.socket(fileno=int(argv[2]))
     (_, type_, fields), _ = wire.recv(control)
