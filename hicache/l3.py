@@ -553,9 +553,11 @@ class L3:
 
     def gauges(self) -> dict[str, int]:
         """Gauges for `HiCache.stats`: store availability (1 available, 0 not), queue depth, jobs
-        in flight, and the free host slots held for fetches (counted in host_pinned too)."""
+        in flight, the free host slots held for fetches (counted in host_pinned too), and how
+        often the store's own process was started again."""
         return {
             "l3_available": int(self.store.available),
+            "l3_store_restarts": self.store.restarts,
             "l3_queue_depth": self._puts_out,
             "l3_jobs_in_flight": self.jobs_in_flight,
             "l3_fetch_reserve": self._reserve_free(),

@@ -116,6 +116,7 @@ def test_a_killed_store_process_is_started_again_and_l3_comes_back(mooncake_mast
             store.exists(["anything"])
         assert store.wait_ready(60)  # a new child, its files registered again
         assert store.restarts == 1 and store._process.pid != first.pid
+        assert e.cache.stats()["l3_store_restarts"] == 1
         p = prompt(60)
         e.run("after", p)
         settled(e)

@@ -87,8 +87,7 @@ class IsolatedStore(StoreTier):
         self._available = False
         self._closing = False
         self._started = False
-        self.restarts = 0
-        """Children started again after one exited."""
+        self.restarts = 0  # children started again after one exited
 
     # -- lifecycle ----------------------------------------------------------------------------
 
