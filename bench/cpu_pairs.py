@@ -8,9 +8,11 @@ one thread per core: then a thread on the sibling slows the engine thread's CPU,
 the guest's topology says so. This finds such pairs by measurement. The probe is the compiled
 hash of 64 pages that every engine phase of `l3_cache.py` records (`reference_hash_us`); the load
 is a process pinned to one CPU that hashes 1 MiB with OpenSSL's SHA-256 in a loop (the same
-execution units as the probe, so the most a sibling can take). Each round times the probe alone,
-then beside a load on every other CPU (in turn, order reversed every other round), and prints
-JSON: per CPU, the probe's median beside it divided by its median alone in that round.
+execution units as the probe, so the most a sibling can take). Each round takes every other CPU
+in turn (order reversed every other round) and times the probe alone, beside a load on that CPU,
+and alone again: the machine's own speed drifts within seconds, so each ratio is against the
+two timings around it. Prints JSON: per CPU, the probe's median beside it divided by the mean of
+its medians alone just before and after.
 """
 
 from __future__ import annotations
@@ -78,13 +80,16 @@ def main() -> None:
         raise SystemExit(f"--cpu {args.cpu}: not a CPU this process may run on ({allowed})")
     os.sched_setaffinity(0, {args.cpu})
     others = [c for c in allowed if c != args.cpu]
+    probe_us(args.seconds)  # warm up: the first timing runs cold
     ratios: dict[int, list[float]] = {c: [] for c in others}
     alone: list[float] = []
     for r in range(args.rounds):
-        base = probe_us(args.seconds)
-        alone.append(round(base, 2))
         for c in others if r % 2 == 0 else others[::-1]:
-            ratios[c].append(round(beside(c, args.seconds) / base, 3))
+            before = probe_us(args.seconds)
+            near = beside(c, args.seconds)
+            after = probe_us(args.seconds)
+            alone += [round(before, 2), round(after, 2)]
+            ratios[c].append(round(near / ((before + after) / 2), 3))
     medians = {c: statistics.median(v) for c, v in ratios.items()}
     slowest = max(medians, key=medians.__getitem__)
     report(
