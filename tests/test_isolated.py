@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -151,3 +154,39 @@ def test_the_child_maps_the_same_memory_not_a_copy(store):
     mem[:4096] = 0
     assert s.get_into([name], Buffers([[base]], [[4096]])) == [4096]
     assert np.array_equal(mem[:4096].numpy(), payload)
+
+
+def test_the_child_exits_when_the_engine_process_dies(mooncake_master):
+    """A killed engine leaves no store client behind: the child sees its control socket close,
+    closes its store and exits."""
+    script = f"""
+import sys, time
+from hicache.backends.isolated import IsolatedStore
+from hicache.backends.mooncake import MooncakeConfig
+s = IsolatedStore(MooncakeConfig(**{mooncake_master.tier_config!r}))
+s.start()
+assert s.wait_ready(30)
+print(s._process.pid, flush=True)
+time.sleep(600)
+"""
+    engine = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(engine.stdout.readline())
+        assert _alive(child)
+        engine.kill()
+        engine.wait(10)
+        deadline = time.monotonic() + 30  # its store's close takes 1-2.5 s
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child)
+    finally:
+        engine.kill()
+
+
+def _alive(pid: int) -> bool:
+    """The process runs (a zombie, exited but not reaped by its new parent, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
