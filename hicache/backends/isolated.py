@@ -1,11 +1,12 @@
 """A store tier whose client runs in a process of its own (``own_process: true``).
 
-Why: a store client moving data at full speed inside the engine's process slows the engine
-thread even where they share no lock and no core (on an H200 host a host-only `store` took
-~50 µs longer at p99 beside a saturated L3 cache in its process, and nothing longer when the same
-traffic came from another process; README, "Measuring it"). Here the client, its transfer
-threads and its traffic live in a child process (`hicache.backends.store_server`); the engine's
-process keeps L3's worker threads, which now wait on a socket instead of a transfer.
+Why: isolation. Mooncake's client, its transfer threads, its segment and its process-wide
+`MC_*` settings live in a child process (`hicache.backends.store_server`); a client that crashes
+or leaks takes the child down, not the engine, and the child is started again. The engine's
+process keeps L3's worker threads, which wait on a socket instead of a transfer. It was built to
+test whether the client's traffic inside the engine's process slows the engine thread; on H200
+hosts it did not make the engine thread faster, and each call pays a round trip between the
+processes (README, "The store client in a process of its own").
 
 How: the host pools are anonymous memory files (`HostMemory(shared=True)`), which the child maps
 and registers with its client, so transfers stay zero-copy; a call names its pieces as offsets
