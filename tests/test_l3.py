@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fake_engine import FakeEngine, config, kv_bytes
+from fake_engine import FakeEngine, FakeStates, config, kv_bytes
 
 pytestmark = pytest.mark.mooncake
 
@@ -71,14 +71,16 @@ def prompt(seed: int, n: int = 42) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 30_000, n, dtype=np.int32)
 
 
-def remove_group(writer: FakeEngine, tokens: np.ndarray, last_page: int) -> None:
-    """Remove from the store the group of 2 pages that ends at `last_page` of `tokens`, as
-    another client would."""
+def remove_group(
+    writer: FakeEngine, tokens: np.ndarray, last_page: int, group: int | None = 2
+) -> None:
+    """Remove from the store the group of 2 pages that ends at `last_page` of `tokens` (with
+    `group` None: the state there), as another client would."""
     from hicache.keys import chain_seed, l3_key, page_keys
 
     fp = writer.cache.fingerprint
     keys = page_keys(chain_seed(fp), tokens, P)
-    name = l3_key("hicache", fp, keys[last_page], 2)
+    name = l3_key("hicache", fp, keys[last_page], group)
     assert writer.cache._l3.store.remove([name], force=True) == [0]
 
 
@@ -733,3 +735,48 @@ def test_worker_cpus_the_process_may_not_use_are_refused_by_name(mooncake_master
     cfg["tiers"][1]["worker_cpus"] = [4096]
     with pytest.raises(ValueError, match=r"tiers\.1\.worker_cpus: CPU 4096 is not one this pro"):
         FakeEngine(cfg)
+
+
+@pytest.mark.parametrize("own_process", [False, True], ids=["in_process", "own_process"])
+def test_a_state_layout_hits_from_l3_with_its_state_in_a_fresh_cache(mooncake_master, own_process):
+    """Hybrid models: the page groups and the state at the last group end go to L3, and a cache
+    that never saw the prompt fetches both and loads them exactly (the state's bytes too)."""
+    cfg = l3_config(mooncake_master)
+    cfg["layout"]["state_bytes"] = 32
+    cfg["tiers"][0]["state_slots"] = 16
+    cfg["tiers"][1]["own_process"] = own_process
+    made = [FakeEngine(cfg, states=FakeStates(4, 32, history_tokens=12)) for _ in range(2)]
+    writer, reader = made
+    try:
+        p = prompt(70 + own_process)  # the master outlives a test: a prompt of its own
+        assert writer.run("w", p).hit_tokens == 0
+        settled(writer)
+        assert writer.cache.stats()["states_stored"] == 2  # at pages 10 and 9
+        assert writer.cache.stats()["l3_objects_put"] == 6  # 5 groups, and the state at 10
+        m = reader.run("r", p)  # checks every loaded page and the state
+        assert (m.hit_tokens, m.l3_tokens, m.needs_state) == (40, 40, True)
+        assert reader.cache.stats()["l3_pages_fetched"] == 10
+    finally:
+        for e in made:
+            e.cache.close()
+
+
+def test_without_its_state_an_l3_prefix_of_a_state_layout_is_not_loaded(mooncake_master):
+    """A hybrid model cannot resume from pages alone: with the state at the last group end gone
+    from the store, a fresh cache fetches nothing and the prompt is recomputed."""
+    cfg = l3_config(mooncake_master)
+    cfg["layout"]["state_bytes"] = 32
+    cfg["tiers"][0]["state_slots"] = 16
+    made = [FakeEngine(cfg, states=FakeStates(4, 32, history_tokens=12)) for _ in range(2)]
+    writer, reader = made
+    try:
+        p = prompt(72)
+        writer.run("w", p)
+        settled(writer)
+        remove_group(writer, p, 9, group=None)  # the state at page 10, the only one in L3
+        m = reader.run("r", p)
+        assert (m.hit_tokens, m.l3_tokens, m.needs_state) == (0, 0, False)
+        assert reader.cache.stats()["l3_pages_fetched"] == 0
+    finally:
+        for e in made:
+            e.cache.close()
