@@ -306,10 +306,8 @@ class IsolatedStore(StoreTier):
             sock.close()  # a late answer must not be read as the next call's
             raise StoreUnavailable(f"{self.type} store process: no answer to {op} ({err})") from err
         if status == "ok":
-            result, available = rest
-            self._available = available and self._available
-            return result
-        kind, message, _ = rest
+            return rest[0]
+        kind, message = rest
         raise _ERRORS.get(kind, RuntimeError)(message)
 
     def _channel(self) -> socket.socket:

@@ -48,13 +48,16 @@ class Located:
     span: tuple[int, int, int] | None
 
 
+Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""Starts, ends and registration indexes of the regions, sorted by start."""
+
+
 class Regions(Generic[T]):
     """Registered memory: contiguous CPU tensors that do not overlap. Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._sorted: list[Region[T]] = []
-        self._starts: list[int] = []
+        self._sorted: list[Region[T]] = []  # by start
         self._arrays = _arrays([])  # (starts, ends, indexes) of _sorted, replaced whole
 
     def add(self, memory: object, info: T) -> Region[T] | None:
@@ -63,16 +66,16 @@ class Regions(Generic[T]):
         non-empty CPU tensor, or one that overlaps a registered region."""
         start, nbytes = checked_tensor(memory)
         with self._lock:
-            i = bisect.bisect_right(self._starts, start)
+            i = bisect.bisect_right(self._sorted, start, key=lambda r: r.start)
             before = self._sorted[i - 1] if i else None
+            after = self._sorted[i] if i < len(self._sorted) else None
             if before is not None and before.start == start and before.nbytes == nbytes:
                 return None
             prev_end = before.start + before.nbytes if before is not None else 0
-            if prev_end > start or (i < len(self._starts) and start + nbytes > self._starts[i]):
+            if prev_end > start or (after is not None and start + nbytes > after.start):
                 raise ValueError("register: the tensor overlaps memory registered already")
             region = Region(start, nbytes, len(self._sorted), info, memory)  # type: ignore[arg-type]
             self._sorted.insert(i, region)
-            self._starts.insert(i, start)
             self._arrays = _arrays(self._sorted)
             return region
 
@@ -85,7 +88,7 @@ class Regions(Generic[T]):
         """Forget every region; returns them (in registration order)."""
         with self._lock:
             regions = sorted(self._sorted, key=lambda r: r.index)
-            self._sorted, self._starts, self._arrays = [], [], _arrays([])
+            self._sorted, self._arrays = [], _arrays([])
             return regions
 
     def check(self, keys: Sequence[str], buffers: Buffers) -> None:
@@ -93,54 +96,60 @@ class Regions(Generic[T]):
         TypeError/ValueError naming the first key at fault: a count that disagrees, an object
         without pieces, a piece that is empty or outside registered memory. Where the buffers
         carry a span inside one region, that one comparison stands for every piece."""
-        counts = _counts(keys, buffers)
-        if buffers.span is None or self._span(*buffers.span) is None:
-            self._pieces(keys, buffers, counts)
+        counts, arrays = _counts(keys, buffers), self._arrays
+        if buffers.span is None or _span(arrays, *buffers.span) is None:
+            _pieces(arrays, keys, buffers, counts)
 
     def locate(self, keys: Sequence[str], buffers: Buffers) -> Located:
         """`check`, and where each piece lies."""
-        counts = _counts(keys, buffers)
-        span = None if buffers.span is None else self._span(*buffers.span)
+        counts, arrays = _counts(keys, buffers), self._arrays  # one snapshot for the whole call
+        span = None if buffers.span is None else _span(arrays, *buffers.span)
         if span is None:
-            ptr, size, at = self._pieces(keys, buffers, counts)
+            ptr, size, at = _pieces(arrays, keys, buffers, counts)
         else:
-            total = sum(counts)
-            ptr = np.fromiter(chain.from_iterable(buffers.ptrs), dtype=np.int64, count=total)
-            size = np.fromiter(chain.from_iterable(buffers.sizes), dtype=np.int64, count=total)
-            at = np.full(total, span[0], dtype=np.int64)
-        starts, _, indexes = self._arrays
+            ptr, size = _flat(buffers, counts)
+            at = np.full(len(ptr), span[0], dtype=np.int64)
+        starts, _, indexes = arrays
         where = None if span is None else (int(indexes[span[0]]), span[1], span[2])
         return Located(counts, indexes[at], ptr - starts[at], size, where)
 
-    def _span(self, low: int, high: int) -> tuple[int, int, int] | None:
-        """(position in the sorted regions, low and high offsets) where [low, high) lies inside
-        one region, else None."""
-        starts, ends, _ = self._arrays
-        k = int(np.searchsorted(starts, low, side="right")) - 1
-        if k < 0 or not low < high <= ends[k]:
-            return None
-        return k, low - int(starts[k]), high - int(starts[k])
 
-    def _pieces(
-        self, keys: Sequence[str], buffers: Buffers, counts: list[int]
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every piece's address, size and position in the sorted regions, checked."""
-        total = sum(counts)
-        ptr = np.fromiter(chain.from_iterable(buffers.ptrs), dtype=np.int64, count=total)
-        size = np.fromiter(chain.from_iterable(buffers.sizes), dtype=np.int64, count=total)
-        starts, ends, _ = self._arrays
-        at = np.searchsorted(starts, ptr, side="right") - 1
-        outside = (at < 0) | (ptr + size > ends[np.maximum(at, 0)])
-        bad = np.flatnonzero(outside | (size <= 0))
-        if bad.size:
-            j = int(bad[0])
-            key = keys[int(np.searchsorted(np.cumsum(counts), j, side="right"))]
-            if size[j] <= 0:
-                raise ValueError(f"key {key!r}: piece size must be > 0, got {size[j]}")
-            raise ValueError(
-                f"key {key!r}: piece ({int(ptr[j]):#x}, {size[j]}) is outside registered memory"
-            )
-        return ptr, size, at
+def _span(arrays: Arrays, low: int, high: int) -> tuple[int, int, int] | None:
+    """(position in the sorted regions, low and high offsets) where [low, high) lies inside one
+    region, else None."""
+    starts, ends, _ = arrays
+    k = int(np.searchsorted(starts, low, side="right")) - 1
+    if k < 0 or not low < high <= ends[k]:
+        return None
+    return k, low - int(starts[k]), high - int(starts[k])
+
+
+def _flat(buffers: Buffers, counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Every piece's address and size, as int64 arrays."""
+    total = sum(counts)
+    ptr = np.fromiter(chain.from_iterable(buffers.ptrs), dtype=np.int64, count=total)
+    size = np.fromiter(chain.from_iterable(buffers.sizes), dtype=np.int64, count=total)
+    return ptr, size
+
+
+def _pieces(
+    arrays: Arrays, keys: Sequence[str], buffers: Buffers, counts: list[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every piece's address, size and position in the sorted regions, checked."""
+    ptr, size = _flat(buffers, counts)
+    starts, ends, _ = arrays
+    at = np.searchsorted(starts, ptr, side="right") - 1
+    outside = (at < 0) | (ptr + size > ends[np.maximum(at, 0)])
+    bad = np.flatnonzero(outside | (size <= 0))
+    if bad.size:
+        j = int(bad[0])
+        key = keys[int(np.searchsorted(np.cumsum(counts), j, side="right"))]
+        if size[j] <= 0:
+            raise ValueError(f"key {key!r}: piece size must be > 0, got {size[j]}")
+        raise ValueError(
+            f"key {key!r}: piece ({int(ptr[j]):#x}, {size[j]}) is outside registered memory"
+        )
+    return ptr, size, at
 
 
 def _counts(keys: Sequence[str], buffers: Buffers) -> list[int]:
@@ -183,7 +192,7 @@ def check_keys(keys: Sequence[str]) -> list[str]:
     return out
 
 
-def _arrays(regions: list[Region]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _arrays(regions: list[Region]) -> Arrays:
     return (
         np.array([r.start for r in regions], dtype=np.int64),
         np.array([r.start + r.nbytes for r in regions], dtype=np.int64),

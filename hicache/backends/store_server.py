@@ -63,7 +63,7 @@ class Server:
                 threads.start(self.serve_channel, "hicache-store-channel", args=(channel,))
             elif op == "close":
                 self.closing.set()
-                wire.send(control, ("ok", self.store.close(), False))
+                wire.send(control, ("ok", self.store.close()))
                 return
 
     def _register(self, index: int, fd: int, offset: int, nbytes: int) -> None:
@@ -118,12 +118,13 @@ class Server:
         raise ValueError(f"unknown call {op!r}")
 
     def _reply(self, call: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
-        """("ok", result, available) or ("error", exception class name, message, available)."""
+        """("ok", result) or ("error", exception class name, message). Availability travels
+        on the status socket alone (`report`), so that the parent has one source for it."""
         try:
             result = call(*args)
         except Exception as err:
-            return ("error", type(err).__name__, str(err), self.store.available)
-        return ("ok", result, self.store.available)
+            return ("error", type(err).__name__, str(err))
+        return ("ok", result)
 
     def _buffers(self, pieces: wire.Pieces) -> Buffers:
         """The parent's pieces at their addresses in this process."""
