@@ -168,11 +168,25 @@ def test_write_behind_queued_before_the_copy_ran_puts_the_copied_bytes(mooncake_
         cache.close()
 
 
+def _pool_for(path: str, pages: int) -> tuple[PagedBuffer, Layout]:
+    """A GPU pool whose copies to and from a page-first host pool take `path`: 64 KiB pages
+    (copy engines), 16 KiB pages (the kernel), or 64 KiB pages in four layers of 16 KiB rows
+    (staged)."""
+    if path == "staged":
+        layers = [torch.zeros(pages, 16 << 10, dtype=torch.uint8, device="cuda") for _ in range(4)]
+        pool = PagedBuffer.layer_first(layers)
+        return pool, Layout(model="m", kv_dtype="uint8", page_tokens=P, segments=pool.seg_bytes)
+    size = (64 if path == "copy_engine" else 16) << 10
+    pool = PagedBuffer.page_first(torch.zeros(pages, size, dtype=torch.uint8, device="cuda"))
+    return pool, Layout(model="m", kv_dtype="uint8", page_tokens=P, page_bytes=size)
+
+
 @pytest.mark.mooncake
-def test_no_engine_thread_call_lets_go_of_the_gil_on_the_copy_engines(mooncake_master):
-    """As on the CPU (test_l3.py), with CUDA copies: the copy engines' route and the completion
-    events keep the GIL (torch's Event.record would let go of it). 600 pages of 64 KiB: numpy
-    releases the GIL for arrays of more than a few hundred elements."""
+@pytest.mark.parametrize("path", ["copy_engine", "kernel", "staged"])
+def test_no_engine_thread_call_lets_go_of_the_gil_on_any_path(mooncake_master, path):
+    """As on the CPU (test_l3.py), with CUDA copies on each path: the extension's copy calls
+    and the completion events keep the GIL (torch's Event.record and tensor copies would let go
+    of it). 600 pages: numpy releases the GIL for arrays of more than a few hundred elements."""
     import sys
     from pathlib import Path
 
@@ -180,7 +194,8 @@ def test_no_engine_thread_call_lets_go_of_the_gil_on_the_copy_engines(mooncake_m
     from gil_watch import GilWatch
 
     pages, n = 640, 600
-    layout = Layout(model="m", kv_dtype="uint8", page_tokens=P, page_bytes=64 << 10)
+    src, layout = _pool_for(path, pages)
+    dst, _ = _pool_for(path, pages)
     tier = {"type": "mooncake", **mooncake_master.tier_config, "group_pages": 4}
     host = {"type": "host", "size": 2 * pages * layout.page_size}
     cfg = load_config({"tiers": [host, tier], "policy": {"l3_read_gbps": 100}}, env={})
@@ -190,8 +205,6 @@ def test_no_engine_thread_call_lets_go_of_the_gil_on_the_copy_engines(mooncake_m
         assert cache.wait_ready(60)
         return cache
 
-    src = PagedBuffer.page_first(torch.zeros(pages, 64 << 10, dtype=torch.uint8, device="cuda"))
-    dst = PagedBuffer.page_first(torch.zeros(pages, 64 << 10, dtype=torch.uint8, device="cuda"))
     writer, reader = cache_on(src), cache_on(dst)
     prompt = np.random.default_rng(5).integers(0, 30_000, n * P + 1, dtype=np.int32)
     blocks = list(range(n))
@@ -225,6 +238,7 @@ def test_no_engine_thread_call_lets_go_of_the_gil_on_the_copy_engines(mooncake_m
     assert (m.hit_tokens, m.l3_tokens) == (n * P, n * P)
     assert torch.equal(rows(dst, out), rows(src, blocks))
     assert released == []
+    assert {reader._route(to_host).path for to_host in (True, False)} == {path}
     for cache, rid in ((writer, "w"), (reader, "r")):
         cache.release(rid)
         cache.close()

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from hicache.kernels import PagedBuffer, copy_pages
-from hicache.kernels.cuda import choose_path, copy_pages_cuda, copy_pages_loop, load_extension
+from hicache.kernels.cuda import (
+    CudaRoute,
+    choose_path,
+    copy_pages_cuda,
+    copy_pages_loop,
+    load_extension,
+)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -204,10 +210,11 @@ def test_empty_lists_copy_nothing(path):
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("path", ["kernel", "copy_engine"])
+@pytest.mark.parametrize("path", ["kernel", "copy_engine", "staged"])
 def test_calls_return_while_the_stream_is_busy_and_keep_their_ids(path):
-    """Many calls are queued behind a long kernel: none waits for it, and each one's ids (staged
-    through pinned memory on the kernel path) survive until the stream reaches it."""
+    """Many calls are queued behind a long kernel: none waits for it, and each one's ids (read
+    during the call: the kernel's travel in its parameters) hold until the stream reaches it; on
+    the staged path the two staging buffers are reused call after call, in order."""
     src = _pool(64, (4 * KiB,), "host", seed=11, layer_first=False)
     dst = _pool(64, (4 * KiB,), "cuda", seed=12, layer_first=False)
     expected = _snapshot(dst)
@@ -222,6 +229,39 @@ def test_calls_return_while_the_stream_is_busy_and_keep_their_ids(path):
     assert not stream.query(), "copy_pages waited for the stream"
     stream.synchronize()
     assert torch.equal(_snapshot(dst)[0], expected[0])
+
+
+ROUTE_POOLS = {
+    "copy_engine": ((64 * KiB,), False),
+    "kernel": ((16 * KiB,), False),
+    "staged": ((16 * KiB, 16 * KiB, 32 * KiB), True),
+}
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+@pytest.mark.parametrize("path", list(ROUTE_POOLS))
+def test_a_route_copies_exact_bytes_on_its_path_call_after_call(direction, path):
+    """A cache's route (checked once, numpy ids, a raw stream handle) between a page-first host
+    pool and a GPU pool whose rows choose `path`: 4,364 pages in one call (a launch of the
+    kernel's large id batch and one of its small one; 18 parts of the staged path, its two
+    buffers taking turns), then four calls of a few pages each on a second stream, exact after
+    each."""
+    segs, layer_first = ROUTE_POOLS[path]
+    host = _pool(4500, segs, "host", seed=40, layer_first=False)
+    gpu = _pool(4400, segs, "cuda", seed=41, layer_first=layer_first)
+    src, dst = (host, gpu) if direction == "h2d" else (gpu, host)
+    route = CudaRoute(src, dst)
+    assert route.path == path
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    expected = _snapshot(dst)
+    for call, n in enumerate((4364, 3, 40, 1, 17)):
+        src_ids, dst_ids = _ids(n, src.num_pages, dst.num_pages, seed=50 + call)
+        expected = _expect(_snapshot(src), src_ids, expected, dst_ids)
+        stream = streams[min(call, 1)]
+        route.copy(src_ids.numpy(), dst_ids.numpy(), stream.cuda_stream)
+        stream.synchronize()
+        for got, want in zip(_snapshot(dst), expected, strict=True):
+            assert torch.equal(got, want)
 
 
 def test_unpinned_host_memory_is_rejected():

@@ -5,18 +5,20 @@ pinned host buffer, or between two CUDA buffers of one device, enqueued on the c
 
 - ``"copy_engine"``: ``cudaMemcpyBatchAsync`` over all rows, in calls of at most
   `COPY_ENGINE_ROWS_PER_CALL` rows. The copy engines move the bytes; no SM is taken from the
-  model's kernels. The ids are read on the host during the call, so nothing is staged; the
-  driver costs about a microsecond of host time per row. On the legacy default stream (which
-  the batch API refuses) the rows go through a side stream, forked and joined with events.
+  model's kernels. The driver costs about a microsecond of host time per row. On the legacy
+  default stream (which the batch API refuses) the rows go through a side stream, forked and
+  joined with events.
 - ``"kernel"``: the kernel in ``page_copy.cu`` on a grid of at most `KERNEL_MAX_BLOCKS` blocks.
-  The segment table and the ids are staged to the device through a pinned buffer, with a
-  non-blocking copy on the same stream (torch's pinned allocator keeps the host block until
-  that copy has run; the device block belongs to the stream).
+  The segment table is copied to the device once per pair of pools; the ids travel in the
+  kernel's parameters (480 pages per launch for a few pages, 4,064 for many with CUDA 12.1+).
 - ``"staged"``: whole pages between the host and two GPU staging buffers on the copy engines,
   rows between those and the GPU pool with the kernel on a side stream, the two taking turns
-  (`_staged`). For small rows of a page-first host pool: the link's rate without the copy
+  (`Staging`). For small rows of a page-first host pool: the link's rate without the copy
   engines' cost per row.
 
+On every path the ids are read on the host during the call, and the call is one call into the
+extension that keeps the GIL (once a pair of pools has its tables, and on the staged path its
+staging buffers): an engine-thread copy cannot be cut into by a hicache worker thread.
 `choose_path` says which one ``"auto"`` takes, and why; the README has the measurements.
 Nothing here synchronizes the device.
 """
@@ -40,6 +42,7 @@ from hicache.kernels.buffer import PagedBuffer
 __all__ = [
     "CudaEvent",
     "CudaRoute",
+    "Staging",
     "choose_path",
     "copy_pages_cuda",
     "current_stream_handle",
@@ -166,20 +169,25 @@ _TABLES: weakref.WeakKeyDictionary[PagedBuffer, dict] = weakref.WeakKeyDictionar
 
 
 def _segment_table(
-    src: PagedBuffer, dst: PagedBuffer, chunk_bytes: int
+    src: PagedBuffer, dst: PagedBuffer, chunk_bytes: int, device: torch.device | None = None
 ) -> tuple[torch.Tensor, int]:
-    """The table of struct Segment rows (int64 ``[S, 6]``) and the number of chunks per page,
-    made once per pair of buffers and chunk size (a copy between the same pools reuses it)."""
+    """The table of struct Segment rows (int64 ``[S, 6]``; in host memory, or a copy on
+    `device`) and the number of chunks per page, made once per pair of buffers and chunk size
+    (a copy between the same pools reuses them)."""
     per_src = _TABLES.setdefault(src, {})
     key = (id(dst), chunk_bytes)
     cached = per_src.get(key)
-    if cached is not None and cached[0]() is dst:
-        return cached[1], cached[2]
-    table, chunks = _make_table(src, dst, chunk_bytes)
-    for stale in [k for k, (ref, _, _) in per_src.items() if ref() is None]:
-        del per_src[stale]
-    per_src[key] = (weakref.ref(dst), table, chunks)
-    return table, chunks
+    if cached is None or cached[0]() is not dst:
+        for stale in [k for k, (ref, *_) in per_src.items() if ref() is None]:
+            del per_src[stale]
+        table, chunks = _make_table(src, dst, chunk_bytes)
+        cached = per_src[key] = (weakref.ref(dst), table, chunks, {})
+    _, table, chunks, copies = cached
+    if device is None:
+        return table, chunks
+    if device not in copies:
+        copies[device] = table.to(device)
+    return copies[device], chunks
 
 
 def _make_table(src: PagedBuffer, dst: PagedBuffer, chunk_bytes: int) -> tuple[torch.Tensor, int]:
@@ -227,153 +235,116 @@ def copy_pages_cuda(
     src32 = src_ids.to(torch.int32).contiguous()
     dst32 = dst_ids.to(torch.int32).contiguous()
     if path == "copy_engine":
-        _by_copy_engine(ext, src, src32, dst, dst32, stream, rows_per_call)
+        table, _ = _segment_table(src, dst, KERNEL_CHUNK_BYTES)
+        ext.copy_batch(
+            table.data_ptr(),
+            table.shape[0],
+            src32.data_ptr(),
+            dst32.data_ptr(),
+            src32.numel(),
+            rows_per_call,
+            stream.cuda_stream,
+            stream.device.index,
+        )
     elif path == "kernel":
-        _by_kernel(ext, src, src32, dst, dst32, stream, chunk_bytes, max_blocks)
+        table, chunks = _segment_table(src, dst, chunk_bytes, device)
+        ext.launch_kernel(
+            table.data_ptr(),
+            table.shape[0],
+            src32.data_ptr(),
+            dst32.data_ptr(),
+            src32.numel(),
+            chunks,
+            chunk_bytes,
+            max_blocks,
+            stream.cuda_stream,
+            stream.device.index,
+        )
     else:
-        _staged(ext, src, src32, dst, dst32, stream, staging_bytes, rows_per_call)
+        staging = Staging.of(src, dst, staging_bytes, rows_per_call)
+        staging.copy(src32.numpy(), dst32.numpy(), stream.cuda_stream)
     return path
 
 
-def _by_copy_engine(ext, src, src32, dst, dst32, stream, rows_per_call: int) -> None:
-    table, _ = _segment_table(src, dst, KERNEL_CHUNK_BYTES)
-    ext.copy_batch(
-        table.data_ptr(),
-        table.shape[0],
-        src32.data_ptr(),
-        dst32.data_ptr(),
-        src32.numel(),
-        rows_per_call,
-        stream.cuda_stream,
-        stream.device.index,
-    )
+_STAGINGS: weakref.WeakKeyDictionary[PagedBuffer, dict] = weakref.WeakKeyDictionary()
 
 
-def _by_kernel(ext, src, src32, dst, dst32, stream, chunk_bytes: int, max_blocks: int) -> None:
-    table, chunks_per_page = _segment_table(src, dst, chunk_bytes)
-    on_device, offsets = _to_device([table, src32, dst32], stream)
-    base = on_device.data_ptr()
-    ext.launch_kernel(
-        base,
-        table.shape[0],
-        base + offsets[1],
-        src32.numel(),
-        chunks_per_page,
-        chunk_bytes,
-        max_blocks,
-        stream.cuda_stream,
-        stream.device.index,
-    )
+class Staging:
+    """The staged path between a page-first host pool and a GPU pool, one direction: two GPU
+    staging buffers of whole pages (`staging_bytes` together), the four segment tables around
+    them, and the extension's ``Stager``, which enqueues the copy engines' and the kernel's
+    parts and orders them with events (see ``page_copy.cu``).
 
-
-def _to_device(parts: list[torch.Tensor], stream) -> tuple[torch.Tensor, list[int]]:
-    """`parts` (int64 tables and int32 ids) packed into one pinned buffer and copied to the
-    device with one non-blocking copy on `stream`; returns the device buffer and each part's
-    byte offset in it. The host block is not reused before that copy ran (torch's pinned
-    allocator records an event on it); the device block belongs to `stream`, so its reuse is
-    ordered after the kernels that read it."""
-    words = [t.numel() * t.element_size() // 4 for t in parts]
-    staged = torch.empty(sum(words), dtype=torch.int32, pin_memory=True)
-    offsets, at = [], 0
-    for t, w in zip(parts, words, strict=True):
-        staged[at : at + w].copy_(t.reshape(-1).view(torch.int32))
-        offsets.append(4 * at)
-        at += w
-    with torch.cuda.stream(stream):
-        return staged.to(stream.device, non_blocking=True), offsets
-
-
-def _staged(ext, src, src32, dst, dst32, stream, staging_bytes: int, rows_per_call: int) -> None:
-    """Whole pages between the host and GPU staging buffers on the copy engines; rows between
-    the staging buffers and the GPU pool with the kernel, on a side stream.
-
-    Two staging buffers of up to `staging_bytes` / 2 each take turns, so that the copy engines
-    fill (or drain) one while the kernel drains (or fills) the other: the PCIe transfer runs
-    back to back. The kernel's tables and ids for every part go to the device in one copy
-    before the first part (a small host-to-GPU copy queued behind a large one would hold the
-    kernel back). Events order the two streams; the side stream first waits for everything
-    enqueued on `stream` before the call, and `stream` waits for the side stream's last part.
-    The buffers come from torch's caching allocator on `stream` and are marked as used by the
-    side stream, so they are handed out again only once both streams have passed these copies.
+    Made once per pair of pools and knobs (`of`) and kept while the source pool lives: a copy
+    allocates nothing. The buffers come from torch's caching allocator on the stream current at
+    construction; drop the pools only once their copies have completed. One thread at a time.
     """
-    host = _staging_host(src, dst)
-    to_gpu = src.device.type == "cpu"
-    gpu = dst if to_gpu else src
-    n = src32.numel()
-    per_part = min(n, max(1, staging_bytes // (2 * gpu.page_bytes)))
-    starts = list(range(0, n, per_part))
-    side = _side_stream(stream.device)
-    side.wait_stream(stream)
-    buffers = []
-    with torch.cuda.stream(stream):
-        for _ in range(min(2, len(starts))):
-            flat = torch.empty((per_part, gpu.page_bytes), dtype=torch.uint8, device=gpu.device)
-            flat.record_stream(side)
+
+    def __init__(
+        self, src: PagedBuffer, dst: PagedBuffer, staging_bytes: int, rows_per_call: int
+    ) -> None:
+        host = _staging_host(src, dst)
+        if host is None:
+            raise ValueError("the staged path needs one side in host memory that holds whole pages")
+        self.to_gpu = src.device.type == "cpu"
+        gpu = dst if self.to_gpu else src
+        self.per_part = max(1, staging_bytes // (2 * gpu.page_bytes))
+        whole_tables, row_tables, self._keep = [], [], []
+        for _ in range(2):
+            shape = (self.per_part, gpu.page_bytes)
+            flat = torch.empty(shape, dtype=torch.uint8, device=gpu.device)
             whole = PagedBuffer.page_first(flat)
-            buffers.append((whole, whole.resegment(gpu.seg_bytes), torch.cuda.Event()))
-    # the kernel's arguments: per buffer its table, per part its (src ids, dst ids)
-    tables = [
-        _segment_table(rows, dst, KERNEL_CHUNK_BYTES)
-        if to_gpu
-        else _segment_table(src, rows, KERNEL_CHUNK_BYTES)
-        for _, rows, _ in buffers
-    ]
-    order = torch.arange(per_part, dtype=torch.int32)
-    ids = []
-    for begin in starts:
-        k = min(per_part, n - begin)
-        pool_ids = (dst32 if to_gpu else src32)[begin : begin + k]
-        ids += [order[:k], pool_ids] if to_gpu else [pool_ids, order[:k]]
-    args, offsets = _to_device([t for t, _ in tables] + ids, side)
-    base = args.data_ptr()
-    for part, begin in enumerate(starts):
-        whole, _, free = buffers[part % 2]
-        k = min(per_part, n - begin)
-        table, chunks = tables[part % 2]
-        kernel_args = (
-            base + offsets[part % 2],
-            table.shape[0],
-            base + offsets[len(tables) + 2 * part],
-            k,
+            rows = whole.resegment(gpu.seg_bytes)
+            pages, _ = (
+                _make_table(host, whole, KERNEL_CHUNK_BYTES)
+                if self.to_gpu
+                else _make_table(whole, host, KERNEL_CHUNK_BYTES)
+            )
+            moves, chunks = (
+                _make_table(rows, dst, KERNEL_CHUNK_BYTES)
+                if self.to_gpu
+                else _make_table(src, rows, KERNEL_CHUNK_BYTES)
+            )
+            moves = moves.to(gpu.device)
+            self._keep += [flat, pages, moves]
+            whole_tables.append(pages.data_ptr())
+            row_tables.append(moves.data_ptr())
+        index = gpu.device.index if gpu.device.index is not None else torch.cuda.current_device()
+        self._stager = load_extension().Stager(
+            self.to_gpu,
+            self.per_part,
+            whole_tables,
+            pages.shape[0],
+            row_tables,
+            moves.shape[0],
             chunks,
             KERNEL_CHUNK_BYTES,
             STAGED_BLOCKS,
-            side.cuda_stream,
-            side.device.index,
+            rows_per_call,
+            index,
         )
-        ready = torch.cuda.Event()
-        if to_gpu:  # copy engines: host -> staging; then the kernel: staging -> pool rows
-            if part >= 2:
-                stream.wait_event(free)
-            _by_copy_engine(
-                ext, host, src32[begin : begin + k], whole, order[:k], stream, rows_per_call
-            )
-            ready.record(stream)
-            side.wait_event(ready)
-            ext.launch_kernel(*kernel_args)
-            free.record(side)
-        else:  # the kernel: pool rows -> staging; then copy engines: staging -> host
-            if part >= 2:
-                side.wait_event(free)
-            ext.launch_kernel(*kernel_args)
-            ready.record(side)
-            stream.wait_event(ready)
-            _by_copy_engine(
-                ext, whole, order[:k], host, dst32[begin : begin + k], stream, rows_per_call
-            )
-            free.record(stream)
-    stream.wait_stream(side)
 
+    @classmethod
+    def of(
+        cls, src: PagedBuffer, dst: PagedBuffer, staging_bytes: int, rows_per_call: int
+    ) -> Staging:
+        """The `Staging` of this pair and knobs, made at first use."""
+        per_src = _STAGINGS.setdefault(src, {})
+        key = (id(dst), staging_bytes, rows_per_call)
+        cached = per_src.get(key)
+        if cached is None or cached[0]() is not dst:
+            for stale in [k for k, (ref, _) in per_src.items() if ref() is None]:
+                del per_src[stale]
+            cached = per_src[key] = (weakref.ref(dst), cls(src, dst, staging_bytes, rows_per_call))
+        return cached[1]
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream of `device` that runs the staged path's kernel beside the caller's stream."""
-    stream = _SIDE_STREAMS.get(device.index)
-    if stream is None:
-        stream = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
-    return stream
+    def copy(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: int) -> None:
+        """Enqueue page ``src_ids[k]`` -> ``dst_ids[k]`` on the stream with handle `stream`
+        (C-contiguous int32 ids, in range, read before the call returns)."""
+        host_ids, pool_ids = (src_ids, dst_ids) if self.to_gpu else (dst_ids, src_ids)
+        self._stager.copy(
+            native.address(host_ids), native.address(pool_ids), src_ids.shape[0], stream
+        )
 
 
 class CudaRoute:
@@ -381,9 +352,10 @@ class CudaRoute:
 
     `copy_pages` checks its buffers, picks a path and converts its ids at every call: tens of
     microseconds of the engine thread that a cache, which copies between the same two pools all
-    the time, pays once here. `copy` takes int32 numpy ids and a raw stream handle; on the copy
-    engines' path it is one call into the extension, which reads the ids during the call and
-    keeps the GIL (other paths go through `copy_pages_cuda`).
+    the time, pays once here. What every copy needs (the path, the segment table on the host
+    or the device, the staged path's buffers) is made at construction. `copy` takes int32 numpy
+    ids and a raw stream handle, and on every path is one call into the extension, which reads
+    the ids during the call and keeps the GIL.
     """
 
     def __init__(self, src: PagedBuffer, dst: PagedBuffer) -> None:
@@ -393,10 +365,16 @@ class CudaRoute:
         self.src, self.dst = src, dst
         self.path = choose_path(src, dst)
         self._ext = load_extension()
-        self._table, _ = _segment_table(src, dst, KERNEL_CHUNK_BYTES)
+        on = self.device if self.path == "kernel" else None
+        self._table, self._chunks = _segment_table(src, dst, KERNEL_CHUNK_BYTES, on)
         self._table_ptr = self._table.data_ptr()
         self._segments = self._table.shape[0]
         self._index = self.device.index if self.device.index is not None else 0
+        self._staging = (
+            Staging.of(src, dst, STAGING_BYTES, COPY_ENGINE_ROWS_PER_CALL)
+            if self.path == "staged"
+            else None
+        )
 
     def copy(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: int) -> None:
         """Enqueue the copy of page ``src_ids[k]`` to ``dst_ids[k]`` on the stream with handle
@@ -405,7 +383,9 @@ class CudaRoute:
         n = src_ids.shape[0]
         if n == 0:
             return
-        if self.path == "copy_engine":
+        if self._staging is not None:
+            self._staging.copy(src_ids, dst_ids, stream)
+        elif self.path == "copy_engine":
             self._ext.copy_batch(
                 self._table_ptr,
                 self._segments,
@@ -416,10 +396,19 @@ class CudaRoute:
                 stream,
                 self._index,
             )
-            return
-        external = torch.cuda.ExternalStream(stream, device=self.device)
-        src32, dst32 = torch.from_numpy(src_ids), torch.from_numpy(dst_ids)
-        copy_pages_cuda(self.src, src32, self.dst, dst32, external, path=self.path)
+        else:
+            self._ext.launch_kernel(
+                self._table_ptr,
+                self._segments,
+                native.address(src_ids),
+                native.address(dst_ids),
+                n,
+                self._chunks,
+                KERNEL_CHUNK_BYTES,
+                KERNEL_MAX_BLOCKS,
+                stream,
+                self._index,
+            )
 
 
 class CudaEvent:

@@ -5,22 +5,28 @@
 // to `dst + dst_ids[k] * dst_stride`; it is `bytes` long. A page-first pool is one segment; a
 // layer-first engine pool is one segment per layer tensor, and is still served by one call.
 //
-// Two ways to move the rows; hicache/kernels/cuda.py chooses:
+// Three ways to move the rows; hicache/kernels/cuda.py chooses:
 //   * `launch_kernel`: a kernel on a bounded grid. Each warp copies one chunk of one row at a
-//     time with 16-byte loads and stores. Table and ids must be device-readable (staged).
+//     time with 16-byte loads and stores. The table must be device-readable; the ids are read
+//     on the host and travel in the kernel's parameters (`IdBatch`), so nothing is staged and
+//     nothing must outlive the call.
 //   * `copy_batch`: cudaMemcpyBatchAsync over all rows: the copy engines move the bytes and no
 //     SM is used. Table and ids are read on the host during the call.
+//   * `Stager`: whole pages between a page-first host pool and two GPU staging buffers on the
+//     copy engines, rows between those and a segmented GPU pool with the kernel on a side
+//     stream, the two taking turns.
 // `copy_loop` (one cudaMemcpyAsync per row) exists as the benchmark's baseline only.
-// The `event_*` functions make, record and query the CUDA events that mark a copy's completion:
-// torch's Event.record releases the GIL, which would let a hicache worker thread take it in the
-// middle of an engine-thread call; these keep it (only `event_synchronize`, for worker threads,
-// releases it while it waits).
+// The `event_*` functions make, record and query the CUDA events that mark a copy's completion.
+// No function here lets go of the GIL but `event_synchronize` (for worker threads, while it
+// waits): torch's Event.record and tensor copies do, which would let a hicache worker thread take
+// it in the middle of an engine-thread call.
 //
 // The caller has checked: addresses, strides and row sizes are multiples of 16 bytes; ids are
 // in range; destination rows do not overlap.
 
 #include <cuda_runtime.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -28,6 +34,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -81,12 +88,29 @@ __device__ __forceinline__ int find_segment(const Segment* table, int num_segs, 
   return lo;
 }
 
+// The ids of up to N pages, passed by value: the kernel's parameters carry them to the device
+// with the launch. Small copies (a request's pages) take a batch within the classic 4 KiB of
+// parameters; large ones take batches of up to 32,764 bytes where the toolkit has them (CUDA
+// 12.1 and later), so that a copy of many pages is a few launches.
+template <int N>
+struct IdBatch {
+  int32_t src[N];
+  int32_t dst[N];
+};
+constexpr int kSmallBatch = 480;  // 3,840 bytes
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
+constexpr int kLargeBatch = 4064;  // 32,512 bytes
+#else
+constexpr int kLargeBatch = kSmallBatch;
+#endif
+
 // Work item = (page k, chunk c of that page); warp w of the grid takes items w, w + W, ...
-// Each lane keeps kUnroll independent 16-byte loads in flight before it stores them.
+// Each lane keeps kUnroll independent 16-byte loads in flight before it stores them. The ids
+// stay in the parameter space (__grid_constant__: no copy per thread); a warp reads one page's.
+template <int N>
 __global__ void __launch_bounds__(kThreads) copy_pages_kernel(
-    const Segment* __restrict__ table, int num_segs, const int32_t* __restrict__ src_ids,
-    const int32_t* __restrict__ dst_ids, int64_t num_items, int64_t chunks_per_page,
-    int64_t chunk_bytes) {
+    const Segment* __restrict__ table, int num_segs, const __grid_constant__ IdBatch<N> ids,
+    int64_t num_items, int64_t chunks_per_page, int64_t chunk_bytes) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
   for (int64_t item = blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5); item < num_items;
@@ -97,9 +121,9 @@ __global__ void __launch_bounds__(kThreads) copy_pages_kernel(
     const int64_t offset = (c - __ldg(&seg->first_chunk)) * chunk_bytes;
     const int64_t vectors = min(chunk_bytes, __ldg(&seg->bytes) - offset) >> 4;
     const int4* from = reinterpret_cast<const int4*>(
-        __ldg(&seg->src) + __ldg(&src_ids[k]) * __ldg(&seg->src_stride) + offset);
+        __ldg(&seg->src) + static_cast<int64_t>(ids.src[k]) * __ldg(&seg->src_stride) + offset);
     int4* to = reinterpret_cast<int4*>(
-        __ldg(&seg->dst) + __ldg(&dst_ids[k]) * __ldg(&seg->dst_stride) + offset);
+        __ldg(&seg->dst) + static_cast<int64_t>(ids.dst[k]) * __ldg(&seg->dst_stride) + offset);
     for (int64_t base = lane; base < vectors; base += 32 * kUnroll) {
       int4 v[kUnroll];
 #pragma unroll
@@ -114,25 +138,61 @@ __global__ void __launch_bounds__(kThreads) copy_pages_kernel(
   }
 }
 
-// Launches the kernel on `stream` with at most `max_blocks` blocks. `table` (num_segs
-// Segments) and `ids` (src ids, then dst ids: 2 * num_pages int32) are device-readable.
-void launch_kernel(int64_t table, int64_t num_segs, int64_t ids, int64_t num_pages,
-                   int64_t chunks_per_page, int64_t chunk_bytes, int64_t max_blocks,
-                   int64_t stream, int64_t device) {
+// Launches the kernel on `stream` for the first `n` (<= N) pages of src_ids -> dst_ids.
+template <int N>
+void launch_batch(const Segment* table, int num_segs, const int32_t* src_ids,
+                  const int32_t* dst_ids, int64_t n, int64_t chunks_per_page,
+                  int64_t chunk_bytes, int64_t max_blocks, cudaStream_t stream) {
+  IdBatch<N> ids;
+  std::copy(src_ids, src_ids + n, ids.src);
+  std::copy(dst_ids, dst_ids + n, ids.dst);
+  const int64_t items = n * chunks_per_page;
+  const int64_t needed = (items + kThreads / 32 - 1) / (kThreads / 32);
+  const int blocks = static_cast<int>(std::min(needed, max_blocks));
+  copy_pages_kernel<N><<<blocks, kThreads, 0, stream>>>(table, num_segs, ids, items,
+                                                        chunks_per_page, chunk_bytes);
+  check(cudaGetLastError(), "kernel launch");
+}
+
+// Enqueues the kernel on `stream` for pages src_ids[k] -> dst_ids[k] (host arrays of
+// `num_pages` int32, read during the call), each launch on at most `max_blocks` blocks.
+// `table` (num_segs Segments) is device-readable. The caller has made `device` current.
+void enqueue_kernel(const Segment* table, int num_segs, const int32_t* src_ids,
+                    const int32_t* dst_ids, int64_t num_pages, int64_t chunks_per_page,
+                    int64_t chunk_bytes, int64_t max_blocks, cudaStream_t stream) {
+  for (int64_t from = 0; from < num_pages;) {
+    const int64_t left = num_pages - from;
+    const int64_t n = std::min<int64_t>(left, left <= kSmallBatch ? kSmallBatch : kLargeBatch);
+    if (n <= kSmallBatch) {
+      launch_batch<kSmallBatch>(table, num_segs, src_ids + from, dst_ids + from, n,
+                                chunks_per_page, chunk_bytes, max_blocks, stream);
+    } else {
+      launch_batch<kLargeBatch>(table, num_segs, src_ids + from, dst_ids + from, n,
+                                chunks_per_page, chunk_bytes, max_blocks, stream);
+    }
+    from += n;
+  }
+}
+
+void check_kernel_knobs(int64_t chunks_per_page, int64_t chunk_bytes, int64_t max_blocks) {
   if (chunk_bytes <= 0 || chunk_bytes % 16 || max_blocks <= 0 || chunks_per_page <= 0) {
     throw std::invalid_argument("chunk_bytes (a multiple of 16), chunks_per_page and "
                                 "max_blocks must be positive");
   }
-  const int64_t items = num_pages * chunks_per_page;
-  if (items == 0) return;
+}
+
+// The kernel path: `table` (num_segs Segments) is device-readable, `src_ids` and `dst_ids` are
+// host addresses of num_pages int32 each (read before the call returns).
+void launch_kernel(int64_t table, int64_t num_segs, int64_t src_ids, int64_t dst_ids,
+                   int64_t num_pages, int64_t chunks_per_page, int64_t chunk_bytes,
+                   int64_t max_blocks, int64_t stream, int64_t device) {
+  check_kernel_knobs(chunks_per_page, chunk_bytes, max_blocks);
+  if (num_pages == 0) return;
   DeviceGuard guard(static_cast<int>(device));
-  const int64_t needed = (items + kThreads / 32 - 1) / (kThreads / 32);
-  const int blocks = static_cast<int>(needed < max_blocks ? needed : max_blocks);
-  const int32_t* id_list = reinterpret_cast<const int32_t*>(ids);
-  copy_pages_kernel<<<blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-      reinterpret_cast<const Segment*>(table), static_cast<int>(num_segs), id_list,
-      id_list + num_pages, items, chunks_per_page, chunk_bytes);
-  check(cudaGetLastError(), "kernel launch");
+  enqueue_kernel(reinterpret_cast<const Segment*>(table), static_cast<int>(num_segs),
+                 reinterpret_cast<const int32_t*>(src_ids),
+                 reinterpret_cast<const int32_t*>(dst_ids), num_pages, chunks_per_page,
+                 chunk_bytes, max_blocks, reinterpret_cast<cudaStream_t>(stream));
 }
 
 // The rows to copy as (dst, src, size) lists; a row adjacent to the previous one on both sides
@@ -180,13 +240,16 @@ Rows collect_rows(int64_t table, int64_t num_segs, int64_t src_ids, int64_t dst_
   return rows;
 }
 
-// The side stream of `device` that stands in for the legacy default stream, which
-// cudaMemcpyBatchAsync refuses: created once, kept for the life of the process.
-cudaStream_t side_stream(int device) {
+// The streams of a device that hicache keeps beside the caller's, created once and kept for
+// the life of the process: one stands in for the legacy default stream, which
+// cudaMemcpyBatchAsync refuses; the other runs the staged path's kernel.
+enum class Side { kLegacyStandIn = 0, kStagedKernel = 1 };
+
+cudaStream_t side_stream(int device, Side which) {
   static std::mutex mutex;
-  static std::map<int, cudaStream_t> streams;
+  static std::map<std::pair<int, int>, cudaStream_t> streams;
   std::lock_guard<std::mutex> lock(mutex);
-  cudaStream_t& s = streams[device];
+  cudaStream_t& s = streams[{device, static_cast<int>(which)}];
   if (s == nullptr) check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
   return s;
 }
@@ -203,16 +266,12 @@ void order(cudaStream_t signaller, cudaStream_t waiter) {
 // cudaMemcpyBatchAsync over all rows, in calls of at most `rows_per_call` rows so that the copy
 // engines start while later rows are still being enqueued. `table` and the ids are host
 // addresses. On the legacy default stream the rows go through a side stream, forked from it and
-// joined back into it.
-void copy_batch(int64_t table, int64_t num_segs, int64_t src_ids, int64_t dst_ids,
-                int64_t num_pages, int64_t rows_per_call, int64_t stream, int64_t device) {
-  if (rows_per_call <= 0) throw std::invalid_argument("rows_per_call must be positive");
-  if (num_pages == 0) return;
-  DeviceGuard guard(static_cast<int>(device));
+// joined back into it. The caller has made `device` current.
+void enqueue_batch(int64_t table, int64_t num_segs, int64_t src_ids, int64_t dst_ids,
+                   int64_t num_pages, int64_t rows_per_call, cudaStream_t caller, int device) {
   Rows rows = collect_rows(table, num_segs, src_ids, dst_ids, num_pages);
-  cudaStream_t caller = reinterpret_cast<cudaStream_t>(stream);
   const bool legacy = caller == nullptr || caller == cudaStreamLegacy;
-  cudaStream_t target = legacy ? side_stream(static_cast<int>(device)) : caller;
+  cudaStream_t target = legacy ? side_stream(device, Side::kLegacyStandIn) : caller;
   if (legacy) order(caller, target);
   cudaMemcpyAttributes attr = {};
   attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
@@ -225,6 +284,105 @@ void copy_batch(int64_t table, int64_t num_segs, int64_t src_ids, int64_t dst_id
   }
   if (legacy) order(target, caller);
 }
+
+// The copy engines' path (see enqueue_batch).
+void copy_batch(int64_t table, int64_t num_segs, int64_t src_ids, int64_t dst_ids,
+                int64_t num_pages, int64_t rows_per_call, int64_t stream, int64_t device) {
+  if (rows_per_call <= 0) throw std::invalid_argument("rows_per_call must be positive");
+  if (num_pages == 0) return;
+  DeviceGuard guard(static_cast<int>(device));
+  enqueue_batch(table, num_segs, src_ids, dst_ids, num_pages, rows_per_call,
+                reinterpret_cast<cudaStream_t>(stream), static_cast<int>(device));
+}
+
+// The staged path between a page-first host pool and a segmented GPU pool, for one direction.
+//
+// Two GPU staging buffers of `per_part` whole pages each take turns: the copy engines move whole
+// pages between the host and one buffer (one row per page, on the caller's stream) while the
+// kernel moves rows between the other and the GPU pool (on a side stream). The caller owns the
+// buffers and the four segment tables, and keeps them alive as long as the Stager:
+// `whole_tables[b]` (host memory) maps host pages to buffer b's whole pages (to the GPU) or
+// back, `row_tables[b]` (device memory) maps buffer b's rows to the pool's or back.
+//
+// Ordering, with events: the side stream first waits for everything enqueued on the caller's
+// stream before the call (the pool's rows are the model's until then), each part waits until
+// its buffer's last reader is done (`free_[b]`), and the caller's stream waits for the side
+// stream at the end, so work enqueued after the call sees every byte.
+class Stager {
+ public:
+  Stager(bool to_gpu, int64_t per_part, std::vector<int64_t> whole_tables, int64_t whole_segs,
+         std::vector<int64_t> row_tables, int64_t row_segs, int64_t chunks_per_page,
+         int64_t chunk_bytes, int64_t max_blocks, int64_t rows_per_call, int64_t device)
+      : to_gpu_(to_gpu), per_part_(per_part), whole_tables_(std::move(whole_tables)),
+        whole_segs_(whole_segs), row_tables_(std::move(row_tables)), row_segs_(row_segs),
+        chunks_per_page_(chunks_per_page), chunk_bytes_(chunk_bytes), max_blocks_(max_blocks),
+        rows_per_call_(rows_per_call), device_(static_cast<int>(device)) {
+    if (per_part <= 0 || rows_per_call <= 0 || whole_tables_.size() != 2 ||
+        row_tables_.size() != 2) {
+      throw std::invalid_argument("a Stager needs per_part > 0, rows_per_call > 0 and two "
+                                  "tables of each kind");
+    }
+    check_kernel_knobs(chunks_per_page, chunk_bytes, max_blocks);
+    DeviceGuard guard(device_);
+    order_.resize(per_part);
+    for (int64_t i = 0; i < per_part; ++i) order_[i] = static_cast<int32_t>(i);
+    for (cudaEvent_t& e : free_) {
+      check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+    }
+  }
+  ~Stager() {
+    for (cudaEvent_t e : free_) cudaEventDestroy(e);  // released once they have completed
+  }
+  Stager(const Stager&) = delete;
+  Stager& operator=(const Stager&) = delete;
+
+  // Copies host page host_ids[k] to GPU page pool_ids[k] (to the GPU) or back, for k <
+  // num_pages; both are host addresses of int32 ids, read during the call.
+  void copy(int64_t host_ids, int64_t pool_ids, int64_t num_pages, int64_t stream) {
+    if (num_pages == 0) return;
+    DeviceGuard guard(device_);
+    cudaStream_t main = reinterpret_cast<cudaStream_t>(stream);
+    cudaStream_t side = side_stream(device_, Side::kStagedKernel);
+    const int32_t* host = reinterpret_cast<const int32_t*>(host_ids);
+    const int32_t* pool = reinterpret_cast<const int32_t*>(pool_ids);
+    const int64_t staging = reinterpret_cast<int64_t>(order_.data());
+    if (!to_gpu_) order(main, side);  // the model's last writes to the pool rows come first
+    for (int64_t begin = 0, part = 0; begin < num_pages; begin += per_part_, ++part) {
+      const int b = static_cast<int>(part % 2);
+      const int64_t n = std::min(per_part_, num_pages - begin);
+      const Segment* rows = reinterpret_cast<const Segment*>(row_tables_[b]);
+      if (to_gpu_) {  // copy engines: host -> buffer b; then the kernel: buffer b -> pool rows
+        check(cudaStreamWaitEvent(main, free_[b], 0), "cudaStreamWaitEvent");
+        enqueue_batch(whole_tables_[b], whole_segs_, reinterpret_cast<int64_t>(host + begin),
+                      staging, n, rows_per_call_, main, device_);
+        order(main, side);
+        enqueue_kernel(rows, static_cast<int>(row_segs_), order_.data(), pool + begin, n,
+                       chunks_per_page_, chunk_bytes_, max_blocks_, side);
+        check(cudaEventRecord(free_[b], side), "cudaEventRecord");
+      } else {  // the kernel: pool rows -> buffer b; then copy engines: buffer b -> host
+        check(cudaStreamWaitEvent(side, free_[b], 0), "cudaStreamWaitEvent");
+        enqueue_kernel(rows, static_cast<int>(row_segs_), pool + begin, order_.data(), n,
+                       chunks_per_page_, chunk_bytes_, max_blocks_, side);
+        order(side, main);
+        enqueue_batch(whole_tables_[b], whole_segs_, staging,
+                      reinterpret_cast<int64_t>(host + begin), n, rows_per_call_, main, device_);
+        check(cudaEventRecord(free_[b], main), "cudaEventRecord");
+      }
+    }
+    if (to_gpu_) order(side, main);  // (back from the GPU, the last part's copy waited already)
+  }
+
+ private:
+  const bool to_gpu_;
+  const int64_t per_part_;
+  const std::vector<int64_t> whole_tables_;
+  const int64_t whole_segs_;
+  const std::vector<int64_t> row_tables_;
+  const int64_t row_segs_, chunks_per_page_, chunk_bytes_, max_blocks_, rows_per_call_;
+  const int device_;
+  std::vector<int32_t> order_;  // 0, 1, ..., per_part - 1: a staging buffer's page ids
+  cudaEvent_t free_[2] = {nullptr, nullptr};
+};
 
 // One cudaMemcpyAsync per row: the baseline that the benchmark compares with.
 void copy_loop(int64_t table, int64_t num_segs, int64_t src_ids, int64_t dst_ids,
@@ -288,6 +446,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("launch_kernel", &launch_kernel);
   m.def("copy_batch", &copy_batch);
   m.def("copy_loop", &copy_loop);
+  pybind11::class_<Stager>(m, "Stager")
+      .def(pybind11::init<bool, int64_t, std::vector<int64_t>, int64_t, std::vector<int64_t>,
+                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>())
+      .def("copy", &Stager::copy);
   m.def("event_create", &event_create);
   m.def("event_record", &event_record);
   m.def("event_query", &event_query);
