@@ -16,7 +16,8 @@ also `beside_load`: a host-only store alone and beside N busy processes, which c
 stream memory (what the machine's other work does to the engine thread without any L3). With
 --beside-l3 ROUNDS also `beside_l3`: a host-only store alone, beside the store's traffic from
 another process or from a thread of its own, beside a saturated L3 cache in its process (its
-store client in the process, or in one of its own), and beside GPU -> host copies alone.
+store client in the process, or in one of its own), beside GPU -> host copies alone, and beside
+bursts of Python from a thread of its own or from another process.
 """
 
 from __future__ import annotations
@@ -235,6 +236,20 @@ def beside_load(calls: int, procs: int) -> dict:
     return {"processes": procs, "store_us": out}
 
 
+def _python_bursts(stop) -> None:
+    """Until `stop` is set: every millisecond, 0.1 ms of the kind of Python an L3 worker runs
+    around its store calls (hicache's key hashing, lists, dicts), then a sleep, which lets go of
+    the GIL. Run in a thread of the engine's process or in a process of its own."""
+    tokens = np.random.default_rng(2).integers(0, 50_000, 64 * 16, dtype=np.int32)
+    while not stop.is_set():
+        end = time.perf_counter() + 1e-4
+        while time.perf_counter() < end:
+            page_keys = keys.page_keys(bytes(16), tokens, 16)
+            where = {k: i for i, k in enumerate(page_keys)}
+            _ = [where[k] for k in page_keys]
+        time.sleep(1e-3)
+
+
 CONDITIONS = (
     "alone",
     "busy_elsewhere",
@@ -242,6 +257,8 @@ CONDITIONS = (
     "beside_saturated_l3",
     "beside_saturated_l3_own_process",
     "beside_copies",
+    "python_in_thread",
+    "python_elsewhere",
 )
 """`beside_l3`'s conditions, in the order of its even rounds."""
 
@@ -263,13 +280,18 @@ def beside_l3(calls: int, rounds: int) -> dict:
     - `beside_saturated_l3_own_process`: the same with a cache whose store client runs in a
       process of its own (``own_process``): L3's workers in this process, Mooncake in another;
     - `beside_copies`: before every timed store, a second host-only cache stores 64 new pages:
-      the GPU -> host copies that feed a saturated L3's write-behind, without L3.
+      the GPU -> host copies that feed a saturated L3's write-behind, without L3;
+    - `python_in_thread`, `python_elsewhere`: Python in bursts of 0.1 ms every millisecond
+      (`_python_bursts`), from a thread of this process or from another process: whether
+      Python beside the engine thread in its own interpreter slows it, with no L3 and no
+      Mooncake at all.
 
     The loaders put at the rate the saturated L3 cache reaches here, measured first. Every step
     also times a fixed compiled hash of 64 pages (`l3_cache.reference_hash_us`, no Python,
     nothing shared): the CPU's own speed at that moment. Where the store beside L3 stays within the
     spread of the `alone` rounds, L3 does not slow the rest of the engine thread; a difference
     that the reference hash shows too is the machine, not the process."""
+    spawn = mp.get_context("spawn")
     master = MooncakeMaster().start()
     holder = SegmentHolder(master.address, 4 << 30)
     host = l3_cache.make_cache(None, l3_cache.ENGINE_PAGE, 128)
@@ -326,6 +348,18 @@ def beside_l3(calls: int, rounds: int) -> dict:
             return timed(feed_own)
         if condition == "beside_copies":
             return timed(feed_copies)
+        if condition.startswith("python_"):
+            in_thread = condition == "python_in_thread"
+            stop = threading.Event() if in_thread else spawn.Event()
+            kind = threading.Thread if in_thread else spawn.Process
+            worker = kind(target=_python_bursts, args=(stop,), daemon=True)
+            worker.start()
+            time.sleep(0.1 if in_thread else 3.0)  # a process imports hicache first
+            try:
+                return timed(None)
+            finally:
+                stop.set()
+                worker.join(10)
         if condition == "busy_elsewhere":
             with store_load(master.address, obj, gbps=gbps) as load:
                 row = timed(None)
