@@ -16,8 +16,9 @@ also `beside_load`: a host-only store alone and beside N busy processes, which c
 stream memory (what the machine's other work does to the engine thread without any L3). With
 --beside-l3 ROUNDS also `beside_l3`: a host-only store alone, beside the store's traffic from
 another process or from a thread of its own, beside a saturated L3 cache in its process (its
-store client in the process, or in one of its own), beside GPU -> host copies alone, and beside
-bursts of Python from a thread of its own or from another process.
+store client in the process, or in one of its own), beside GPU -> host copies alone (and with a
+thread waiting for them), and beside bursts of Python from a thread of its own or from another
+process.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import functools
 import gc
 import multiprocessing as mp
 import platform
+import queue
 import statistics
 import sys
 import threading
@@ -250,6 +252,31 @@ def _python_bursts(stop) -> None:
         time.sleep(1e-3)
 
 
+def _gpu_irqs() -> list[int]:
+    """Interrupts each CPU has taken from NVIDIA devices so far (/proc/interrupts; [] where
+    there is none)."""
+    try:
+        lines = Path("/proc/interrupts").read_text().splitlines()
+    except OSError:
+        return []
+    cpus = len(lines[0].split())
+    total = [0] * cpus
+    for line in lines[1:]:
+        if "nvidia" in line.lower():
+            counts = line.split()[1 : 1 + cpus]
+            total = [t + int(c) for t, c in zip(total, counts, strict=False) if c.isdigit()]
+    return total
+
+
+def _cpu_now() -> int:
+    """The CPU the calling thread runs on (Linux; -1 elsewhere)."""
+    try:
+        stat = Path("/proc/thread-self/stat").read_text()
+    except OSError:
+        return -1
+    return int(stat.rsplit(")", 1)[1].split()[36])  # field 39, "processor"
+
+
 CONDITIONS = (
     "alone",
     "busy_elsewhere",
@@ -259,6 +286,8 @@ CONDITIONS = (
     "beside_copies",
     "python_in_thread",
     "python_elsewhere",
+    "copies_waited_in_thread",
+    "copies_polled_in_thread",
 )
 """`beside_l3`'s conditions, in the order of its even rounds."""
 
@@ -284,7 +313,14 @@ def beside_l3(calls: int, rounds: int) -> dict:
     - `python_in_thread`, `python_elsewhere`: Python in bursts of 0.1 ms every millisecond
       (`_python_bursts`), from a thread of this process or from another process: whether
       Python beside the engine thread in its own interpreter slows it, with no L3 and no
-      Mooncake at all.
+      Mooncake at all;
+    - `copies_waited_in_thread`, `copies_polled_in_thread`: `beside_copies`, with a thread that
+      waits for each of those stores' copies to complete, as the write-behind worker does:
+      asleep on a blocking-sync CUDA event (woken by the GPU's interrupt), or polling the event
+      every 0.2 ms.
+
+    Each round also counts the interrupts from NVIDIA devices, on all CPUs and on the CPU the
+    engine thread was on at the end of the round.
 
     The loaders put at the rate the saturated L3 cache reaches here, measured first. Every step
     also times a fixed compiled hash of 64 pages (`l3_cache.reference_hash_us`, no Python,
@@ -315,10 +351,24 @@ def beside_l3(calls: int, rounds: int) -> dict:
 
     copier = l3_cache.make_cache(None, l3_cache.ENGINE_PAGE, 128)
     feed_l3, feed_own, feed_copies = feeder(busy), feeder(busy_own), feeder(copier)
+    copied: queue.SimpleQueue = queue.SimpleQueue()
+
+    def feed_waited(i: int) -> None:  # beside_copies, and a thread waits for each store's copies
+        feed_copies(i)
+        copied.put(copier._transfers.then(lambda: None))
+
+    def wait_each(poll_s: float) -> None:
+        while (done := copied.get()) is not None:
+            if poll_s:
+                while not done.done():
+                    time.sleep(poll_s)
+            else:
+                done.wait()
 
     def timed(feed: Callable[[int], None] | None) -> dict:
         l3 = busy_own if feed is feed_own else busy
         put_before, t_start = l3.stats().get("l3_put_bytes", 0), time.perf_counter()
+        irqs_before = _gpu_irqs()
         store, hashed = [], []
         for i in range(calls):
             tokens = rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32)
@@ -332,7 +382,12 @@ def beside_l3(calls: int, rounds: int) -> dict:
             host.poll()
         seconds = time.perf_counter() - t_start
         put = l3.stats().get("l3_put_bytes", 0) - put_before
+        irqs = [b - a for a, b in zip(irqs_before, _gpu_irqs(), strict=False)]
+        cpu = _cpu_now()
         return {
+            "gpu_irqs": sum(irqs),
+            "gpu_irqs_on_engine_cpu": irqs[cpu] if 0 <= cpu < len(irqs) else None,
+            "engine_cpu": cpu,
             "store_us": pct(store),
             "reference_hash_us": l3_cache.percentiles(hashed),
             "seconds": round(seconds, 2),
@@ -348,6 +403,15 @@ def beside_l3(calls: int, rounds: int) -> dict:
             return timed(feed_own)
         if condition == "beside_copies":
             return timed(feed_copies)
+        if condition.startswith("copies_"):
+            poll_s = 2e-4 if condition == "copies_polled_in_thread" else 0.0
+            waiter = threading.Thread(target=wait_each, args=(poll_s,), daemon=True)
+            waiter.start()
+            try:
+                return timed(feed_waited)
+            finally:
+                copied.put(None)
+                waiter.join(10)
         if condition.startswith("python_"):
             in_thread = condition == "python_in_thread"
             stop = threading.Event() if in_thread else spawn.Event()
