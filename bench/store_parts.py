@@ -1,7 +1,7 @@
 """Where the engine thread's time goes in a host-tier `store` of 64 pages, piece by piece.
 
     python bench/store_parts.py [--device cuda] [--calls 600] [--under-load] [--beside-load N]
-                                [--beside-l3 ROUNDS] [--out FILE]
+                                [--beside-l3 ROUNDS [--conditions A,B]] [--out FILE]
 
 A host-only cache stores 64 new pages per call, as the engine-thread phase of `l3_cache.py` does
 (64 KiB pages on CUDA, 4 KiB on the CPU; into 64 consecutive blocks, then into 64 blocks drawn
@@ -288,11 +288,13 @@ CONDITIONS = (
     "python_elsewhere",
     "copies_waited_in_thread",
     "copies_polled_in_thread",
+    "beside_l3_puts_only",
+    "beside_l3_fetches_only",
 )
 """`beside_l3`'s conditions, in the order of its even rounds."""
 
 
-def beside_l3(calls: int, rounds: int) -> dict:
+def beside_l3(calls: int, rounds: int, conditions: tuple[str, ...] = CONDITIONS) -> dict:
     """Does L3 in the engine's process slow the engine thread's other work? A host-only `store`
     (consecutive blocks) timed back to back under each condition, round by round, the order
     reversed every other round (the machine's speed drifts within a minute):
@@ -317,7 +319,9 @@ def beside_l3(calls: int, rounds: int) -> dict:
     - `copies_waited_in_thread`, `copies_polled_in_thread`: `beside_copies`, with a thread that
       waits for each of those stores' copies to complete, as the write-behind worker does:
       asleep on a blocking-sync CUDA event (woken by the GPU's interrupt), or polling the event
-      every 0.2 ms.
+      every 0.2 ms;
+    - `beside_l3_puts_only`, `beside_l3_fetches_only`: `beside_saturated_l3` with the L3 cache
+      only storing (its write-behind puts) or only matching (its fetches' probes).
 
     Each round also counts the interrupts from NVIDIA devices, on all CPUs and on the CPU the
     engine thread was on at the end of the round.
@@ -338,19 +342,22 @@ def beside_l3(calls: int, rounds: int) -> dict:
     rng = np.random.default_rng(1)
     obj = 4 * l3_cache.ENGINE_PAGE  # a group of 4 pages: what the caches put
 
-    def feeder(c: cache.HiCache) -> Callable[[int], None]:
+    def feeder(c: cache.HiCache, store: bool = True, match: bool = True) -> Callable[[int], None]:
         def feed(i: int) -> None:  # the calls of a saturated phase's step (with L3: a fetch)
             tokens = rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32)
-            c.store(f"b{i}", tokens, list(range(64)))
-            c.release(f"b{i}")
-            c.match(f"m{i}", rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32))
-            c.release(f"m{i}")
+            if store:
+                c.store(f"b{i}", tokens, list(range(64)))
+                c.release(f"b{i}")
+            if match:
+                c.match(f"m{i}", rng.integers(0, 50_000, 64 * 16 + 1, dtype=np.int32))
+                c.release(f"m{i}")
             c.poll()
 
         return feed
 
     copier = l3_cache.make_cache(None, l3_cache.ENGINE_PAGE, 128)
     feed_l3, feed_own, feed_copies = feeder(busy), feeder(busy_own), feeder(copier)
+    feed_puts, feed_fetches = feeder(busy, match=False), feeder(busy, store=False)
     copied: queue.SimpleQueue = queue.SimpleQueue()
 
     def feed_waited(i: int) -> None:  # beside_copies, and a thread waits for each store's copies
@@ -401,6 +408,10 @@ def beside_l3(calls: int, rounds: int) -> dict:
             return timed(feed_l3)
         if condition == "beside_saturated_l3_own_process":
             return timed(feed_own)
+        if condition == "beside_l3_puts_only":
+            return timed(feed_puts)
+        if condition == "beside_l3_fetches_only":
+            return timed(feed_fetches)
         if condition == "beside_copies":
             return timed(feed_copies)
         if condition.startswith("copies_"):
@@ -447,9 +458,9 @@ def beside_l3(calls: int, rounds: int) -> dict:
     try:
         rate = timed(feed_l3)["l3_put_gbps"]  # also warms the caches up
         timed(feed_own)
-        out: dict[str, list[dict]] = {c: [] for c in CONDITIONS}
+        out: dict[str, list[dict]] = {c: [] for c in conditions}
         for r in range(rounds):
-            for condition in CONDITIONS if r % 2 == 0 else CONDITIONS[::-1]:
+            for condition in conditions if r % 2 == 0 else conditions[::-1]:
                 out[condition].append(one(condition, rate))
     finally:
         gc.unfreeze()
@@ -463,9 +474,9 @@ def beside_l3(calls: int, rounds: int) -> dict:
         "calls_per_round": calls,
         "loader_target_gbps": rate,
         "rounds": out,
-        "store_p99_us_by_round": {c: [x["store_us"]["p99"] for x in out[c]] for c in CONDITIONS},
+        "store_p99_us_by_round": {c: [x["store_us"]["p99"] for x in out[c]] for c in conditions},
         "reference_hash_p50_us_by_round": {
-            c: [x["reference_hash_us"]["p50"] for x in out[c]] for c in CONDITIONS
+            c: [x["reference_hash_us"]["p50"] for x in out[c]] for c in conditions
         },
     }
 
@@ -531,7 +542,12 @@ def main() -> None:
         "or a thread, and beside a saturated L3 cache, in ROUNDS rounds",
     )
     ap.add_argument("--beside-l3-calls", type=int, default=3000, help="stores per condition")
+    ap.add_argument("--conditions", help="--beside-l3's conditions to run, comma-separated")
     args = ap.parse_args()
+    conditions = tuple(args.conditions.split(",")) if args.conditions else CONDITIONS
+    unknown = sorted(set(conditions) - set(CONDITIONS))
+    if unknown:
+        ap.error(f"--conditions: unknown {unknown}; known: {', '.join(CONDITIONS)}")
     if args.device.startswith("cuda"):
         l3_cache.DEVICE, l3_cache.CUDA = args.device, True
         l3_cache.ENGINE_PAGE = 64 << 10
@@ -561,7 +577,7 @@ def main() -> None:
     if args.beside_load:
         result["beside_load"] = beside_load(args.calls, args.beside_load)
     if args.beside_l3:
-        result["beside_l3"] = beside_l3(args.beside_l3_calls, args.beside_l3)
+        result["beside_l3"] = beside_l3(args.beside_l3_calls, args.beside_l3, conditions)
     report(result, args.out)
 
 
