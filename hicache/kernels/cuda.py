@@ -290,33 +290,33 @@ class Staging:
         gpu = dst if self.to_gpu else src
         self.per_part = max(1, staging_bytes // (2 * gpu.page_bytes))
         whole_tables, row_tables, self._keep = [], [], []
-        for _ in range(2):
+        for _ in range(2):  # per buffer: whole pages host <-> buffer, rows buffer <-> GPU pool
             shape = (self.per_part, gpu.page_bytes)
             flat = torch.empty(shape, dtype=torch.uint8, device=gpu.device)
             whole = PagedBuffer.page_first(flat)
             rows = whole.resegment(gpu.seg_bytes)
-            pages, _ = (
+            whole_table, _ = (
                 _make_table(host, whole, KERNEL_CHUNK_BYTES)
                 if self.to_gpu
                 else _make_table(whole, host, KERNEL_CHUNK_BYTES)
             )
-            moves, chunks = (
+            row_table, chunks = (
                 _make_table(rows, dst, KERNEL_CHUNK_BYTES)
                 if self.to_gpu
                 else _make_table(src, rows, KERNEL_CHUNK_BYTES)
             )
-            moves = moves.to(gpu.device)
-            self._keep += [flat, pages, moves]
-            whole_tables.append(pages.data_ptr())
-            row_tables.append(moves.data_ptr())
+            row_table = row_table.to(gpu.device)  # the kernel reads it; the copy engines' table
+            self._keep += [flat, whole_table, row_table]  # is read on the host during a call
+            whole_tables.append(whole_table.data_ptr())
+            row_tables.append(row_table.data_ptr())
         index = gpu.device.index if gpu.device.index is not None else torch.cuda.current_device()
         self._stager = load_extension().Stager(
             self.to_gpu,
             self.per_part,
             whole_tables,
-            pages.shape[0],
+            whole_table.shape[0],
             row_tables,
-            moves.shape[0],
+            row_table.shape[0],
             chunks,
             KERNEL_CHUNK_BYTES,
             STAGED_BLOCKS,
