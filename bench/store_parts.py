@@ -34,6 +34,7 @@ import statistics
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
 
 import l3_cache  # noqa: E402
-from l3_raw import put_loop, report, store_load  # noqa: E402
+from l3_raw import put_loop, raw_client, report, store_load  # noqa: E402
 from mooncake_master import MooncakeMaster, SegmentHolder  # noqa: E402
 
 from hicache import PagedBuffer, cache, keys, l3, native, slots, transfers  # noqa: E402
@@ -252,6 +253,25 @@ def _python_bursts(stop) -> None:
         time.sleep(1e-3)
 
 
+def exists_loop(
+    master: str, obj: int, batch: int, gbps: float, stop: threading.Event, on_ready
+) -> dict[str, float]:
+    """`put_loop`'s shape, asking instead: `batch_is_exist` for `batch` absent objects every
+    0.3 ms with a client of its own, until `stop` is set (`obj` and `gbps` are unused)."""
+    client = raw_client(master, 0)
+    try:
+        names = [f"absent/{uuid.uuid4().hex}/{i}" for i in range(batch)]
+        on_ready()
+        calls, t0 = 0, time.perf_counter()
+        while not stop.is_set():
+            client.batch_is_exist(names)
+            calls += 1
+            time.sleep(3e-4)
+        return {"calls_per_s": round(calls / (time.perf_counter() - t0), 1)}
+    finally:
+        client.close()
+
+
 def _gpu_irqs() -> list[int]:
     """Interrupts each CPU has taken from NVIDIA devices so far (/proc/interrupts; [] where
     there is none)."""
@@ -290,6 +310,8 @@ CONDITIONS = (
     "copies_polled_in_thread",
     "beside_l3_puts_only",
     "beside_l3_fetches_only",
+    "beside_l3_probes_only",
+    "exists_in_thread",
 )
 """`beside_l3`'s conditions, in the order of its even rounds."""
 
@@ -321,7 +343,12 @@ def beside_l3(calls: int, rounds: int, conditions: tuple[str, ...] = CONDITIONS)
       asleep on a blocking-sync CUDA event (woken by the GPU's interrupt), or polling the event
       every 0.2 ms;
     - `beside_l3_puts_only`, `beside_l3_fetches_only`: `beside_saturated_l3` with the L3 cache
-      only storing (its write-behind puts) or only matching (its fetches' probes).
+      only storing (its write-behind puts) or only matching (its fetches: one batched get each,
+      of objects the store does not hold); `beside_l3_probes_only`: only matching, each fetch
+      asking `exists` first (as it does when the fetch reserve is short or the layout has
+      states);
+    - `exists_in_thread`: a Mooncake client in a thread of this process asks `batch_is_exist`
+      for 16 absent objects every 0.3 ms: the store's round trips alone, without hicache.
 
     Each round also counts the interrupts from NVIDIA devices, on all CPUs and on the CPU the
     engine thread was on at the end of the round.
@@ -412,6 +439,13 @@ def beside_l3(calls: int, rounds: int, conditions: tuple[str, ...] = CONDITIONS)
             return timed(feed_puts)
         if condition == "beside_l3_fetches_only":
             return timed(feed_fetches)
+        if condition == "beside_l3_probes_only":  # fetches that ask `exists` before they get
+            l3 = busy._l3
+            l3._can_get_at_once = lambda pages: False  # type: ignore[method-assign]
+            try:
+                return timed(feed_fetches)
+            finally:
+                del l3._can_get_at_once
         if condition == "beside_copies":
             return timed(feed_copies)
         if condition.startswith("copies_"):
@@ -440,8 +474,9 @@ def beside_l3(calls: int, rounds: int, conditions: tuple[str, ...] = CONDITIONS)
                 row = timed(None)
             return row | {"loader_gbps": load.get("gbps")}
         stop, ready, load = threading.Event(), threading.Event(), {}
+        loop = exists_loop if condition == "exists_in_thread" else put_loop
         loader = threading.Thread(
-            target=lambda: load.update(put_loop(master.address, obj, 16, gbps, stop, ready.set))
+            target=lambda: load.update(loop(master.address, obj, 16, gbps, stop, ready.set))
         )
         loader.start()
         try:
@@ -451,7 +486,10 @@ def beside_l3(calls: int, rounds: int, conditions: tuple[str, ...] = CONDITIONS)
         finally:
             stop.set()
             loader.join()
-        return row | {"loader_gbps": load.get("gbps")}
+        return row | {
+            "loader_gbps": load.get("gbps"),
+            "loader_calls_per_s": load.get("calls_per_s"),
+        }
 
     gc.collect()
     gc.freeze()
