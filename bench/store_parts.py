@@ -253,18 +253,27 @@ def _python_bursts(stop) -> None:
         time.sleep(1e-3)
 
 
-def exists_loop(
-    master: str, obj: int, batch: int, gbps: float, stop: threading.Event, on_ready
+def ask_loop(
+    master: str, obj: int, batch: int, gbps: float, stop: threading.Event, on_ready, get: bool
 ) -> dict[str, float]:
-    """`put_loop`'s shape, asking instead: `batch_is_exist` for `batch` absent objects every
-    0.3 ms with a client of its own, until `stop` is set (`obj` and `gbps` are unused)."""
+    """`put_loop`'s shape, asking instead, with a client of its own, every 0.3 ms until `stop`
+    is set: `batch_is_exist` for `batch` absent objects, or (`get`) a batched get of them into
+    a registered buffer, as a fetch of objects the store does not hold (`gbps` is unused)."""
     client = raw_client(master, 0)
     try:
         names = [f"absent/{uuid.uuid4().hex}/{i}" for i in range(batch)]
+        buf = torch.empty(obj * batch, dtype=torch.uint8)
+        if get and client.register_buffer(buf.data_ptr(), buf.numel()) != 0:
+            raise RuntimeError("register_buffer failed")
+        ptrs = [[buf.data_ptr() + i * obj] for i in range(batch)]
+        sizes = [[obj]] * batch
         on_ready()
         calls, t0 = 0, time.perf_counter()
         while not stop.is_set():
-            client.batch_is_exist(names)
+            if get:
+                client.batch_get_into_multi_buffers(names, ptrs, sizes)
+            else:
+                client.batch_is_exist(names)
             calls += 1
             time.sleep(3e-4)
         return {"calls_per_s": round(calls / (time.perf_counter() - t0), 1)}
@@ -312,6 +321,8 @@ CONDITIONS = (
     "beside_l3_fetches_only",
     "beside_l3_probes_only",
     "exists_in_thread",
+    "beside_l3_fetches_no_store",
+    "gets_in_thread",
 )
 """`beside_l3`'s conditions, in the order of its even rounds."""
 
@@ -347,8 +358,11 @@ def beside_l3(calls: int, rounds: int, conditions: tuple[str, ...] = CONDITIONS)
       of objects the store does not hold); `beside_l3_probes_only`: only matching, each fetch
       asking `exists` first (as it does when the fetch reserve is short or the layout has
       states);
-    - `exists_in_thread`: a Mooncake client in a thread of this process asks `batch_is_exist`
-      for 16 absent objects every 0.3 ms: the store's round trips alone, without hicache.
+    - `beside_l3_fetches_no_store`: `beside_l3_fetches_only` with the store's get answered at
+      once as "not found" without calling Mooncake: hicache's fetch path alone;
+    - `exists_in_thread`, `gets_in_thread`: a Mooncake client in a thread of this process asks
+      `batch_is_exist` for 16 absent objects every 0.3 ms, or gets them (a batched get into a
+      registered buffer): the store's round trips alone, without hicache.
 
     Each round also counts the interrupts from NVIDIA devices, on all CPUs and on the CPU the
     engine thread was on at the end of the round.
@@ -441,6 +455,13 @@ def beside_l3(calls: int, rounds: int, conditions: tuple[str, ...] = CONDITIONS)
             return timed(feed_puts)
         if condition == "beside_l3_fetches_only":
             return timed(feed_fetches)
+        if condition == "beside_l3_fetches_no_store":  # hicache's fetch path, no Mooncake call
+            store = busy._l3.store
+            store.get_into = lambda keys, buffers: [store.missing_code] * len(keys)
+            try:
+                return timed(feed_fetches)
+            finally:
+                del store.get_into
         if condition == "beside_l3_probes_only":  # fetches that ask `exists` before they get
             l3 = busy._l3
             l3._can_get_at_once = lambda pages: False  # type: ignore[method-assign]
@@ -476,7 +497,11 @@ def beside_l3(calls: int, rounds: int, conditions: tuple[str, ...] = CONDITIONS)
                 row = timed(None)
             return row | {"loader_gbps": load.get("gbps")}
         stop, ready, load = threading.Event(), threading.Event(), {}
-        loop = exists_loop if condition == "exists_in_thread" else put_loop
+        loop = (
+            functools.partial(ask_loop, get=condition == "gets_in_thread")
+            if condition in ("exists_in_thread", "gets_in_thread")
+            else put_loop
+        )
         loader = threading.Thread(
             target=lambda: load.update(loop(master.address, obj, 16, gbps, stop, ready.set))
         )
