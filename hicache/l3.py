@@ -330,6 +330,20 @@ class L3:
         else:
             self._reserve.absorb(fresh)
 
+    def _take_back(self, lease: Lease, keep: int) -> None:
+        """A get into slots lent by the reserve has read `keep` pages: the lease's other slots
+        (reserved, never published) return to the reserve, as far as it has room, and the rest
+        to the free list. A fetch of objects the store does not hold leaves nothing to refill,
+        so misses cost the engine thread no evictions and no refill."""
+        spare = lease.split(len(lease) - keep)
+        room = self._reserve_size() - self._lent - self._reserve_free()
+        if self._reserve is None or room <= 0:
+            spare.release()
+            return
+        if len(spare) > room:
+            spare.split(len(spare) - room).release()
+        self._reserve.absorb(spare)
+
     def _reserve_free(self) -> int:
         """Free slots in the reserve now (none before the first refill)."""
         return len(self._reserve) if self._reserve is not None else 0
@@ -506,6 +520,8 @@ class L3:
         state_ok = fetch.state_lease is not None and codes is not None and codes[-1] >= 0
         if fetch.state_lease is not None and not state_ok:
             ok = 0  # without its state the run can't be resumed from
+        if job.unprobed:  # the slots nothing was read into go back where they came from
+            self._take_back(fetch.lease, ok * self.G)  # type: ignore[arg-type]
         first_page = fetch.first_page
         if ok:
             got = fetch.keys[: ok * self.G]

@@ -136,6 +136,34 @@ def test_the_poll_that_finishes_a_fetch_leaves_the_refill_to_the_next_one(moonca
     reader.cache.release("r")
 
 
+def test_a_fetch_of_objects_the_store_does_not_hold_gives_its_slots_back_to_the_reserve(
+    mooncake_master, engines
+):
+    """A get from the reserve that reads nothing returns the same slots to the reserve: no
+    refill, no eviction, and nothing left pinned but the reserve."""
+    reader = engines(l3_config(mooncake_master, fetch_reserve=16 * 64))
+    reader.cache.poll()  # fills the reserve
+    before = sorted(reader.cache._l3._reserve.slots)
+    assert len(before) == 8
+    m = reader.cache.match("r", prompt(21, 34))  # 8 full pages that L3 has never seen
+    assert m.pending and reader.cache.stats()["l3_fetch_reserve"] == 0  # all 8 lent to the get
+    wait_until(lambda: len(reader.cache._l3._results) == 1)
+    pool, reserved = reader.cache.host.page_slots, []
+    pool.reserve = lambda n: reserved.append(n) or type(pool).reserve(pool, n)
+    reader.cache.poll()  # applies the get: every group missing
+    reader.cache.poll()
+    del pool.reserve
+    assert reserved == []  # the reserve was never refilled: its own slots came back
+    assert sorted(reader.cache._l3._reserve.slots) == before
+    m = reader.cache.match("r", prompt(21, 34))
+    assert (m.pending, m.hit_tokens, m.l3_tokens) == (False, 0, 0)
+    reader.cache.release("r")
+    s = reader.cache.stats()
+    assert (s["l3_get_failed"], s["l3_pages_fetched"]) == (0, 0)  # a miss, not a failure
+    assert s["host_pinned"] == s["l3_fetch_reserve"] == 8
+    reader.cache.host.page_slots.check()
+
+
 @pytest.mark.parametrize("tokens", [34, 42])  # 8 pages: one get; 10: exists, then get
 @pytest.mark.parametrize("prep", [2, 3, 128])
 def test_the_engine_thread_hashes_a_fetch_only_up_to_its_bound(
