@@ -14,9 +14,10 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
-__all__ = ["check_cpus", "start"]
+__all__ = ["check_cpus", "irq_cpus", "start"]
 
 
 def check_cpus(cpus: Iterable[int], what: str = "worker_cpus") -> frozenset[int]:
@@ -66,6 +67,41 @@ def start(
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     return thread
+
+
+def irq_cpus(device: str = "nvidia", proc: Path = Path("/proc")) -> frozenset[int]:
+    """The CPUs that take the interrupts of the devices whose line in ``/proc/interrupts``
+    names `device` (case-insensitive), from each interrupt's effective affinity (its allowed
+    CPUs where the kernel does not say). Empty where there is none, or no ``/proc``.
+
+    A GPU raises an interrupt as each of hicache's copies completes; an engine thread on one
+    of these CPUs runs its calls slower (see the README: keep the GPU's interrupts off the
+    engine thread's CPU)."""
+    try:
+        lines = (proc / "interrupts").read_text().splitlines()[1:]
+    except OSError:
+        return frozenset()
+    cpus: set[int] = set()
+    for line in lines:
+        irq, _, rest = line.partition(":")
+        if not irq.strip().isdigit() or device.lower() not in rest.lower():
+            continue
+        for name in ("effective_affinity_list", "smp_affinity_list"):
+            try:
+                cpus |= _parse_ranges((proc / "irq" / irq.strip() / name).read_text())
+                break
+            except (OSError, ValueError):
+                continue
+    return frozenset(cpus)
+
+
+def _parse_ranges(text: str) -> set[int]:
+    """'0-2,5' -> {0, 1, 2, 5}; ValueError for anything else."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
 
 
 def _ranges(cpus: list[int]) -> str:
