@@ -320,15 +320,9 @@ class L3:
         most an eighth of the host tier."""
         if not self.host.ready:
             return
-        want = self._reserve_size() - self._lent
-        have = self._reserve_free()
-        if have >= want:
-            return
-        fresh = self.host.page_slots.reserve(want - have)
-        if self._reserve is None:
-            self._reserve = fresh
-        else:
-            self._reserve.absorb(fresh)
+        short = self._reserve_short()
+        if short > 0:
+            self._add_to_reserve(self.host.page_slots.reserve(short))
 
     def _take_back(self, lease: Lease, keep: int) -> None:
         """A get into slots lent by the reserve has read `keep` pages: the lease's other slots
@@ -336,13 +330,22 @@ class L3:
         to the free list. A fetch of objects the store does not hold leaves nothing to refill,
         so misses cost the engine thread no evictions and no refill."""
         spare = lease.split(len(lease) - keep)
-        room = self._reserve_size() - self._lent - self._reserve_free()
-        if self._reserve is None or room <= 0:
-            spare.release()
-            return
+        room = max(0, self._reserve_short())
         if len(spare) > room:
             spare.split(len(spare) - room).release()
-        self._reserve.absorb(spare)
+        self._add_to_reserve(spare)
+
+    def _add_to_reserve(self, lease: Lease) -> None:
+        """Move `lease`'s reserved slots, with their pins, into the reserve."""
+        if self._reserve is None:
+            self._reserve = lease
+        else:
+            self._reserve.absorb(lease)
+
+    def _reserve_short(self) -> int:
+        """Slots the reserve lacks: its size, less the slots lent to running gets and those it
+        holds (negative when it holds more)."""
+        return self._reserve_size() - self._lent - self._reserve_free()
 
     def _reserve_free(self) -> int:
         """Free slots in the reserve now (none before the first refill)."""
