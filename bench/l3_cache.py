@@ -28,9 +28,13 @@
    runs first (`engine_thread_host_only_baseline`), and one more times a host-only cache while
    another process keeps the store as busy, at the same put rate
    (`engine_thread_host_only_store_busy_elsewhere`): the store's traffic without L3's threads
-   in the engine's process. `store_put_gbps` says how many bytes were put per second meanwhile;
-   `reference_hash_us`, how fast the CPU itself ran (a fixed compiled hash of 64 pages, timed
-   once per step: the lent machines' CPUs change speed by half within a minute, idle).
+   in the engine's process; and one (`engine_thread_l3_engine_part_busy_elsewhere`) times an L3
+   cache whose jobs are answered at once on the engine thread (`answer_on_engine_thread`: no L3
+   worker runs in the process) under that same load: the engine thread's own share of L3, what
+   it would pay with L3's workers and client in another process. `store_put_gbps` says how
+   many bytes were put per second meanwhile; `reference_hash_us`, how fast the CPU itself ran
+   (a fixed compiled hash of 64 pages, timed once per step: the lent machines' CPUs change
+   speed by half within a minute, idle).
 
 With --engine-cpu N the timed engine thread runs on CPU N alone, and everything else on the
 other cores (less N's SMT siblings): the caches' L3 threads and the Mooncake clients' own
@@ -54,6 +58,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +71,7 @@ from l3_raw import measure, raw_client, report, store_load  # noqa: E402
 from mooncake_master import MooncakeMaster, SegmentHolder  # noqa: E402
 
 from hicache import HiCache, PagedBuffer, load_config, native, threads  # noqa: E402
+from hicache import l3 as l3_mod  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 DEVICE = "cpu"  # --device cuda puts the engine's pool on the GPU (copies: the CUDA paths)
@@ -225,6 +231,30 @@ def next_step(cache: HiCache) -> None:
     woken.wait(0.0005)
     woken.clear()
     cache.poll()
+
+
+def answer_on_engine_thread(cache: HiCache) -> Callable[[], None]:
+    """Make `cache`'s L3 answer each job the moment it is handed over, on the handing (engine)
+    thread: a put as stored, a probe or a get as "not found". No worker wakes or runs, and
+    nothing is named, placed or sent: what is left is L3's bookkeeping on the engine thread
+    (which groups are new, slots, pins, the fetch reserve, applying results in `poll`). Every
+    put is taken, where a saturated store would drop most, so this is an upper bound of that
+    share. Returns the undo."""
+    l3 = cache._l3
+
+    def answer(jobs: object, job: l3_mod._Job) -> None:
+        l3.jobs_in_flight += 1
+        job.finished = l3.clock()
+        if job.kind == "put":
+            outcome: list = [0] * (len(job.ends) + len(job.state_ends))
+        elif job.kind == "probe":
+            outcome = [False] * job.fetch.groups
+        else:
+            outcome = [l3.store.missing_code] * job.groups
+        l3._results.append((job, outcome))
+
+    l3._submit = answer  # type: ignore[method-assign]
+    return lambda: delattr(l3, "_submit")
 
 
 def copied() -> None:
@@ -586,10 +616,15 @@ def engine_thread_times(
     saturated phase's put rate) or without pause: the store's traffic of the saturated phase
     without L3's threads in this process. Where the host-only cache is fast here and slow
     beside a saturated L3 cache, what slows it lives in the process; where it is slow in both,
-    the traffic itself."""
+    the traffic itself. Phase 'l3_engine_part_busy_elsewhere' adds to that load an L3 cache
+    (and a host-only one alongside) whose jobs are answered on the engine thread
+    (`answer_on_engine_thread`): the engine thread's own part of L3, without its workers."""
     elsewhere = phase == "host_only_store_busy_elsewhere"
+    engine_part = phase == "l3_engine_part_busy_elsewhere"
     cache = make_cache(None if elsewhere else master, ENGINE_PAGE, 128, write_queue_depth=2)
     pair = make_cache(None, ENGINE_PAGE, 128) if master is not None and not elsewhere else None
+    if engine_part:
+        answer_on_engine_thread(cache)
     rng = np.random.default_rng(1)
     calls_timed = ("store", "store_scattered", "match", "poll")
     names = [f"{c}_{k}" for c in calls_timed for k in ("wall_us", "cpu_us")]
@@ -644,7 +679,7 @@ def engine_thread_times(
         if phase == "down_open":
             breaker_opened(cache, rng)
         with contextlib.ExitStack() as busy:
-            if elsewhere:
+            if elsewhere or engine_part:
                 load = busy.enter_context(
                     store_load(master.address, 4 * ENGINE_PAGE, gbps=load_gbps)
                 )
@@ -682,7 +717,7 @@ def engine_thread_times(
         "seconds": round(seconds, 2),
         # bytes this cache's write-behind put per second meanwhile, or the other process's
         "store_put_gbps": load.get("gbps")
-        if elsewhere
+        if elsewhere or engine_part
         else round((stats.get("l3_put_bytes", 0) - put_before) / seconds / 1e9, 3),
         "reference_hash_us": percentiles(hashed),
         "calls_with_a_garbage_collection": with_gc,
@@ -746,7 +781,8 @@ def main() -> None:
         )
     holder = SegmentHolder(master.address, segment)
     try:
-        flow, baseline, saturated, elsewhere, down, down_open = [], None, None, None, None, None
+        flow, baseline, saturated, elsewhere, engine_part = [], None, None, None, None
+        down, down_open = None, None
         if "throughput" in parts:
             touch_segment(master, segment)
             flow = [throughput(master, args.rounds, size) for size in (128 * KiB, 1 * MiB)]
@@ -755,6 +791,9 @@ def main() -> None:
             saturated = engine_thread_times(master, args.calls, "saturated")
             elsewhere = engine_thread_times(
                 master, args.calls, "host_only_store_busy_elsewhere", saturated["store_put_gbps"]
+            )
+            engine_part = engine_thread_times(
+                master, args.calls, "l3_engine_part_busy_elsewhere", saturated["store_put_gbps"]
             )
             down = engine_thread_times(master, args.calls, "down")
             down_open = engine_thread_times(master, args.calls, "down_open")
@@ -775,6 +814,7 @@ def main() -> None:
         "engine_thread_host_only_baseline": baseline,
         "engine_thread_store_saturated": saturated,
         "engine_thread_host_only_store_busy_elsewhere": elsewhere,
+        "engine_thread_l3_engine_part_busy_elsewhere": engine_part,
         "engine_thread_store_down": down,
         "engine_thread_store_down_breaker_open": down_open,
         "targets": {"ratio": 0.9, "p99_us": 200},

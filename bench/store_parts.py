@@ -281,20 +281,6 @@ def ask_loop(
         client.close()
 
 
-def _answer_at_once(cache_l3: l3.L3, job: l3._Job) -> None:
-    """Stands in for `L3._submit_fetch`: the job's answer, "not found" for every object (as the
-    store answers for objects it does not hold), is posted at once on the calling thread, for
-    the next `poll` to apply. No worker wakes, nothing is named or placed."""
-    cache_l3._fetch_load[0] += 1
-    cache_l3.jobs_in_flight += 1
-    job.finished = cache_l3.clock()
-    if job.kind == "probe":
-        outcome: list = [False] * job.fetch.groups
-    else:
-        outcome = [cache_l3.store.missing_code] * job.groups
-    cache_l3._results.append((job, outcome))
-
-
 def _gpu_irqs() -> list[int]:
     """Interrupts each CPU has taken from NVIDIA devices so far (/proc/interrupts; [] where
     there is none)."""
@@ -376,7 +362,8 @@ def beside_l3(calls: int, rounds: int, conditions: tuple[str, ...] = CONDITIONS)
     - `beside_l3_fetches_no_store`: `beside_l3_fetches_only` with the store's get answered at
       once as "not found" without calling Mooncake: hicache's fetch path alone;
       `beside_l3_fetches_engine_only`: that path's engine-thread part alone, each job's result
-      posted at once by the engine thread (`_answer_at_once`): no worker wakes or runs;
+      posted at once by the engine thread (`l3_cache.answer_on_engine_thread`): no worker wakes
+      or runs;
     - `exists_in_thread`, `gets_in_thread`: a Mooncake client in a thread of this process asks
       `batch_is_exist` for 16 absent objects every 0.3 ms, or gets them (a batched get into a
       registered buffer): the store's round trips alone, without hicache.
@@ -480,12 +467,11 @@ def beside_l3(calls: int, rounds: int, conditions: tuple[str, ...] = CONDITIONS)
             finally:
                 del store.get_into
         if condition == "beside_l3_fetches_engine_only":  # no worker: the engine thread's part
-            l3 = busy._l3
-            l3._submit_fetch = functools.partial(_answer_at_once, l3)  # type: ignore[method-assign]
+            undo = l3_cache.answer_on_engine_thread(busy)
             try:
                 return timed(feed_fetches)
             finally:
-                del l3._submit_fetch
+                undo()
         if condition == "beside_l3_probes_only":  # fetches that ask `exists` before they get
             l3 = busy._l3
             l3._can_get_at_once = lambda pages: False  # type: ignore[method-assign]
