@@ -453,7 +453,9 @@ class HiCache:
         finally:
             # New pages are unpinned before the held ones, once the copies are done: the
             # sequence's head ends up most recent, so its tail is evicted first.
-            self._after_store(keys, pages, keep, states)
+            self._after_store(
+                keys, _slots_in_order(keep, pages, missing, len(keys)), pages, keep, states
+            )
         return len(pages) if pages is not None else 0
 
     def _store_pages(self, keys: list[bytes], ids: np.ndarray, missing: list[int]) -> Lease | None:
@@ -513,16 +515,19 @@ class HiCache:
         self._stats.stored_states(len(wanted))
         return lease
 
-    def _after_store(self, keys: list[bytes], *leases: Lease | None) -> None:
+    def _after_store(
+        self, keys: list[bytes], slots: list[int] | None, *leases: Lease | None
+    ) -> None:
         """Unpin once the store's copies have completed; hand the new groups to write-behind now
-        (its worker waits for the copies before it reads the host slots)."""
+        (its worker waits for the copies before it reads the host slots). `slots`: the host
+        slot of every page of `keys`, where the store knows them (see `_slots_in_order`)."""
         held = [lease for lease in leases if lease is not None]
         if not held and self._l3 is None:
             return
         copied = self._transfers.then(lambda: _release(held))
         if self._l3 is not None:
             G = self._l3.G
-            self._l3.write_behind(keys, len(keys), range(G, len(keys) + 1, G), copied)
+            self._l3.write_behind(keys, len(keys), range(G, len(keys) + 1, G), copied, slots)
 
     def _call_hook(self, name: str, state_slot: int | None, boundary: int, host_slot: int) -> None:
         try:
@@ -638,6 +643,21 @@ def _adopt_keys(chain: KeyChain, fetch: Fetch) -> None:
 
 def _int32(values: list[int]) -> np.ndarray:
     return np.frombuffer(array("i", values), dtype=np.int32)  # one C loop, as block_ids
+
+
+def _slots_in_order(
+    present: Lease, stored: Lease | None, missing: list[int], n_pages: int
+) -> list[int] | None:
+    """The host slot of each of a store's `n_pages` pages, in page order, where that is cheap to
+    know: the pages the host tier held (`present`, in order) come first and the ones the store
+    copied (`stored`, in the order of `missing`) after them, all of them stored. That is a store
+    after a prefix hit, or of a sequence wholly new or wholly held. None otherwise (pages
+    dropped for want of room, or held pages after new ones): write-behind looks them up."""
+    n_present = len(present.slots)
+    n_stored = len(stored.slots) if stored is not None else 0
+    if n_present + n_stored != n_pages or (missing and missing[0] != n_present):
+        return None
+    return present.slots + stored.slots if stored is not None else list(present.slots)
 
 
 def _release(leases: list[Lease]) -> None:

@@ -376,14 +376,20 @@ class L3:
     # -- engine thread: write-behind --------------------------------------------------------------
 
     def write_behind(
-        self, keys: list[bytes], n_pages: int, state_pages: Sequence[int], ready: Completion = DONE
+        self,
+        keys: list[bytes],
+        n_pages: int,
+        state_pages: Sequence[int],
+        ready: Completion = DONE,
+        slots: list[int] | None = None,
     ) -> None:
         """Queue puts of the full groups of `keys[:n_pages]` (and states) L3 does not hold.
 
         Called by `store` at once, with `ready` marking the host write-through: the worker waits
         for it before reading the slots, which stay pinned until the put has returned. On this
         thread: which groups are new, their slots, their pins; the worker names them and finds
-        their bytes.
+        their bytes. `slots`, where the caller knows them: the host slot of each of `keys`
+        (all published), so that they need not be looked up.
         """
         G = self.G
         if not self.usable():  # not connected, or the breaker is open: offer nothing
@@ -394,15 +400,22 @@ class L3:
         if self._puts_out >= self.settings.queue_depth:  # drop at once, build nothing
             self.stats.l3_puts_dropped += len(groups)
             return
-        page_slots = self.host.page_slots.lookup(keys[: (groups[-1] + 1) * G]) if groups else []
         ends: list[bytes] = []
         pins: list[int] = []
-        for g in groups:
-            slots = page_slots[g * G : (g + 1) * G]
-            if None in slots:  # a page was evicted meanwhile: this group can't be put
-                continue
-            ends.append(keys[(g + 1) * G - 1])
-            pins += slots  # type: ignore[arg-type]
+        if slots is not None and len(groups) == n_pages // G:  # every group is new: no loop
+            ends, pins = keys[G - 1 : len(groups) * G : G], slots[: len(groups) * G]
+        elif groups:
+            page_slots: Sequence[int | None] = (
+                slots
+                if slots is not None
+                else self.host.page_slots.lookup(keys[: (groups[-1] + 1) * G])
+            )
+            for g in groups:
+                group = page_slots[g * G : (g + 1) * G]
+                if None in group:  # a page was evicted meanwhile: this group can't be put
+                    continue
+                ends.append(keys[(g + 1) * G - 1])
+                pins += group  # type: ignore[arg-type]
         state_ends: list[bytes] = []
         state_pins: list[int] = []
         if self.layout.state_bytes:

@@ -241,6 +241,23 @@ e.cache.close()
     assert got["l3_objects_put"] == 0 and got["l3_put_failed"] == 0
 
 
+def test_a_store_after_a_prefix_hit_puts_only_its_new_groups_with_their_own_bytes(
+    mooncake_master, engines
+):
+    """The second request holds 4 pages in the host tier and computes 6: write-behind puts
+    the 3 new groups from the slots the store has just filled (it does not look them up)."""
+    writer = engines()
+    p = prompt(21)  # 10 full pages: 5 groups
+    writer.run("a", p[:17])  # 4 full pages: groups 0 and 1
+    settled(writer)
+    assert writer.run("b", p).hit_tokens == 16
+    settled(writer)
+    assert writer.cache.stats()["l3_objects_put"] == 5  # 2, then 3
+    reader = engines()
+    m = reader.run("r", p)  # checks every loaded byte against a recompute
+    assert (m.hit_tokens, m.l3_tokens) == (40, 40)
+
+
 def test_an_engine_that_sleeps_is_woken_when_its_fetch_has_landed(mooncake_master, engines):
     """An idle engine loop waits on `wake` instead of polling: it is woken once the fetch's
     result is posted, and the next match takes the hit without a poll in between."""
