@@ -71,7 +71,7 @@ from l3_raw import measure, raw_client, report, store_load  # noqa: E402
 from mooncake_master import MooncakeMaster, SegmentHolder  # noqa: E402
 
 from hicache import HiCache, PagedBuffer, load_config, native, threads  # noqa: E402
-from hicache import l3 as l3_mod  # noqa: E402
+from hicache.l3_worker import Job  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 DEVICE = "cpu"  # --device cuda puts the engine's pool on the GPU (copies: the CUDA paths)
@@ -242,7 +242,7 @@ def answer_on_engine_thread(cache: HiCache) -> Callable[[], None]:
     share. Returns the undo."""
     l3 = cache._l3
 
-    def answer(jobs: object, job: l3_mod._Job) -> None:
+    def answer(jobs: object, job: Job) -> None:
         l3.jobs_in_flight += 1
         job.finished = l3.clock()
         if job.kind == "put":

@@ -23,8 +23,9 @@ The engine thread never calls the store. It hands jobs to worker threads — one
 
 Both queues are bounded by a count of jobs queued or running (`queue_depth` puts,
 `fetch_depth` fetches); beyond it a put is dropped and a fetch not started, both counted. On
-the engine thread a job is bookkeeping only (keys, slots, pins; the worker names the objects
-and finds their bytes), besides a fetch's first `ENGINE_PREP_PAGES` pages hashed. Nothing
+the engine thread a job is bookkeeping only (keys, slots, pins), besides a fetch's first
+`ENGINE_PREP_PAGES` pages hashed; what a worker does with it (hash the rest, name the objects,
+find their bytes, make the call) is `hicache.l3_worker.Worker`'s. Nothing
 here releases the GIL on the engine thread (see the README's engine contract): a worker that
 wants it waits for the engine's next release, never cuts into a call.
 
@@ -44,16 +45,14 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
-
-import numpy as np
 
 from hicache import threads
-from hicache.backends.base import Buffers, StoreTier, StoreUnavailable
+from hicache.backends.base import StoreTier, StoreUnavailable
 from hicache.backends.host import HostTier
 from hicache.config import Layout, Policy
 from hicache.events import EventSink, emit
-from hicache.keys import KeyChain, l3_key, page_keys
+from hicache.keys import KeyChain
+from hicache.l3_worker import Job, Worker
 from hicache.slots import Lease
 from hicache.stats import Stats
 from hicache.transfers import DONE, Completion
@@ -148,47 +147,6 @@ class _Leases:
             lease.release()
 
 
-@dataclass
-class _Job:
-    """One call for a worker. The engine thread fills in keys and slots; the worker names the
-    objects and finds their bytes (`names`, `buffers`), so that the engine thread does not."""
-
-    kind: str  # "probe" | "get" | "put"
-    ends: list[bytes] = field(default_factory=list)
-    """Keys of the page groups' last pages (a group is named by it), in order."""
-    state_ends: list[bytes] = field(default_factory=list)
-    """Keys of the pages whose boundary states the call moves, after the groups."""
-    page_slots: list[int] = field(default_factory=list)
-    """Host slots of the groups' pages, `G` per group (gets and puts)."""
-    state_slots: list[int] = field(default_factory=list)
-    names: list[str] = field(default_factory=list)
-    """Object names (groups, then states), made by the worker."""
-    buffers: Buffers = field(default_factory=lambda: Buffers([], []))
-    """Where the objects lie in the host pools, found by the worker."""
-    fetch: Fetch = None  # type: ignore[assignment]  # probe and get jobs only
-    lease: Lease | _Leases | None = None
-    groups: int = 0
-    """For a get: how many page groups it reads (a state, if any, comes after them)."""
-    unprobed: bool = False
-    """A get asked without an exists: a missing group ends the hit and is no failure."""
-    ready: Completion = DONE
-    """For a put: the host write-through it sends; the worker waits for it before reading."""
-    hash_from: tuple[bytes, bytes] | None = None
-    """For a fetch's first job, when it has pages past `ENGINE_PREP_PAGES`: the key before them
-    and the bytes of their tokens (int32), for the worker to hash."""
-    page_keys: list[bytes] = field(default_factory=list)
-    """For a fetch's first job: the keys of its pages (those after `hash_from` added by the
-    worker)."""
-    started: float = 0.0
-    finished: float = 0.0
-    worker: int = 0
-    """For a fetch job: the fetch worker it was queued for."""
-
-    def release(self) -> None:
-        if self.lease is not None:
-            self.lease.release()
-
-
 class L3:
     """Fetches and puts between the host tier and a `StoreTier`, off the engine thread."""
 
@@ -217,13 +175,20 @@ class L3:
         self.events = events
         self.wake = wake
         """Called by a worker after it posted a result (see `HiCache`'s `wake`)."""
-        self._group_names = l3_key(settings.key_prefix, fingerprint, b"", self.G)
-        self._state_names = l3_key(settings.key_prefix, fingerprint, b"", None)
+        self._worker = Worker(
+            store,
+            host,
+            settings.key_prefix,
+            fingerprint,
+            self.G,
+            layout.page_tokens,
+            bool(layout.state_bytes),
+        )
         # what L3 holds (or is receiving), by the key that names the object: engine thread only
         self._groups_held = _Seen(1 << 20)
         self._states_held = _Seen(1 << 18)
         self._registered = threading.Event()
-        self._results: deque[tuple[_Job, object]] = deque()
+        self._results: deque[tuple[Job, object]] = deque()
         self._reserve: Lease | None = None  # free host slots a fetch can get into at once
         self._lent = 0  # reserve slots that unprobed gets are reading into now
         self.jobs_in_flight = 0
@@ -232,12 +197,12 @@ class L3:
         # queue per fetch worker: a job goes to the least busy, the first of equals, so that
         # one fetch at a time always finds the same thread (and its state in Mooncake's client)
         # and a second thread runs only while the first is busy.
-        self._fetch_jobs: list[queue.SimpleQueue[_Job | None]] = [
+        self._fetch_jobs: list[queue.SimpleQueue[Job | None]] = [
             queue.SimpleQueue() for _ in range(settings.fetch_workers)
         ]
         # per fetch worker: jobs queued or running (together at most settings.fetch_depth)
         self._fetch_load = [0] * settings.fetch_workers
-        self._put_jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._put_jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._puts_out = 0  # put jobs queued or running (at most settings.queue_depth)
         cpus = settings.worker_cpus
         store.start()
@@ -283,7 +248,7 @@ class L3:
         fetch = Fetch(first, last - first, first * G, host_pages, deadline, now)
         self.stats.l3_probes += 1
         pages = (last - first) * G
-        job = _Job("probe", fetch=fetch, started=now)
+        job = Job("probe", fetch=fetch, started=now)
         if self._can_get_at_once(pages):
             # One call: get every group into reserved slots; the leading run that arrives is the
             # hit (a missing object reads as a miss). No exists, no second trip to this thread.
@@ -428,7 +393,7 @@ class L3:
         if not ends and not state_ends:
             return
         lease = _Leases(self.host.page_slots.lease(pins), self.host.state_slots.lease(state_pins))
-        job = _Job("put", ends, state_ends, pins, state_pins, lease=lease, ready=ready)
+        job = Job("put", ends, state_ends, pins, state_pins, lease=lease, ready=ready)
         job.started = self.clock()
         self._puts_out += 1
         self._submit(self._put_jobs, job)
@@ -475,7 +440,7 @@ class L3:
                 self._on_put(job, None if failed else outcome)  # type: ignore[arg-type]
         return fetched
 
-    def _on_probe(self, job: _Job, present: list[bool] | None) -> None:
+    def _on_probe(self, job: Job, present: list[bool] | None) -> None:
         fetch = job.fetch
         n_groups = fetch.groups
         if present is None or fetch.abandoned:
@@ -514,7 +479,7 @@ class L3:
             fetch.phase = "done"
             self.stats.l3_no_space += 1
             return
-        get = _Job("get", job.ends[:run], page_slots=lease.slots, fetch=fetch, groups=run)
+        get = Job("get", job.ends[:run], page_slots=lease.slots, fetch=fetch, groups=run)
         if state_lease is not None:
             get.state_ends = [fetch.key_before(fetch.first_page + run * self.G)]
             get.state_slots = state_lease.slots
@@ -522,7 +487,7 @@ class L3:
         fetch.lease, fetch.state_lease, fetch.phase = lease, state_lease, "get"
         self._submit_fetch(get)
 
-    def _on_get(self, job: _Job, codes: list[int] | None) -> None:
+    def _on_get(self, job: Job, codes: list[int] | None) -> None:
         fetch = job.fetch
         run = job.groups
         if job.unprobed:  # its slots are the fetch's now (or free again): the reserve may refill
@@ -558,7 +523,7 @@ class L3:
         if fetch.abandoned or not ok:
             fetch.release()
 
-    def _on_put(self, job: _Job, codes: list[int] | None) -> None:
+    def _on_put(self, job: Job, codes: list[int] | None) -> None:
         job.release()
         ends = job.ends + job.state_ends
         codes = codes or [-1] * len(ends)
@@ -600,37 +565,26 @@ class L3:
         """No job is queued or running."""
         return self.jobs_in_flight == 0
 
-    def _submit_fetch(self, job: _Job) -> None:
+    def _submit_fetch(self, job: Job) -> None:
         """Queue a fetch job for the least busy fetch worker (the first of equals)."""
         load = self._fetch_load
         job.worker = load.index(min(load))
         load[job.worker] += 1
         self._submit(self._fetch_jobs[job.worker], job)
 
-    def _submit(self, jobs: queue.SimpleQueue[_Job | None], job: _Job) -> None:
+    def _submit(self, jobs: queue.SimpleQueue[Job | None], job: Job) -> None:
         jobs.put(job)
         self.jobs_in_flight += 1
 
     # -- worker threads ---------------------------------------------------------------------------
 
-    def _work(self, jobs: queue.SimpleQueue[_Job | None]) -> None:
+    def _work(self, jobs: queue.SimpleQueue[Job | None]) -> None:
         while True:
             job = jobs.get()
             if job is None:
                 return
             try:
-                if job.hash_from is not None:
-                    self._hash_fetch(job)
-                if job.page_keys and not job.ends:  # a fetch's first job: name its groups
-                    self._name_groups(job)
-                self._place(job)
-                if job.kind == "probe":
-                    outcome: object = self.store.exists(job.names)
-                elif job.kind == "get":
-                    outcome = self.store.get_into(job.names, job.buffers)
-                else:  # an object the store holds already is not sent again: it answers 0
-                    job.ready.wait()  # the host copy of the pages (a CUDA event; released GIL)
-                    outcome = self.store.put_from(job.names, job.buffers)
+                outcome: object = self._worker.run(job)
             except Exception as err:  # reported to the engine thread as a failed job
                 if not isinstance(err, StoreUnavailable):
                     log.warning("hicache L3 %s failed: %r", job.kind, err)
@@ -643,29 +597,6 @@ class L3:
                 except Exception as err:  # the engine's callback must not stop the worker
                     log.warning("hicache: the wake callback raised %r", err)
 
-    def _hash_fetch(self, job: _Job) -> None:
-        """Worker thread: hash the pages of a fetch that the engine thread left (`hash_from`).
-        The hashing releases the GIL."""
-        prev, data = job.hash_from  # type: ignore[misc]
-        tokens = np.frombuffer(data, dtype=np.int32)
-        keys = page_keys(prev, tokens, self.layout.page_tokens, release_gil=True)
-        job.page_keys = job.page_keys + keys  # a new list: the engine thread holds the old one
-
-    def _name_groups(self, job: _Job) -> None:
-        """Worker thread, a fetch's first job: its groups' ends from its page keys (and, for a
-        probe of a state layout, the state at every group end too)."""
-        job.ends = job.page_keys[self.G - 1 :: self.G]
-        if job.kind == "probe" and self.layout.state_bytes:
-            job.state_ends = job.ends
-
-    def _place(self, job: _Job) -> None:
-        """Worker thread: the names of a job's objects and, for a get or a put, where their
-        bytes lie."""
-        job.names = [self._group_names + k.hex() for k in job.ends]
-        job.names += [self._state_names + k.hex() for k in job.state_ends]
-        if job.kind != "probe":
-            job.buffers = self._buffers(job.page_slots, job.state_slots)
-
     # -- helpers ----------------------------------------------------------------------------------
 
     def _worth_fetching(self) -> bool:
@@ -677,24 +608,6 @@ class L3:
             return True
         self.stats.l3_skipped_slow += 1
         return False
-
-    @cached_property
-    def _page_rows(self) -> tuple[int, int, int]:
-        """Address of host slot 0, bytes between slots, bytes of a page (once the pool exists)."""
-        rows = self.host.pages.segments[0]
-        return rows.data_ptr(), rows.stride(0), rows.shape[1]
-
-    def _buffers(self, page_slots: list[int], state_slots: list[int] | tuple[()] = ()) -> Buffers:
-        """Where the objects lie in the host pools: a page group per `G` consecutive entries of
-        `page_slots` (laid out by `group_pieces`), then one state per entry of `state_slots`."""
-        pieces = group_pieces(self._page_rows, self.G, page_slots)
-        if not state_slots:  # all in the page pool: the store checks the span, not each piece
-            return pieces
-        for slot in state_slots:
-            row = self.host.state(slot)
-            pieces.ptrs.append([row.data_ptr()])
-            pieces.sizes.append([row.numel()])
-        return Buffers(pieces.ptrs, pieces.sizes)
 
     def _register(self) -> None:
         """Register the host pools with the store, off the engine thread (registering tens of
@@ -721,45 +634,6 @@ class L3:
             self._reserve.release()
             self._reserve = None
         self.store.close()
-
-
-def group_pieces(rows: tuple[int, int, int], G: int, slots: list[int]) -> Buffers:
-    """The pieces of page groups of `G` pages, a group per `G` consecutive entries of `slots`, in
-    a pool whose `rows` are (address of slot 0, bytes between slots, bytes of a page).
-
-    Where rows lie back to back, a group whose pages are in consecutive slots, in order, is one
-    piece; any other group is a piece per page. Mooncake moves fewer, larger pieces faster: a
-    batch of 32 objects of 512 KiB as one piece each took 4-11 % less time than as 4 pieces each
-    in five runs on H200 hosts (`bench/results/l3_*_h200*.json`, raw gets). The span of every
-    piece comes with them (None for no slots)."""
-    base, stride, size = rows
-    n = len(slots)
-    if not n:
-        return Buffers([], [])
-    merge = stride == size  # rows back to back: consecutive slots are one piece
-    if merge and slots == list(range(slots[0], slots[0] + n)):
-        # the usual fetch (sorted slots of a fresh reserve): one run, a piece per group,
-        # without a list per group (half the time of the loop below, on the fill's path)
-        first = base + stride * slots[0]
-        return Buffers(
-            [[at] for at in range(first, first + n * stride, G * stride)],
-            [[G * size] for _ in range(n // G)],
-            (first, first + n * stride),
-        )
-    ptrs: list[list[int]] = []
-    sizes: list[list[int]] = []
-    for i in range(0, n, G):  # plain ints: cheaper than numpy at this size
-        group = slots[i : i + G]
-        first = group[0]
-        if merge and group == list(range(first, first + G)):
-            ptrs.append([base + stride * first])
-            sizes.append([G * size])
-        else:
-            ptrs.append([base + stride * slot for slot in group])
-            sizes.append([size] * G)
-    # min/max of the ints, not numpy reductions (each costs more than the loop here)
-    low, high = min(slots), max(slots)
-    return Buffers(ptrs, sizes, (base + stride * low, base + stride * high + size))
 
 
 class _Seen(OrderedDict[bytes, None]):

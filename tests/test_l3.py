@@ -172,6 +172,7 @@ def test_the_engine_thread_hashes_a_fetch_only_up_to_its_bound(
     """The engine thread hashes the first ENGINE_PREP_PAGES pages of a fetch, the worker the
     rest (with the GIL dropped), and the hit is the same either way, every byte checked."""
     import hicache.l3 as l3
+    import hicache.l3_worker as l3_worker
 
     monkeypatch.setattr(l3, "ENGINE_PREP_PAGES", prep)
     writer = engines()
@@ -179,14 +180,14 @@ def test_the_engine_thread_hashes_a_fetch_only_up_to_its_bound(
     writer.run("w", p)
     settled(writer)
     by_worker: list[int] = []
-    hash_pages = l3.page_keys
+    hash_pages = l3_worker.page_keys
 
     def spy(prev, data, page_tokens, release_gil=False):
         if release_gil:
             by_worker.append(data.shape[0] // page_tokens)
         return hash_pages(prev, data, page_tokens, release_gil=release_gil)
 
-    monkeypatch.setattr(l3, "page_keys", spy)
+    monkeypatch.setattr(l3_worker, "page_keys", spy)
     reader = engines()
     reader.cache.poll()  # fills the fetch reserve
     m = reader.run("r", p)
