@@ -453,9 +453,8 @@ class HiCache:
         finally:
             # New pages are unpinned before the held ones, once the copies are done: the
             # sequence's head ends up most recent, so its tail is evicted first.
-            self._after_store(
-                keys, _slots_in_order(keep, pages, missing, len(keys)), pages, keep, states
-            )
+            slots = None if self._l3 is None else _slots_in_order(keep, pages, missing, len(keys))
+            self._after_store(keys, slots, pages, keep, states)
         return len(pages) if pages is not None else 0
 
     def _store_pages(self, keys: list[bytes], ids: np.ndarray, missing: list[int]) -> Lease | None:
