@@ -29,7 +29,6 @@ import torch
 from hicache import native, threads
 from hicache.backends.gpu import GpuTier
 from hicache.backends.host import HostTier, HostTierConfig
-from hicache.backends.isolated import IsolatedStore
 from hicache.backends.registry import tier_class
 from hicache.config import HiCacheConfig, Layout, StoreTierConfig
 from hicache.errors import StateHookError
@@ -116,8 +115,7 @@ class HiCache:
         native.available()  # load the compiled helpers now, not in the first store
         self._routes: tuple[Route, Route] | None = None
         evicted = self._evicted if events is not None else None  # counted by the pool anyway
-        shared = store_config is not None and store_config.own_process  # the store's child maps it
-        self.host = HostTier(host_config, layout, evicted, self._prepare_copies, shared=shared)
+        self.host = HostTier(host_config, layout, evicted, self._prepare_copies)
         self._hooks = states if layout.state_bytes else None
         self._transfers = Transfers(self.gpu.device, stream)
         self._requests: dict[str, Request] = {}
@@ -136,7 +134,7 @@ class HiCache:
         """The L3 over the store tier below the host tier, if the config has one."""
         if cfg is None:
             return None
-        store = IsolatedStore(cfg) if cfg.own_process else tier_class(cfg.type)(cfg)
+        store = tier_class(cfg.type)(cfg)
         cpus = frozenset(cfg.worker_cpus)  # checked by _store_tier
         settings = L3Settings(
             group_pages=cfg.group_pages,

@@ -149,12 +149,6 @@ class StoreTierConfig(TierConfig):
     """CPUs for the L3's threads (its workers, and the store client's threads, which inherit
     them): give CPUs other than the engine thread's, so that L3 never takes its core. Empty:
     wherever the process may run."""
-    own_process: bool = False
-    """Run the store's client in a child process (`hicache.backends.isolated`), so that a client
-    that crashes or leaks stays out of the engine's process. The host pools become shared
-    memory files that the child maps, so transfers stay zero-copy; L3's workers stay in the
-    engine's process and wait on a socket for each call; a child that exits is started again.
-    Each call pays a round trip between the processes (README: what it costs)."""
 
 
 class Policy(_Strict):

@@ -554,7 +554,6 @@ class L3:
         often the store's own process was started again."""
         return {
             "l3_available": int(self.store.available),
-            "l3_store_restarts": self.store.restarts,
             "l3_queue_depth": self._puts_out,
             "l3_jobs_in_flight": self.jobs_in_flight,
             "l3_fetch_reserve": self._reserve_free(),

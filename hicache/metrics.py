@@ -116,7 +116,6 @@ METRICS: dict[str, tuple[str, dict[str, str]]] = {
     "l3_skipped_slow": ("hicache_fallbacks", {"reason": "slower_than_recompute"}),
     "l3_timeouts": ("hicache_fallbacks", {"reason": "timeout"}),
     "l3_no_space": ("hicache_fallbacks", {"reason": "no_host_space"}),
-    "l3_store_restarts": ("hicache_errors", {"kind": "store_process_exit"}),
     "host_slots": ("hicache_pool_slots", {"tier": "host", "pool": "page"}),
     "host_used": ("hicache_pool_used_slots", {"tier": "host", "pool": "page"}),
     "host_pinned": ("hicache_pool_pinned_slots", {"tier": "host", "pool": "page"}),

@@ -783,18 +783,16 @@ def test_worker_cpus_the_process_may_not_use_are_refused_by_name(mooncake_master
         FakeEngine(cfg)
 
 
-@pytest.mark.parametrize("own_process", [False, True], ids=["in_process", "own_process"])
-def test_a_state_layout_hits_from_l3_with_its_state_in_a_fresh_cache(mooncake_master, own_process):
+def test_a_state_layout_hits_from_l3_with_its_state_in_a_fresh_cache(mooncake_master):
     """Hybrid models: the page groups and the state at the last group end go to L3, and a cache
     that never saw the prompt fetches both and loads them exactly (the state's bytes too)."""
     cfg = l3_config(mooncake_master)
     cfg["layout"]["state_bytes"] = 32
     cfg["tiers"][0]["state_slots"] = 16
-    cfg["tiers"][1]["own_process"] = own_process
     made = [FakeEngine(cfg, states=FakeStates(4, 32, history_tokens=12)) for _ in range(2)]
     writer, reader = made
     try:
-        p = prompt(70 + own_process)  # the master outlives a test: a prompt of its own
+        p = prompt(70)  # the master outlives a test: a prompt of its own
         assert writer.run("w", p).hit_tokens == 0
         settled(writer)
         assert writer.cache.stats()["states_stored"] == 2  # at pages 10 and 9

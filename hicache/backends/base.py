@@ -99,10 +99,6 @@ class StoreTier(Tier):
     missing_code: int | None = None
     """The per-key code `get_into` gives for an object the store does not hold, if it has one:
     then a get may be asked without an exists first, and a miss is not counted as a failure."""
-    restarts: int = 0
-    """Times the store's client process was started again after it exited (only a store whose
-    client runs in a process of its own has one; see `hicache.backends.isolated`)."""
-
     @abstractmethod
     def start(self) -> None:
         """Begin connecting in the background and return at once."""

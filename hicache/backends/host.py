@@ -52,13 +52,10 @@ class HostTier(PoolTier):
         layout: Layout,
         on_evict: EvictHook | None = None,
         on_ready: Callable[[HostTier], None] | None = None,
-        *,
-        shared: bool = False,
     ) -> None:
         """`on_ready` runs on the allocating thread once the pools exist, before the tier reads
         `ready` (the cache prepares its copies there); if it raises, the tier stays unready
-        with the error in `error`. With `shared` the pools are memory files that another
-        process can map (for a store client in a process of its own)."""
+        with the error in `error`."""
         self.config = config
         self.layout = layout
         slots = config.size // layout.page_size
@@ -69,7 +66,6 @@ class HostTier(PoolTier):
         self.page_slots = SlotPool(slots, on_evict)
         self.state_slots = SlotPool(config.state_slots if layout.state_bytes else 0)
         self._pin = {"auto": torch.cuda.is_available(), "yes": True, "no": False}[config.pin]
-        self._shared = shared
         self._page_memory: HostMemory | None = None
         self._state_memory: HostMemory | None = None
         self._pages: PagedBuffer | None = None
@@ -84,9 +80,9 @@ class HostTier(PoolTier):
         seconds. Until this is done the tier is not `ready` and the cache stores nothing."""
         try:
             n, size = self.page_slots.capacity, self.layout.page_size
-            pages = HostMemory(n * size, self._pin, self._shared)
+            pages = HostMemory(n * size, self._pin)
             m, state_size = self.state_slots.capacity, self.layout.state_bytes
-            states = HostMemory(m * state_size, self._pin, self._shared)
+            states = HostMemory(m * state_size, self._pin)
             self._page_memory, self._state_memory = pages, states
             self._pages = PagedBuffer.page_first(pages.tensor.view(n, size))
             self._states = states.tensor.view(m, state_size)

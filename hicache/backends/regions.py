@@ -1,6 +1,6 @@
 """The memory a store tier has registered, and the checks of a call's keys and pieces against it.
 
-Both store clients (`MooncakeStore` in this process, `IsolatedStore` for one in a child process)
+Store clients (`MooncakeStore`, and any other that registers host memory)
 keep their registered tensors here and check every get and put with `Regions.locate`: one
 vectorized pass over the pieces, or one comparison where the caller gives the span of them all.
 """
