@@ -1,6 +1,6 @@
 """Benchmark of the page copies on a CUDA GPU; prints one JSON document on stdout.
 
-    python -m hicache.kernels.bench [--gib 1] [--reps 7] [--sweep] [--table]
+    python bench/kernels.py [--gib 1] [--reps 7] [--sweep] [--table] [--out FILE]
 
 Measured in one run, against the same run's contiguous ``cudaMemcpyAsync`` (the ceiling):
 ``copy_pages`` (path "auto"), each CUDA path forced, and a loop of one ``cudaMemcpyAsync`` per
@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -387,7 +390,9 @@ def run(args: argparse.Namespace) -> dict:
         sweep(bench)
     props = torch.cuda.get_device_properties(bench.device)
     return {
-        "command": "python -m hicache.kernels.bench " + " ".join(sys.argv[1:]),
+        "commit": _commit(),
+        "machine": f"{props.name} ({props.multi_processor_count} SMs), {_cpu()}",
+        "command": "python bench/kernels.py " + " ".join(sys.argv[1:]),
         "gpu": props.name,
         "sms": props.multi_processor_count,
         "torch": torch.__version__,
@@ -462,16 +467,41 @@ def _line(r: dict) -> str:
     )
 
 
+def _commit() -> str:
+    """The checked-out commit, with "+changes" if the tree differs from it."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "HEAD") or "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def _cpu() -> str:
+    """The host CPU's model and count, for the result's machine line."""
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    names = [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")]
+    model = names[0] if names else "CPU"
+    return f"{os.cpu_count()} x {model}"
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hicache.kernels.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python bench/kernels.py", description=__doc__)
     parser.add_argument("--gib", type=float, default=1.0, help="GiB moved per direction per run")
     parser.add_argument("--reps", type=int, default=7, help="timed runs per case (median)")
     parser.add_argument("--sweep", action="store_true", help="add kernel and copy-engine sweeps")
     parser.add_argument("--table", action="store_true", help="print each row on stderr as it comes")
+    parser.add_argument(
+        "--out", help="also write the JSON here (bench/results/kernels_<machine>.json)"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the page-copy benchmark needs a CUDA GPU")
-    print(json.dumps(run(args), indent=1))
+    text = json.dumps(run(args), indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":
