@@ -64,7 +64,8 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # the docstring under a field is its description (docs/configuration.md is made from them)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class Layout(_Strict):
@@ -77,14 +78,26 @@ class Layout(_Strict):
     """
 
     model: str = Field(min_length=1)
+    """Names the weights (``llama-3.1-8b@main``; `hicache.keys.model_digest` makes one from a
+    model's config): pages of different models never mix."""
     kv_dtype: str = Field(min_length=1)
+    """The KV cache's dtype (``bfloat16``, ``float8_e4m3fn``): bf16 and fp8 pages never mix."""
     page_tokens: int = Field(default=128, gt=0)
+    """Tokens per page: one block of the engine's paged KV pool."""
     page_bytes: int = Field(default=0, ge=0)
+    """Bytes of one page of all KV layers, for page-first pools (0: give `segments`)."""
     segments: tuple[int, ...] = ()
+    """Layer-first pools: the bytes of one page in each pool tensor, in the pools' order."""
     state_bytes: int = Field(default=0, ge=0)
+    """Bytes of the state needed to resume a sequence at a page boundary (hybrid models with
+    sliding-window or linear attention); 0 for models without one."""
     tp_rank: int = Field(default=0, ge=0)
+    """This engine's tensor-parallel rank."""
     tp_size: int = Field(default=1, ge=1)
+    """Tensor-parallel ranks of the engine."""
     kv_head_sharded: bool = True
+    """KV heads are split across the TP ranks, so each rank's pages are its own (the rank goes
+    into the fingerprint); false where every rank holds the same KV."""
 
     @field_validator("segments")
     @classmethod
@@ -120,6 +133,7 @@ class TierConfig(_Strict):
     """Base of every tier section. Backends subclass it with ``type: Literal["name"]``."""
 
     type: str
+    """The backend that serves this tier (its registered name)."""
 
 
 class StoreTierConfig(TierConfig):
@@ -181,15 +195,20 @@ class MetricsConfig(_Strict):
     port: int | None = Field(default=None, ge=0, le=65535)
     """Serve http://addr:port/metrics (0: any free port)."""
     addr: str = "127.0.0.1"
+    """Address the metrics endpoint listens on."""
 
 
 class HiCacheConfig(_Strict):
     """The whole configuration."""
 
     layout: Layout | None = None
+    """What a page is; optional here, as engines usually pass their `Layout` in code."""
     tiers: tuple[SerializeAsAny[TierConfig], ...] = Field(min_length=1)
+    """The tiers below the engine's GPU pool, fastest first; the first is always ``host``."""
     policy: Policy = Policy()
+    """How hits are taken and what gets stored."""
     metrics: MetricsConfig = MetricsConfig()
+    """Prometheus metrics over HTTP (off by default)."""
 
     @field_validator("tiers", mode="before")
     @classmethod

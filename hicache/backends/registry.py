@@ -59,3 +59,9 @@ def tier_class(type_: str) -> type:
     """The tier class registered for `type_`."""
     tier_config_model(type_)
     return _CLASSES[type_]
+
+
+def tier_types() -> dict[str, type[TierConfig]]:
+    """Every registered tier type and its config model, the built-in backends loaded."""
+    _load_builtins()
+    return dict(_CONFIGS)
