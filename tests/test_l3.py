@@ -6,7 +6,6 @@ never saw can only have come from the store; every loaded byte is checked.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
@@ -355,55 +354,43 @@ def test_a_full_store_and_an_oversized_put_never_reach_the_engine(mooncake_maste
 
 
 def test_a_killed_master_never_stalls_the_engine_and_l3_comes_back(start_mooncake_master):
+    """No engine-thread call waits on the dead store: none lets go of the GIL (a call that
+    waited on the store, or on a worker that does, would)."""
+    from gil_watch import GilWatch
+
     master = start_mooncake_master()
     cfg = l3_config(master)
     made = [FakeEngine(cfg)]
+    watch = GilWatch()
     try:
         e = made[0]
-        slowest, slowest_call, slowest_cpu = 0.0, "", 0.0
-        collections = [0]
+        e.run("before", prompt(10))
+        released: list[str] = []
 
-        def counted(phase: str, info: dict) -> None:
-            collections[0] += phase == "start"
-
-        gc.callbacks.append(counted)
-        real = {name: getattr(e.cache, name) for name in ("match", "load", "store", "poll")}
-
-        def timed(name):
+        def watched(name):
             def call(*a, **kw):
-                nonlocal slowest, slowest_call, slowest_cpu
-                t0, c0, g0 = time.perf_counter(), time.thread_time(), collections[0]
-                try:
-                    return real[name](*a, **kw)
-                finally:
-                    took = time.perf_counter() - t0
-                    if took > slowest:
-                        slowest, slowest_call = took, name
-                        slowest_cpu = time.thread_time() - c0
-                        slowest_call += f" ({collections[0] - g0} garbage collections)"
+                gave_up, result = watch.released(real[name], *a, **kw)
+                if gave_up:
+                    released.append(name)
+                return result
 
             return call
 
+        real = {name: getattr(e.cache, name) for name in ("match", "load", "store", "poll")}
         for name in real:
-            setattr(e.cache, name, timed(name))
-        # A full collection of this test process takes ~100 ms wherever it lands (late in the
-        # suite: it ran inside the first store here); engines freeze their start-up objects
-        # (README), and so does this test, before its first timed call.
-        gc.collect()
-        gc.freeze()
-        e.run("before", prompt(10))
+            setattr(e.cache, name, watched(name))
         master.kill()
         for i in range(20):  # requests go on, uncached beyond the host tier
             m = e.run(f"down{i}", prompt(20 + i))
             assert m.hit_tokens == 0
         s = e.cache.stats()
+        # how many calls fail, time out or are refused depends on when the dead master's calls
+        # return, which the scenario does not fix; that some do, and nothing reaches the engine
         assert s["l3_errors"] + s["l3_skipped"] + s["l3_timeouts"] > 0
         assert s["l3_puts_skipped"] > 0  # once the breaker opened, nothing is offered to it
-        # no engine-thread call waited on the dead master (a store call takes seconds)
-        assert slowest < 0.05, (
-            f"an engine-thread {slowest_call} took {slowest * 1e3:.0f} ms "
-            f"({slowest_cpu * 1e3:.1f} ms of CPU time)"
-        )
+        assert released == []
+        for name, fn in real.items():
+            setattr(e.cache, name, fn)
         master.restart()
         assert e.cache.wait_ready(60)
         # The process holding the store's segment mounts it again in its own time; until then a
@@ -423,8 +410,7 @@ def test_a_killed_master_never_stalls_the_engine_and_l3_comes_back(start_mooncak
         m = fresh.run("again", p)
         assert (m.hit_tokens, m.l3_tokens) == (40, 40)
     finally:
-        gc.callbacks.remove(counted)
-        gc.unfreeze()
+        watch.close()
         for engine in made:
             engine.cache.close()
 
@@ -544,7 +530,8 @@ def test_each_fetch_worker_has_one_call_out(start_mooncake_master, workers, monk
         try:
             assert all(reader.cache.match(f"r{i}", p).pending for i, p in enumerate(prompts))
             wait_until(lambda: store.stats().calls - calls == workers)
-            time.sleep(0.2)  # no further call starts while these are out
+            # each of the reader's fetch threads is inside a call: none is free to start another
+            assert sorted(ran_on) == [f"hicache-l3-fetch-{i}" for i in range(workers)]
             assert store.stats().calls - calls == workers
             assert reader.cache.stats()["l3_jobs_in_flight"] == 3
         finally:
