@@ -5,8 +5,8 @@ watchdog and close threads) goes through `start`: a daemon thread that first res
 the configured CPUs (`worker_cpus` of the store tier). Threads that a library starts from one of
 them inherit the restriction — Mooncake's transfer threads are made while its client is set up on
 the connect thread — so one setting keeps all of L3 off the cores the engine thread runs on.
-Sharing a core with them slows the engine thread's own calls by tens of percent (see the README's
-"Measuring it").
+Sharing a core with them slows the engine thread's own calls by tens of percent (see
+docs/decisions/l3-engine-thread.md).
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ def irq_cpus(device: str = "nvidia", proc: Path = Path("/proc")) -> frozenset[in
     CPUs where the kernel does not say). Empty where there is none, or no ``/proc``.
 
     A GPU raises an interrupt as each of hicache's copies completes; an engine thread on one
-    of these CPUs runs its calls slower (see the README: keep the GPU's interrupts off the
-    engine thread's CPU)."""
+    of these CPUs runs its calls slower (see docs/engine-contract.md, "The GIL, garbage collection
+    and CPUs")."""
     try:
         lines = (proc / "interrupts").read_text().splitlines()[1:]
     except OSError:

@@ -19,8 +19,8 @@ pinned host buffer, or between two CUDA buffers of one device, enqueued on the c
 On every path the ids are read on the host during the call, and the call is one call into the
 extension that keeps the GIL (once a pair of pools has its tables, and on the staged path its
 staging buffers): an engine-thread copy cannot be cut into by a hicache worker thread.
-`choose_path` says which one ``"auto"`` takes, and why; the README has the measurements.
-Nothing here synchronizes the device.
+`choose_path` says which one ``"auto"`` takes, and why; the measurements are in
+docs/decisions/page-copy-paths.md. Nothing here synchronizes the device.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ KERNEL_MAX_BLOCKS = 8
 #: Bytes of one work item of the kernel (one warp copies one chunk of one row at a time).
 KERNEL_CHUNK_BYTES = 16 * 1024
 #: "auto" takes the copy engines when every row (one segment of one page) has at least this
-#: many bytes, the kernel otherwise. Measured on an H200, see the README.
+#: many bytes, the kernel otherwise. Measured on an H200: docs/decisions/page-copy-paths.md.
 COPY_ENGINE_MIN_ROW_BYTES = 64 * 1024
 #: Rows per cudaMemcpyBatchAsync call: the engines start while later rows are being enqueued.
 COPY_ENGINE_ROWS_PER_CALL = 2048
