@@ -389,6 +389,7 @@ def test_a_killed_master_never_stalls_the_engine_and_l3_comes_back(start_mooncak
         assert s["l3_errors"] + s["l3_skipped"] + s["l3_timeouts"] > 0
         assert s["l3_puts_skipped"] > 0  # once the breaker opened, nothing is offered to it
         assert released == []
+        watch.close()  # restores the switch interval for the rest
         for name, fn in real.items():
             setattr(e.cache, name, fn)
         master.restart()
