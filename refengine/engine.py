@@ -91,9 +91,9 @@ class Engine:
         """`by_layer`: load hits layer by layer (the cache's ``load(..., by_layer=True)``).
         `planner(request, match)` returns k, a page boundary in [computed_tokens, hit_tokens]:
         the engine prefills [computed_tokens, k) and loads the hit's pages from k on (k =
-        computed_tokens: load all at admission, as without a planner). `fetch_ready(request)`
-        says whether the tail of a split hit may be loaded now (a slow tier's transfer done);
-        default: always."""
+        computed_tokens: all of them; without a planner, all of them at admission).
+        `fetch_ready(request)` says whether the pages from k on may be loaded now (a slow
+        tier's transfer done); default: always."""
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be at least 1")
         self.model = model
@@ -192,11 +192,10 @@ class Engine:
             self.running.append(req)
             m = req.match
             if m is not None and m.hit_tokens > 0:
-                k = self.planner(req, m) if self.planner is not None else m.computed_tokens
-                if k == m.computed_tokens:
+                if self.planner is None:
                     self._load(req, m)
-                else:
-                    req.computed, req.head_end = m.computed_tokens, k
+                else:  # loaded by `_load_tails` once the head is computed and the tier ready
+                    req.computed, req.head_end = m.computed_tokens, self.planner(req, m)
 
     def _load_tails(self) -> None:
         """Load the tail of every split hit whose head is computed, once its tier is ready."""
