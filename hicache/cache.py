@@ -407,7 +407,7 @@ class HiCache:
         ids = self.gpu.block_ids(block_ids, match.load_pages, what)
         if match.needs_state and state_slot is None:
             raise ValueError(f"{what}: the hit includes a state, give state_slot")
-        if by_layer and not self._layer_routes:
+        if by_layer and not self.layers:
             raise ValueError(f"{what}: by_layer needs layers= at construction")
         skip = self._skipped_pages(match, from_token, what)
         if match.load_pages == 0:
