@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hicache.plan import PrefillSpeed, plan_fetch
-from refengine.build import EngineSpec, build_engine, load_model
+from refengine.build import DTYPES, EngineSpec, build_engine, load_model
 from refengine.engine import Engine, Request
 from refengine.replay import _time_prefill  # the suffix prefill, timed as replay's floor
 
@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         by_layer=True,
     )
     model = load_model(spec)
-    page_bytes = _page_bytes(build_engine(spec, model=model))
+    cfg = model[0].cfg  # a page: K and V of every full layer
+    elem = torch.empty((), dtype=DTYPES[spec.dtype]).element_size()
+    page_bytes = len(cfg.full_layers) * 2 * page * cfg.num_kv_heads * cfg.head_dim * elem
     host_bytes = (3 * longest // page + 8) * page_bytes
     cache = {"tiers": [{"type": "host", "size": host_bytes}]}
     engine = build_engine(spec, cache, model=model)

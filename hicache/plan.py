@@ -39,15 +39,17 @@ class PrefillSpeed:
     @classmethod
     def fit(cls, a: tuple[int, float], b: tuple[int, float]) -> PrefillSpeed:
         """The speed through two measurements (tokens prefilled from position 0, seconds), for
-        example 2K and 32K tokens: the linear and the quadratic term, each clipped at zero."""
-        (n1, t1), (n2, t2) = a, b
-        if n1 <= 0 or n2 <= 0 or n1 == n2 or t1 <= 0 or t2 <= 0:
+        example 2K and 32K tokens. Where the longer one is less than linear in the tokens (a
+        fixed cost per call dominates the shorter), the average speed of the longer one, with
+        no context term: the plan then errs towards the longer prefills it is used for."""
+        (n1, t1), (n2, t2) = sorted((a, b))
+        if n1 <= 0 or n1 == n2 or t1 <= 0 or t2 <= 0:
             raise ValueError(f"fit needs two distinct positive measurements, got {a} and {b}")
         # t = n / r + c n^2 / 2  ->  t / n = 1 / r + c n / 2
-        slope = (t2 / n2 - t1 / n1) / (n2 - n1)
-        c = max(0.0, 2 * slope)
-        inv_r = max(1e-12, t1 / n1 - c * n1 / 2)
-        return cls(1 / inv_r, c)
+        c = 2 * (t2 / n2 - t1 / n1) / (n2 - n1)
+        if c <= 0:
+            return cls(n2 / t2)
+        return cls(1 / (t1 / n1 - c * n1 / 2), c) if t1 / n1 > c * n1 / 2 else cls(n2 / t2)
 
 
 @dataclass(frozen=True)

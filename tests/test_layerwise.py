@@ -211,6 +211,10 @@ def test_prefill_speed_fits_two_measurements():
     fit = PrefillSpeed.fit((2048, truth.seconds(0, 2048)), (32768, truth.seconds(0, 32768)))
     assert fit.tokens_per_s == pytest.approx(20_000)
     assert fit.context_s_per_token2 == pytest.approx(2e-9)
+    # a fixed cost per call dominating the short one: the long one's average speed
+    overhead = PrefillSpeed.fit((2048, 0.5), (32768, 1.6))
+    assert overhead.tokens_per_s == pytest.approx(32768 / 1.6)
+    assert overhead.context_s_per_token2 == 0
 
 
 def test_bad_plan_input_names_the_problem():
