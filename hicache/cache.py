@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from array import array
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -73,7 +74,9 @@ class HiCache:
     a `KVEvent` whenever a tier stores or removes pages (see `hicache.events`); `wake` is called
     from an L3 worker thread whenever it has posted a result for `poll` or `match` to apply (an
     engine whose loop sleeps while requests wait on L3 sets an event or writes an eventfd there;
-    it must be thread-safe and return at once).
+    it must be thread-safe and return at once). `layers` is the number of KV layers a page holds,
+    for loads layer by layer (`load(..., by_layer=True)`; 0: none): the pool's segments split into
+    that many equal runs, or a page-first pool's rows into that many equal column ranges.
 
     On CUDA the constructor builds (the first time on a machine, about 20 s, then cached) and
     loads the page-copy extension, so that no copy on the engine thread pays for it.
@@ -89,6 +92,7 @@ class HiCache:
         stream: torch.cuda.Stream | None = None,
         events: EventSink | None = None,
         wake: Callable[[], None] | None = None,
+        layers: int = 0,
     ) -> None:
         layout = layout or config.layout
         if layout is None:
@@ -106,6 +110,10 @@ class HiCache:
         self.policy = config.policy
         self.fingerprint = fingerprint(layout)
         self.gpu = GpuTier(gpu, layout)
+        self.layers = layers
+        if layers:
+            gpu.by_layer(layers)  # ValueError now, on the caller's thread, if they do not fit
+        self._layer_routes: list[Route] = []
         host_config = config.tiers[0]  # HiCacheConfig guarantees the first tier is the host tier
         if not isinstance(host_config, HostTierConfig):
             raise TypeError(f"tiers[0] must be a HostTierConfig, got {type(host_config).__name__}")
@@ -163,6 +171,9 @@ class HiCache:
         the engine thread never builds them."""
         gpu, slots = self.gpu.pages, host.pages.resegment(self.gpu.pages.seg_bytes)
         self._routes = (route(gpu, slots), route(slots, gpu))
+        if self.layers:
+            layers = zip(slots.by_layer(self.layers), gpu.by_layer(self.layers), strict=True)
+            self._layer_routes = [route(host, pool) for host, pool in layers]
 
     def _route(self, to_host: bool) -> Route:
         """The route GPU pool -> host slots (`to_host`) or back; only while the host is ready."""
@@ -356,7 +367,13 @@ class HiCache:
     # -- load -----------------------------------------------------------------------------------
 
     def load(
-        self, match: Match, block_ids: Sequence[int], state_slot: int | None = None
+        self,
+        match: Match,
+        block_ids: Sequence[int],
+        state_slot: int | None = None,
+        *,
+        by_layer: bool = False,
+        from_token: int | None = None,
     ) -> Completion:
         """Copy the hit's pages into `block_ids` (and its state into `state_slot`).
 
@@ -366,6 +383,17 @@ class HiCache:
         (the engine need not wait for it). On a bad argument (ValueError) nothing is copied and
         the match stays loadable; if the state hook raises (StateHookError) the match is dropped
         and the engine recomputes from `match.computed_tokens`.
+
+        `by_layer=True` (with `layers` given at construction) copies layer after layer on a copy
+        stream of hicache's own, after the work already on the engine's stream, and returns a
+        `LayerLoad`: the engine calls ``wait_layer(i)`` before its stream computes layer i (or
+        reads layer i's pages), so the prefill of layer i overlaps the copies of the layers after
+        it. Every returned completion has ``wait_layer``; on the engine's stream it is a no-op.
+        `from_token` (a page boundary in [computed_tokens, hit_tokens]) copies only the pages
+        from there on: the engine computes the tokens before it itself (a partial fetch, see
+        `hicache.plan`), and must have enqueued that computation before this call when the hit
+        has a state (the state at `hit_tokens` then overwrites what it left). The pins of the hit
+        are released, all at once, when its last copy has completed.
         """
         req = self._requests.get(match.request_id)
         if req is None or req.match is not match:
@@ -379,6 +407,9 @@ class HiCache:
         ids = self.gpu.block_ids(block_ids, match.load_pages, what)
         if match.needs_state and state_slot is None:
             raise ValueError(f"{what}: the hit includes a state, give state_slot")
+        if by_layer and not self.layers:
+            raise ValueError(f"{what}: by_layer needs layers= at construction")
+        skip = self._skipped_pages(match, from_token, what)
         if match.load_pages == 0:
             req.drop_pins()
             return DONE
@@ -390,12 +421,30 @@ class HiCache:
             if state is not None:
                 self._call_hook("load_state", state_slot, match.hit_tokens, state.slots[0])
             latency = self._stats.latency["hicache_load_copy_seconds"]
-            self._transfers.copy(self._route(to_host=False), _int32(pages.slots), ids, latency)
+            slots, ids = _int32(pages.slots[skip:]), ids[skip:]
+            if by_layer:
+                done = self._transfers.copy_layers(
+                    self._layer_routes, slots, ids, lambda: _release(leases), latency
+                )
+            else:
+                self._transfers.copy(self._route(to_host=False), slots, ids, latency)
         except BaseException:
             _release(leases)
             raise
-        self._stats.loaded(match)
-        return self._transfers.then(lambda: _release(leases))
+        self._stats.loaded(_partial(match, skip, self.layout.page_tokens))
+        return done if by_layer else self._transfers.then(lambda: _release(leases))
+
+    def _skipped_pages(self, match: Match, from_token: int | None, what: str) -> int:
+        """Pages of the hit that `load` leaves to the engine (see its `from_token`)."""
+        if from_token is None:
+            return 0
+        low, P = match.computed_tokens, self.layout.page_tokens
+        if not low <= from_token <= match.hit_tokens or from_token % P:
+            raise ValueError(
+                f"{what}: from_token={from_token} must be a multiple of page_tokens={P} in "
+                f"[{low}, {match.hit_tokens}]"
+            )
+        return (from_token - low) // P
 
     # -- store ----------------------------------------------------------------------------------
 
@@ -636,6 +685,20 @@ def _adopt_keys(chain: KeyChain, fetch: Fetch) -> None:
     have, first = len(chain.hashed), fetch.first_page
     if first <= have < first + len(fetch.keys):
         chain.append(fetch.keys[have - first :])
+
+
+def _partial(m: Match, skipped: int, page_tokens: int) -> Match:
+    """`m` as the load of its pages after the first `skipped` (what the stats count)."""
+    if not skipped:
+        return m
+    start = m.computed_tokens + skipped * page_tokens
+    return replace(
+        m,
+        computed_tokens=start,
+        first_page=m.first_page + skipped,
+        load_pages=m.load_pages - skipped,
+        l3_tokens=min(m.l3_tokens, m.hit_tokens - start),
+    )
 
 
 def _int32(values: list[int]) -> np.ndarray:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -67,8 +67,45 @@ class Completion:
         if event is not None:
             event.synchronize()
 
+    def wait_layer(self, layer: int, stream: torch.cuda.Stream | int | None = None) -> None:
+        """Order `stream` after layer `layer`'s copies. A whole load's copies run on the engine's
+        stream, so kernels enqueued after them already see every layer: nothing to do (see
+        `LayerLoad` for a load that runs beside it)."""
+
 
 DONE = Completion(None)
+
+
+class LayerLoad(Completion):
+    """A load whose pages arrive layer by layer, on a copy stream beside the engine's.
+
+    `wait_layer(i)` makes the engine's stream wait, on the device, for layer i's copies alone:
+    the engine calls it before it computes layer i (or before any kernel reads layer i's
+    pages), and never waits on the host. `done()` turns true once the last layer is in. On the
+    CPU the copies finished before the load returned, and every wait is a no-op.
+    """
+
+    __slots__ = ("_device", "_events", "layers")
+
+    def __init__(self, events: list[CudaEvent], device: int) -> None:
+        super().__init__(events[-1] if events else None)
+        self._events, self._device = events, device
+        self.layers = len(events)
+
+    def wait_layer(self, layer: int, stream: torch.cuda.Stream | int | None = None) -> None:
+        """Make `stream` (a stream or its handle; default the device's current stream) wait
+        for layer `layer`'s pages. Never blocks the host thread."""
+        if self.event is None:  # retired by `Transfers.poll`: every layer is in
+            return
+        if not 0 <= layer < self.layers:
+            raise ValueError(f"layer {layer} is outside the load's {self.layers} layers")
+        if stream is None:
+            from hicache.kernels.cuda import current_stream_handle
+
+            stream = current_stream_handle(torch.device("cuda", self._device))
+        elif isinstance(stream, torch.cuda.Stream):
+            stream = stream.cuda_stream
+        self._events[layer].block(stream, self._device)
 
 
 class Transfers:
@@ -88,6 +125,8 @@ class Transfers:
         self._copies = 0
         self._stream: int | None = None  # the handle of the stream given, if one was
         self._used: int | None = None  # the stream of the copies enqueued since the last `then`
+        self._side: torch.cuda.Stream | None = None  # the stream of layer-by-layer copies
+        self._fork: CudaEvent | None = None  # orders it after the engine's stream
         if self.on_cuda:
             from hicache.kernels.cuda import CudaEvent, current_stream_handle
 
@@ -126,6 +165,49 @@ class Transfers:
             start.record(stream, self._index)
             self._timing = (latency, start)
         route.copy(src_ids, dst_ids, stream)
+
+    def copy_layers(
+        self,
+        routes: Sequence[Route],
+        src_ids: np.ndarray,
+        dst_ids: np.ndarray,
+        callback: Callable[[], None],
+        latency: Histogram | None = None,
+    ) -> Completion:
+        """Copy along `routes` (one per layer, in order) on the copy stream, which first waits
+        for the work enqueued so far on the engine's stream; record one event after each layer
+        and run `callback` from `poll` once the last layer is in. Returns a `LayerLoad` (on the
+        CPU the copies and the callback ran before it returns: `DONE`)."""
+        if not self.on_cuda:
+            started = time.perf_counter()
+            for r in routes:
+                r.copy(src_ids, dst_ids, 0)
+            if latency is not None:
+                latency.observe(time.perf_counter() - started)
+            callback()
+            return DONE
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=self.device)  # the layered copies' stream
+            self._fork = self._event(self._index)
+        side = self._side.cuda_stream
+        self._fork.record(self.stream(), self._index)  # recording it again is legal: the
+        self._fork.block(side, self._index)  # wait takes the record current at the call
+        self._copies += 1
+        timing = None
+        if latency is not None and self._copies % TIME_EVERY == 1:
+            start = self._event(self._index, timing=True)
+            start.record(side, self._index)
+            timing = (latency, start)
+        events = []
+        for i, r in enumerate(routes):
+            r.copy(src_ids, dst_ids, side)
+            last = i == len(routes) - 1
+            event = self._event(self._index, timing=timing is not None and last)
+            event.record(side, self._index)
+            events.append(event)
+        load = LayerLoad(events, self._index)
+        self._waiting.append((load, callback, timing))
+        return load
 
     def then(self, callback: Callable[[], None]) -> Completion:
         """Run `callback` from `poll` once everything enqueued so far has completed."""

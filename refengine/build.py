@@ -35,6 +35,7 @@ class EngineSpec:
     num_slots: int = 16
     chunk_tokens: int = 512
     state_boundaries: int = 2
+    by_layer: bool = False  # load hits layer by layer under the prefill (needs a cache)
 
 
 def load_model(spec: EngineSpec) -> tuple[Transformer, str]:
@@ -79,7 +80,8 @@ def make_cache(
         state_bytes=states.state_bytes if states is not None else 0,
     )
     gpu = hicache.PagedBuffer.page_first(pool)
-    cache = hicache.HiCache(config, gpu, layout=layout, states=states)
+    layers = len(memory.full_index)  # a page holds the full layers, one after another
+    cache = hicache.HiCache(config, gpu, layout=layout, states=states, layers=layers)
     if wait_ready_s is not None and not cache.wait_ready(wait_ready_s):
         cache.close()
         raise RuntimeError(f"hicache was not ready (host pools, L3 store) within {wait_ready_s} s")
@@ -104,4 +106,6 @@ def build_engine(
         state_boundaries=spec.state_boundaries,
     )
     cache = make_cache(cache_config, memory, model_id) if cache_config is not None else None
-    return Engine(model_obj, memory, chunk_tokens=spec.chunk_tokens, cache=cache)
+    return Engine(
+        model_obj, memory, chunk_tokens=spec.chunk_tokens, cache=cache, by_layer=spec.by_layer
+    )

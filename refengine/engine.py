@@ -6,10 +6,14 @@ One `Engine.step()`:
 2. admit waiting requests in arrival order: ask the cache for a hit (``match``), take blocks for
    the whole request (prompt + max_new_tokens) and a state slot, promote the hit (``load``). A
    request the cache defers (``pending``) is skipped this step without holding up the ones behind
-   it; when blocks run out, admission stops until some are freed;
+   it; when blocks run out, admission stops until some are freed. With a `planner`, a hit is
+   split: the engine prefills its head [0, k) itself and loads [k, hit) once the head is done
+   and ``fetch_ready(request)`` holds (a partial fetch, see ``hicache.plan``);
 3. build the batch: one token for every decoding request, then prefill chunks of prefilling
-   requests in arrival order up to ``chunk_tokens`` prompt tokens in all;
-4. run the model, take the argmax of each finished prompt's or decoded token's logits;
+   requests in arrival order up to ``chunk_tokens`` prompt tokens in all (a head stops at k);
+4. run the model, take the argmax of each finished prompt's or decoded token's logits; with
+   ``by_layer`` the pages of a hit are loaded layer by layer beside the model, and the model
+   waits for layer i's pages (``wait_layer``) just before it computes layer i;
 5. a request whose prompt is fully computed is stored (``store``); a request that has its
    ``max_new_tokens`` is stored with ``prompt + output[:-1]`` (the tokens whose KV it holds),
    released and its blocks and slot freed.
@@ -51,6 +55,8 @@ class Request:
     slot: int | None = None
     computed: int = 0
     match: Any = None
+    head_end: int | None = None  # a partial fetch: prefill up to here, then load the rest
+    loading: Any = None  # the load the next chunk's layers wait for (``wait_layer``)
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -78,7 +84,16 @@ class Engine:
         cache: Any = None,
         clock: Callable[[], float] = time.perf_counter,
         idle_sleep_s: float = 0.001,
+        by_layer: bool = False,
+        planner: Callable[[Request, Any], int] | None = None,
+        fetch_ready: Callable[[Request], bool] | None = None,
     ) -> None:
+        """`by_layer`: load hits layer by layer (the cache's ``load(..., by_layer=True)``).
+        `planner(request, match)` returns k, a page boundary in [computed_tokens, hit_tokens]:
+        the engine prefills [computed_tokens, k) and loads the hit's pages from k on (k =
+        computed_tokens: all of them; without a planner, all of them at admission).
+        `fetch_ready(request)` says whether the pages from k on may be loaded now (a slow
+        tier's transfer done); default: always."""
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be at least 1")
         self.model = model
@@ -87,6 +102,9 @@ class Engine:
         self.cache = cache
         self.clock = clock
         self.idle_sleep_s = idle_sleep_s
+        self.by_layer = by_layer
+        self.planner = planner
+        self.fetch_ready = fetch_ready
         self.needs_slot = memory.rings is not None
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -123,6 +141,7 @@ class Engine:
         if self.cache is not None:
             self.cache.poll()
         self._admit()
+        self._load_tails()
         items, owners = self._batch()
         done: list[Request] = []
         if items:
@@ -142,7 +161,7 @@ class Engine:
                 if len(req.output) >= req.max_new_tokens:
                     req.finish_time = now
                     done.append(req)
-        elif self.waiting:
+        elif self.waiting or self.running:
             time.sleep(self.idle_sleep_s)  # only deferred requests: do not spin while they wait
         for req in done:
             self._finish(req)
@@ -173,19 +192,39 @@ class Engine:
             self.running.append(req)
             m = req.match
             if m is not None and m.hit_tokens > 0:
-                self._load(req, m)
+                if self.planner is None:
+                    self._load(req, m)
+                else:  # loaded by `_load_tails` once the head is computed and the tier ready
+                    req.computed, req.head_end = m.computed_tokens, self.planner(req, m)
 
-    def _load(self, req: Request, m: Any) -> None:
-        """Promote the hit into the request's blocks (block ``first_page + k`` gets page k)."""
+    def _load_tails(self) -> None:
+        """Load the tail of every split hit whose head is computed, once its tier is ready."""
+        for req in self.running:
+            if req.head_end is None or req.computed < req.head_end:
+                continue
+            if self.fetch_ready is None or self.fetch_ready(req):
+                self._load(req, req.match, from_token=req.head_end)
+                req.head_end = None
+
+    def _load(self, req: Request, m: Any, from_token: int | None = None) -> None:
+        """Promote the hit into the request's blocks (block ``first_page + k`` gets page k);
+        from `from_token` on only, when the engine computed the head itself."""
+        kwargs: dict[str, Any] = {}
+        if self.by_layer:
+            kwargs["by_layer"] = True
+        if from_token is not None:
+            kwargs["from_token"] = from_token
         try:
-            # Copies go on the engine's stream: the prefill enqueued after them sees the pages.
-            self.cache.load(m, req.blocks[m.first_page :], state_slot=req.slot)
+            # Copies go on the engine's stream (or, by layer, beside it): the prefill enqueued
+            # after them sees the pages (by layer: once it has waited for each layer's).
+            loading = self.cache.load(m, req.blocks[m.first_page :], state_slot=req.slot, **kwargs)
         except RuntimeError:
             # a failed promotion (hicache's errors are RuntimeErrors) is recomputed, never a hit
             req.computed = m.computed_tokens
             if req.slot is not None:
                 self.memory.slot_len[req.slot] = m.computed_tokens
             return
+        req.loading = loading if self.by_layer else None
         req.computed = m.hit_tokens
         req.hit_tokens = m.hit_tokens - m.computed_tokens
         req.l3_tokens = getattr(m, "l3_tokens", 0)
@@ -204,9 +243,13 @@ class Engine:
                 break
             if not req.prefilling:
                 continue
-            n = min(budget, len(req.prompt) - req.computed)
+            end = len(req.prompt) if req.head_end is None else req.head_end
+            n = min(budget, end - req.computed)
+            if n <= 0:
+                continue  # a computed head waiting for its tail
             toks = req.prompt[req.computed : req.computed + n]
-            items.append(Item(toks, req.computed, self._table(req), req.slot))
+            items.append(Item(toks, req.computed, self._table(req), req.slot, req.loading))
+            req.loading = None  # this chunk's layers wait for the pages; later chunks follow it
             owners.append((req, n))
             budget -= n
         return items, owners

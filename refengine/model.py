@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,7 @@ class Item:
     start: int  # position of tokens[0]
     table: torch.Tensor  # the sequence's block ids (int64, on the model's device)
     slot: int | None  # its state slot (models with sliding layers)
+    loading: Any = None  # a layer-wise load this item's pages come from (``wait_layer(i)``)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -149,8 +151,12 @@ class Transformer:
         T = ids.shape[0]
         H, Hk, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = F.embedding(ids, w["model.embed_tokens.weight"])
+        loads = [it.loading for it in items if it.loading is not None]
         for layer in range(cfg.num_layers):
             p = f"model.layers.{layer}."
+            if loads and layer in memory.full_index:  # the pool holds full layers only
+                for load in loads:
+                    load.wait_layer(memory.full_index[layer])  # the stream waits, not the host
             x = rms_norm(h, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
             q = self._lin(x, p + "self_attn.q_proj").view(T, H, D)
             k = self._lin(x, p + "self_attn.k_proj").view(T, Hk, D)

@@ -141,6 +141,28 @@ class PagedBuffer:
             offset += size
         return PagedBuffer(tuple(parts), parent=self)
 
+    def by_layer(self, layers: int) -> list[PagedBuffer]:
+        """The buffer cut into `layers` buffers, one per layer, in order: a segmented buffer's
+        segments in equal runs (a layer's K and V side by side), a single-segment buffer's rows
+        in equal column ranges (its pages must hold the layers one after another). No bytes
+        move. ValueError when the layers do not divide the buffer evenly."""
+        if layers < 1:
+            raise ValueError(f"layers must be at least 1, got {layers}")
+        if len(self.segments) == 1:
+            if self.page_bytes % layers:
+                raise ValueError(
+                    f"pages of {self.page_bytes} bytes do not split into {layers} equal layers"
+                )
+            whole = self.resegment([self.page_bytes // layers] * layers)
+        elif len(self.segments) % layers:
+            raise ValueError(
+                f"{len(self.segments)} segments do not split into {layers} equal layers"
+            )
+        else:
+            whole = self
+        per = len(whole.segments) // layers
+        return [PagedBuffer(whole.segments[i * per : (i + 1) * per]) for i in range(layers)]
+
     @property
     def whole_pages(self) -> PagedBuffer | None:
         """The same pages as one segment of whole, contiguous pages, where they are (a page-first

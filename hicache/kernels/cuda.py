@@ -429,6 +429,11 @@ class CudaEvent:
     def record(self, stream: int, device: int) -> None:
         self._ext.event_record(self.handle, stream, device)
 
+    def block(self, stream: int, device: int) -> None:
+        """Make the stream with handle `stream` wait, on the device, for the work before the
+        last `record`. The host thread does not wait."""
+        self._ext.event_wait(self.handle, stream, device)
+
     def query(self) -> bool:
         """True once the work enqueued before the last `record` has completed. Never waits."""
         return self._ext.event_query(self.handle)

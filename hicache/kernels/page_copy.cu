@@ -425,6 +425,15 @@ bool event_query(int64_t event) {
   return true;
 }
 
+// Makes `stream` wait, on the device, for the work before the event's last record. The host
+// thread does not wait.
+void event_wait(int64_t event, int64_t stream, int64_t device) {
+  DeviceGuard guard(static_cast<int>(device));  // the legacy stream (0) is the current device's
+  check(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream),
+                            reinterpret_cast<cudaEvent_t>(event), 0),
+        "cudaStreamWaitEvent");
+}
+
 void event_synchronize(int64_t event) {
   check(cudaEventSynchronize(reinterpret_cast<cudaEvent_t>(event)), "cudaEventSynchronize");
 }
@@ -453,6 +462,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("event_create", &event_create);
   m.def("event_record", &event_record);
   m.def("event_query", &event_query);
+  m.def("event_wait", &event_wait);
   m.def("event_synchronize", &event_synchronize,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("event_elapsed_ms", &event_elapsed_ms);

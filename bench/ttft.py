@@ -1,0 +1,281 @@
+"""TTFT of a host hit loaded layer by layer, and of a hit from a slow tier with a partial fetch.
+
+Part 1 (host hits): a context of ``--context`` tokens is stored, then turns of ``--turns`` new
+tokens each ask for it again. Per measured turn: the TTFT with the hit loaded layer by layer
+(``ttft_on_s``) and loaded whole before the prefill (``ttft_whole_s``), beside the floors: the
+load at ``--link-gbps`` (``load_s_at_link``), the prefill of the suffix with the KV in place
+(``suffix_prefill_s``, measured), the old floor (their sum) and the overlap floor (their max plus
+one layer's load), and ``ratio_to_overlap_floor``.
+
+Part 2 (a slow tier): a hit of ``--slow-hit`` tokens followed by ``--slow-suffix`` new ones, in
+a tier that the benchmark throttles: the pages of [k, hit) are released to the engine
+(hicache's host tier) at B bytes/s from the request's arrival. For each B, in the same run:
+fetch all (k = 0), recompute all (k = hit), and the plan of `hicache.plan.plan_fetch` from the
+prefill speed measured here. B spans tiers whose time for the whole hit is ``--tier-ratios``
+times its recompute time.
+
+    python bench/ttft.py                 # GPU if there is one: llama-8b shape, 32K context
+    python bench/ttft.py --cpu           # a tiny model on the CPU (a check that it runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hicache.plan import PrefillSpeed, plan_fetch
+from refengine.build import DTYPES, EngineSpec, build_engine, load_model
+from refengine.engine import Engine, Request
+from refengine.replay import _time_prefill  # the suffix prefill, timed as replay's floor
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu", action="store_true", help="run on the CPU (default where no GPU)")
+    p.add_argument("--model", default=None, help="named shape (llama-8b on GPU, tiny-llama CPU)")
+    p.add_argument("--context", type=int, default=None, help="hit tokens (32768 GPU, 512 CPU)")
+    p.add_argument("--turns", default=None, help="new tokens per turn (512,2048 GPU; 32,128 CPU)")
+    p.add_argument("--repeats", type=int, default=3, help="measured turns per turn size")
+    p.add_argument("--link-gbps", type=float, default=55.0, help="host->GPU GB/s of the floor")
+    p.add_argument("--slow-hit", type=int, default=None, help="hit tokens (16384 GPU, 512 CPU)")
+    p.add_argument("--slow-suffix", type=int, default=None, help="new tokens (512 GPU, 32 CPU)")
+    p.add_argument("--tier-ratios", default=None, help="default 0.25,0.5,0.75,1,1.5,2,4 (GPU)")
+    p.add_argument("--json", default=None, help="default bench/results/ttft_<machine>.json")
+    p.add_argument("--machine", default=None, help="default h200 / cpu from the device")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parser().parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.cpu
+    device = "cuda" if cuda else "cpu"
+    machine = args.machine or (_gpu_name() if cuda else "cpu")
+    context = args.context or (32768 if cuda else 512)
+    turns = [int(t) for t in (args.turns or ("512,2048" if cuda else "32,128")).split(",")]
+    slow_hit = args.slow_hit or (16384 if cuda else 512)
+    slow_suffix = args.slow_suffix or (512 if cuda else 32)
+    ratios = args.tier_ratios or ("0.25,0.5,0.75,1,1.5,2,4" if cuda else "0.5,1,2")
+    page = 128 if cuda else 16
+    longest = max(context + max(turns), slow_hit + slow_suffix) + page
+    spec = EngineSpec(
+        model=args.model or ("llama-8b" if cuda else "tiny-llama"),
+        device=device,
+        dtype="bfloat16" if cuda else "float32",
+        page_tokens=page,
+        num_blocks=2 * -(-longest // page) + 8,
+        num_slots=4,
+        chunk_tokens=8192 if cuda else 256,
+        by_layer=True,
+    )
+    model = load_model(spec)
+    cfg = model[0].cfg  # a page: K and V of every full layer
+    elem = torch.empty((), dtype=DTYPES[spec.dtype]).element_size()
+    page_bytes = len(cfg.full_layers) * 2 * page * cfg.num_kv_heads * cfg.head_dim * elem
+    host_bytes = (3 * longest // page + 8) * page_bytes
+    cache = {"tiers": [{"type": "host", "size": host_bytes}]}
+    engine = build_engine(spec, cache, model=model)
+    engine.idle_sleep_s = 0.0002  # a throttled tail is waited for in steps this short
+    _warmup(engine)
+    out: dict[str, Any] = {
+        "commit": _commit(),
+        "machine": machine,
+        "command": " ".join(["python", *sys.argv]),
+        "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+        "model": spec.model,
+        "dtype": spec.dtype,
+        "page_tokens": page,
+        "chunk_tokens": spec.chunk_tokens,
+        "link_gbps": args.link_gbps,
+        "host_hits": _host_hits(engine, context, turns, args.repeats, args.link_gbps),
+        "slow_tier": _slow_tier(
+            engine, slow_hit, slow_suffix, [float(r) for r in ratios.split(",")]
+        ),
+    }
+    path = Path(args.json or Path(__file__).parent / "results" / f"ttft_{machine}.json")
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    _print(out)
+    print(f"wrote {path}")
+    engine.cache.close()
+    return out
+
+
+# -- part 1: host hits -----------------------------------------------------------------------
+
+
+def _host_hits(
+    engine: Engine, context: int, turns: list[int], repeats: int, gbps: float
+) -> list[dict[str, Any]]:
+    mem = engine.memory
+    prefix = _tokens(context, seed=1)
+    _serve(engine, Request("prefix", prefix, 1))  # stored in the host tier
+    rows = []
+    for n in turns:
+        for r in range(repeats):
+            prompt = prefix + _tokens(n, seed=100 * n + r)
+            req = _serve(engine, Request(f"t{n}-{r}", prompt, 1))
+            other = prefix + _tokens(n, seed=100 * n + r + 50)  # its suffix is not stored
+            whole = _serve(engine, Request(f"w{n}-{r}", other, 1), by_layer=False)
+            hit = req.hit_tokens
+            load_bytes = hit // mem.page_tokens * _page_bytes(engine)
+            load_s = load_bytes / (gbps * 1e9)
+            suffix = _time_prefill(engine, prompt, hit)
+            one_layer = load_s / max(1, len(mem.full_index))
+            overlap = max(load_s, suffix) + one_layer
+            ttft = float(req.ttft or 0.0)
+            rows.append(
+                {
+                    "new_tokens": n,
+                    "prompt_tokens": len(prompt),
+                    "hit_tokens": hit,
+                    "load_bytes": load_bytes,
+                    "ttft_on_s": ttft,
+                    "ttft_whole_s": float(whole.ttft or 0.0),
+                    "load_s_at_link": load_s,
+                    "suffix_prefill_s": suffix,
+                    "one_layer_load_s": one_layer,
+                    "overlap_floor_s": overlap,
+                    "ratio_to_overlap_floor": ttft / overlap,
+                    "old_floor_s": load_s + suffix,
+                    "ratio_to_old_floor": ttft / (load_s + suffix),
+                }
+            )
+    return rows
+
+
+# -- part 2: a slow tier ---------------------------------------------------------------------
+
+
+def _slow_tier(engine: Engine, hit: int, suffix: int, ratios: list[float]) -> list[dict[str, Any]]:
+    P, page_bytes = engine.memory.page_tokens, _page_bytes(engine)
+    hit = hit // P * P
+    speed = PrefillSpeed.fit(
+        (hit // 8, _time_prefill(engine, _tokens(hit // 8, 7), 0)),
+        (hit, _time_prefill(engine, _tokens(hit, 7), 0)),
+    )
+    prefix = _tokens(hit, seed=2)
+    _serve(engine, Request("slow-prefix", prefix + _tokens(P, seed=3), 1))
+    recompute_s = speed.seconds(0, hit)
+    rows, serial = [], 0
+    for ratio in ratios:
+        bps = hit // P * page_bytes / (ratio * recompute_s)
+        plan = plan_fetch(
+            hit, page_tokens=P, page_bytes=page_bytes, read_bytes_per_s=bps, prefill=speed
+        )
+        ttft: dict[str, float] = {}
+        for name, k in (("fetch_all", 0), ("recompute_all", hit), ("partial", plan.head_tokens)):
+            times = []
+            for _ in range(3):
+                serial += 1
+                prompt = prefix + _tokens(suffix, seed=1000 + serial)
+                req = Request(f"slow{serial}", prompt, 1)
+                times.append(float(_serve(engine, req, head=k, bytes_per_s=bps).ttft or 0.0))
+            ttft[name] = statistics.median(times)
+        best = min(ttft["fetch_all"], ttft["recompute_all"])
+        rows.append(
+            {
+                "tier_over_recompute": ratio,
+                "tier_gbps": bps / 1e9,
+                "hit_tokens": hit,
+                "new_tokens": suffix,
+                "plan_head_tokens": plan.head_tokens,
+                "plan_kind": plan.kind,
+                "plan_finish_s": plan.finish_s,
+                "ttft_fetch_all_s": ttft["fetch_all"],
+                "ttft_recompute_all_s": ttft["recompute_all"],
+                "ttft_partial_s": ttft["partial"],
+                "partial_over_best": ttft["partial"] / best,
+            }
+        )
+    return rows
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _serve(
+    engine: Engine,
+    req: Request,
+    *,
+    by_layer: bool = True,
+    head: int | None = None,
+    bytes_per_s: float | None = None,
+) -> Request:
+    """Run one request alone. `head`: split its hit there (clipped to the hit); `bytes_per_s`:
+    the hit's tail is released to the engine at that rate from the request's arrival."""
+    P, page_bytes = engine.memory.page_tokens, _page_bytes(engine)
+    engine.by_layer = by_layer
+    engine.planner = None if head is None else (lambda r, m: min(head, m.hit_tokens))
+
+    def ready(r: Request) -> bool:
+        m = r.match
+        tail = (m.hit_tokens - min(head or 0, m.hit_tokens)) // P * page_bytes
+        return engine.clock() >= r.arrival + tail / bytes_per_s
+
+    engine.fetch_ready = None if bytes_per_s is None else ready
+    engine.run([req])
+    engine.finished.clear()
+    return req
+
+
+def _warmup(engine: Engine) -> None:
+    P = engine.memory.page_tokens
+    prompt = _tokens(4 * P, seed=0)
+    _serve(engine, Request("warm-a", prompt, 1))
+    _serve(engine, Request("warm-b", prompt + _tokens(P, seed=5), 1))
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 2000, (n,), generator=g).tolist()
+
+
+def _page_bytes(engine: Engine) -> int:
+    pool = engine.memory.pool
+    return pool[0].numel() * pool.element_size()
+
+
+def _gpu_name() -> str:
+    name = torch.cuda.get_device_name().lower()
+    return next((g for g in ("h200", "h100", "a100", "l40s") if g in name), "gpu")
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _print(out: dict[str, Any]) -> None:
+    print(f"{out['model']} on {out['device']}, pages of {out['page_tokens']} tokens")
+    print("host hits: new  hit     ttft(by layer)  ttft(whole)  load@link  suffix   ratio(max)")
+    for r in out["host_hits"]:
+        print(
+            f"          {r['new_tokens']:>5} {r['hit_tokens']:>6}  {r['ttft_on_s'] * 1e3:9.1f} ms"
+            f"  {r['ttft_whole_s'] * 1e3:8.1f} ms  {r['load_s_at_link'] * 1e3:6.1f} ms"
+            f"  {r['suffix_prefill_s'] * 1e3:6.1f} ms  {r['ratio_to_overlap_floor']:.2f}"
+        )
+    print("slow tier: tier/recompute  GB/s   k       fetch all  recompute  partial  /best")
+    for r in out["slow_tier"]:
+        print(
+            f"          {r['tier_over_recompute']:>6.2f}  {r['tier_gbps']:8.3f}"
+            f"  {r['plan_head_tokens']:>6}  {r['ttft_fetch_all_s'] * 1e3:8.1f}"
+            f"  {r['ttft_recompute_all_s'] * 1e3:8.1f}  {r['ttft_partial_s'] * 1e3:8.1f}"
+            f"  {r['partial_over_best']:.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
