@@ -71,7 +71,7 @@ from l3_raw import measure, raw_client, report, store_load  # noqa: E402
 from mooncake_master import MooncakeMaster, SegmentHolder  # noqa: E402
 
 from hicache import HiCache, PagedBuffer, load_config, native, threads  # noqa: E402
-from hicache.l3_worker import Job  # noqa: E402
+from hicache.store_worker import Job  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 DEVICE = "cpu"  # --device cuda puts the engine's pool on the GPU (copies: the CUDA paths)

@@ -309,7 +309,7 @@ class PrefixMemo:
             self._count -= len(dropped)
 
 
-def l3_key(prefix: str, fingerprint_: bytes, key: bytes, group: int | None) -> str:
+def store_key(prefix: str, fingerprint_: bytes, key: bytes, group: int | None) -> str:
     """The object name of a page group (named by its last page's key) or, with group None, a state.
 
     ``<prefix>/<fingerprint hex>/g<G>/<key hex>`` or ``<prefix>/<fingerprint hex>/s/<key hex>``.

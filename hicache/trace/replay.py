@@ -131,7 +131,7 @@ def run_hicache(
         for i, req in enumerate(workload.requests):
             out = engine.run(prompt_tokens(req, setup.block_tokens))
             run.prompt_tokens += out.prompt_tokens
-            l3 = out.match.l3_tokens if out.hit_tokens else 0
+            l3 = out.match.fetched_tokens if out.hit_tokens else 0
             run.hit_tokens["l3"] += l3
             run.hit_tokens["host"] += out.hit_tokens - l3
             run.limited_tokens += out.match.limited_tokens
