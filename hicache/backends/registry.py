@@ -30,7 +30,7 @@ T = TypeVar("T")
 
 _CONFIGS: dict[str, type[TierConfig]] = {}
 _CLASSES: dict[str, type] = {}
-_BUILTIN = ("hicache.backends.host", "hicache.backends.mooncake")
+_BUILTIN = ("hicache.backends.host", "hicache.backends.disk", "hicache.backends.mooncake")
 
 
 def register_tier(type_: str, config_model: type[TierConfig]) -> Callable[[type[T]], type[T]]:
