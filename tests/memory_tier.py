@@ -4,7 +4,8 @@ tests, and the tier that a test registers through the ``hicache.tiers`` entry po
 Objects live in a dict per `space`, shared by every instance of this process that names the same
 space (so a second cache in the test reads what the first wrote). Bytes are really copied from
 and into the host pools through their addresses. `down` makes every call raise
-`StoreUnavailable` and `available` read False, as a store that lost its server.
+`StoreUnavailable` and `available` read False, as a store that lost its server; `fail` makes the
+calls raise while `available` still reads True, as a store that broke since it was last seen.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class MemoryTier(StoreTier):
         self.objects = self.spaces.setdefault(config.space, {})
         self.log = self.calls.setdefault(config.space, [])
         self.down = False
+        self.fail = False
         self._lock = threading.Lock()
 
     def start(self) -> None:
@@ -63,7 +65,7 @@ class MemoryTier(StoreTier):
 
     def _check(self, op: str, n: int) -> None:
         self.log.append((op, n))
-        if self.down:
+        if self.down or self.fail:
             raise StoreUnavailable(f"memory tier {self.config.space!r} is down")
 
     def exists(self, keys: Sequence[str]) -> list[bool]:

@@ -344,7 +344,7 @@ def test_a_fresh_cache_hits_from_disk_with_exact_bytes(tmp_path):
     writer = FakeEngine(cfg)
     writer.run("w", tokens)
     deadline = time.monotonic() + 30
-    while not writer.cache.l3_idle:
+    while not writer.cache.tiers_idle:
         assert time.monotonic() < deadline
         writer.cache.poll()
         time.sleep(0.01)
