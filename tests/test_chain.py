@@ -50,6 +50,15 @@ def disk(path: Path, **kw: object) -> dict:
     return {"type": "disk", "path": str(path), "size": "64MiB", "group_pages": 2, **kw}
 
 
+def fresh_tier(kind: str, master, tmp_path: Path, **kw: object) -> dict:
+    """A section of a store tier of `kind` that holds nothing yet."""
+    if kind == "memory":
+        return memory(uuid.uuid4().hex, **kw)
+    if kind == "mooncake":
+        return mooncake(master, key_prefix=f"t{uuid.uuid4().hex[:12]}", **kw)
+    return disk(tmp_path / "d", **kw)
+
+
 def settle(engine: FakeEngine, timeout: float = 15) -> None:
     """Poll until no store tier has work queued or running."""
     deadline = time.monotonic() + timeout
@@ -233,12 +242,7 @@ def test_a_sliding_window_hit_is_the_longest_usable_one(tier, n, hit, mooncake_m
     state at 44 is past the cap: the hit is the one at 40 (640 tokens), not 0."""
     P16 = 16
     cfg = config(page_tokens=P16, page_bytes=64, host_pages=128, state_bytes=32, state_slots=32)
-    section = {
-        "memory": memory(uuid.uuid4().hex),
-        "mooncake": mooncake(mooncake_master, key_prefix=f"swa{uuid.uuid4().hex[:8]}"),
-        "disk": disk(tmp_path / "d"),
-    }[tier]
-    cfg["tiers"].append({**section, "group_pages": 4})
+    cfg["tiers"].append(fresh_tier(tier, mooncake_master, tmp_path, group_pages=4))
     p = prompt(150, 705)
     writer = FakeEngine(cfg, num_blocks=64, states=FakeStates(2, 32, history_tokens=64))
     try:
@@ -261,12 +265,7 @@ def test_without_states_a_prompt_of_whole_groups_hits_up_to_its_cap(
 ):
     """The same prompt on a layout without states: 43 of its 44 pages (688 tokens)."""
     cfg = config(page_tokens=16, page_bytes=64, host_pages=128)
-    section = {
-        "memory": memory(uuid.uuid4().hex),
-        "mooncake": mooncake(mooncake_master, key_prefix=f"llama{uuid.uuid4().hex[:8]}"),
-        "disk": disk(tmp_path / "d"),
-    }[tier]
-    cfg["tiers"].append({**section, "group_pages": 4})
+    cfg["tiers"].append(fresh_tier(tier, mooncake_master, tmp_path, group_pages=4))
     p = prompt(151, 704)
     writer = FakeEngine(cfg, num_blocks=64)
     try:
