@@ -392,3 +392,26 @@ def test_two_tiers_of_one_type_need_their_own_names(engines):
     settle(e)
     s = e.cache.stats()
     assert (s["objects_put_near"], s["objects_put_far"]) == (5, 5)
+
+
+def test_a_tier_without_a_breaker_of_its_own_gets_one_from_the_chain(engines):
+    """The memory tier keeps no breaker: the chain opens one for it after `breaker_failures`
+    failed calls in a row (it is then passed over, and offered no writes), and lets one call
+    through after `breaker_reprobe_s`; the call's success closes it."""
+    space = uuid.uuid4().hex
+    e = engines(chain_config(memory(space, breaker_failures=3, breaker_reprobe_s=0.3)))
+    store = link(e, "memory").store
+    store.fail = True
+    for i in range(2):  # a failed get and a failed put, then a failed get that opens it
+        e.run(f"f{i}", prompt(190 + i))
+        settle(e)
+    s = e.cache.stats()
+    assert (s["call_errors_memory"], s["puts_skipped_memory"], s["available_memory"]) == (3, 5, 0)
+    e.run("f2", prompt(192))
+    assert e.cache.stats()["skipped_down_memory"] == 1
+    time.sleep(0.35)
+    store.fail = False
+    e.run("f3", prompt(193))  # the probe: a get that answers (a miss), so the breaker closes
+    settle(e)
+    s = e.cache.stats()
+    assert (s["available_memory"], s["fetches_memory"], s["objects_put_memory"]) == (1, 3, 5)
