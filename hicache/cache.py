@@ -109,7 +109,7 @@ class HiCache:
         host_config = config.tiers[0]  # HiCacheConfig guarantees the first tier is the host tier
         if not isinstance(host_config, HostTierConfig):
             raise TypeError(f"tiers[0] must be a HostTierConfig, got {type(host_config).__name__}")
-        self._stats = Stats()
+        self._stats = Stats(prefill_tokens_per_s=int(self.policy.prefill_tokens_per_s))
         self._events = events
         prepare(self.gpu.device)  # on CUDA: build/load the copy extension now, not at a copy
         native.available()  # load the compiled helpers now, not in the first store

@@ -57,7 +57,6 @@ class TierChain:
         self.prefill = Rate(policy.prefill_tokens_per_s)
         """The engine's prefill speed (tokens/s), shared by every tier's cost model."""
         self._stats = stats
-        stats.prefill_tokens_per_s = int(self.prefill.per_s)
         self.links: list[StoreLink] = []
         self._close_timeouts: list[float] = []
         for cfg in configs:

@@ -1,4 +1,4 @@
-"""Page keys, the layout fingerprint and the L3 key format.
+"""Page keys, the layout fingerprint and the store object names.
 
 A page key names a whole prefix: ``key[i] = SHA-256(key[i-1] || SHA-256(page i))[:16]`` with
 ``key[-1] = SHA-256(namespace)[:16]``, a page being its tokens as int32 little-endian. The page

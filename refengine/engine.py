@@ -188,7 +188,7 @@ class Engine:
             return
         req.computed = m.hit_tokens
         req.hit_tokens = m.hit_tokens - m.computed_tokens
-        req.l3_tokens = m.fetched_tokens
+        req.l3_tokens = getattr(m, "fetched_tokens", 0)
 
     def _batch(self) -> tuple[list[Item], list[tuple[Request, int]]]:
         items: list[Item] = []

@@ -184,9 +184,10 @@ def _pool_for(path: str, pages: int) -> tuple[PagedBuffer, Layout]:
 @pytest.mark.mooncake
 @pytest.mark.parametrize("path", ["copy_engine", "kernel", "staged"])
 def test_no_engine_thread_call_lets_go_of_the_gil_on_any_path(mooncake_master, path):
-    """As on the CPU (test_l3.py), with CUDA copies on each path: the extension's copy calls
-    and the completion events keep the GIL (torch's Event.record and tensor copies would let go
-    of it). 600 pages: numpy releases the GIL for arrays of more than a few hundred elements."""
+    """As on the CPU (test_mooncake_tier.py), with CUDA copies on each path: the extension's copy
+    calls and the completion events keep the GIL (torch's Event.record and tensor copies would
+    let go of it). 600 pages: numpy releases the GIL for arrays of more than a few hundred
+    elements."""
     import sys
     from pathlib import Path
 

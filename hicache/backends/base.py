@@ -46,7 +46,7 @@ class Buffers:
     ptrs: list[list[int]]
     sizes: list[list[int]]
     span: tuple[int, int] | None = None
-    """[low, high): addresses that hold every piece, when the builder knows them (hicache's L3
+    """[low, high): addresses that hold every piece, when the builder knows them (the tier chain
     does: its pieces are slots of one pool). A store then checks the span against its registered
     memory instead of every piece; a builder that gives one promises that it is right."""
 
