@@ -53,12 +53,13 @@ KiB, MiB = 1 << 10, 1 << 20
 
 
 def drop_cache(directory: Path) -> None:
-    """Sync every file below `directory` and drop it from the page cache."""
+    """Write everything out (one sync), then drop every file below `directory` from the page
+    cache."""
+    os.sync()
     for path in directory.rglob("*"):
         if path.is_file():
             fd = os.open(path, os.O_RDONLY)
             try:
-                os.fsync(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
