@@ -6,7 +6,8 @@ For each object size, in the same run and on the same directory:
   of `--batch` objects, from and into page-aligned host memory (as the host tier's pools);
 - ``raw``: the same bytes as one file per object, written and read by as many threads
   (`--threads`, the tier's ``io_threads``) with one ``pwritev``/``preadv`` each, with O_DIRECT
-  when the tier uses it, no header, no rename, no sync.
+  when the tier uses it, no header, no rename; synced (``fdatasync``) exactly when the tier
+  syncs, so that each row compares writes that give the same durability.
 
 The two take turns going first, `--repeats` times; each row gives the medians. Before
 every read phase the files are dropped from the page cache (``posix_fadvise(DONTNEED)`` after a
@@ -74,16 +75,19 @@ def timed(fn: Callable[[], object]) -> float:
 class Raw:
     """One file per object, moved by a pool of threads with one call each."""
 
-    def __init__(self, directory: Path, threads: int, direct: bool) -> None:
+    def __init__(self, directory: Path, threads: int, direct: bool, sync: bool) -> None:
         self.dir = directory
         self.pool = ThreadPoolExecutor(threads)
         self.flag = os.O_DIRECT if direct else 0
+        self.sync = sync
 
     def write(self, names: list[str], views: list[memoryview]) -> None:
         def one(name: str, view: memoryview) -> None:
             fd = os.open(self.dir / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self.flag, 0o644)
             try:
                 write_full(fd, [view], 0)
+                if self.sync:
+                    os.fdatasync(fd)
             finally:
                 os.close(fd)
 
@@ -164,7 +168,7 @@ def one_round(
     tier.wait_ready(30)
     tier.register(memory.tensor)
     direct = tier._direct_align is not None
-    raw = Raw(work / "raw", args.threads, direct)
+    raw = Raw(work / "raw", args.threads, direct, sync)
     sizes = [[buffers.sizes[0][0]] * len(b) for b in batches]
 
     def tier_call(call: Callable[[list[str], Buffers], list[int]], want: int) -> None:
