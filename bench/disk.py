@@ -34,6 +34,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -157,8 +158,7 @@ def one_round(
 ) -> tuple[dict[str, float], bool]:
     """Writes of raw and tier, (the cache dropped) reads of raw and tier, the tier first or
     second: their seconds, and whether O_DIRECT was used."""
-    work = Path(args.dir) / "bench"
-    shutil.rmtree(work, ignore_errors=True)
+    work = Path(args.work) / "round"
     (work / "raw").mkdir(parents=True)
     config = DiskTierConfig(
         path=str(work / "tier"), size=2 * args.total + (1 << 30), io_threads=args.threads, sync=sync
@@ -209,11 +209,13 @@ def main() -> None:
     parser.add_argument("--machine", default=socket.gethostname())
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    args.work = tempfile.mkdtemp(prefix="bench-", dir=args.dir)  # this run's own
     rows = []
     for size in (_to_bytes(s) for s in args.sizes.split(",")):
         for sync in (True, False):
             rows += measure(args, size, sync)
-    shutil.rmtree(args.dir, ignore_errors=True)
+    shutil.rmtree(args.work, ignore_errors=True)
     commit = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
@@ -225,7 +227,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "measured": "tier put_from/get_into vs raw parallel pwritev/preadv of the same bytes, "
         "same directory, same run; page cache dropped before reads; medians of repeats",
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "machine")},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "machine", "work")},
         "rows": rows,
     }
     out = Path(args.out or ROOT / "bench" / "results" / f"disk_{args.machine}.json")
