@@ -6,7 +6,8 @@ For each object size, in the same run and on the same directory:
   of `--batch` objects, from and into page-aligned host memory (as the host tier's pools);
 - ``raw``: the same bytes as one file per object, written and read by as many threads
   (`--threads`, the tier's ``io_threads``) with one ``pwritev``/``preadv`` each, with O_DIRECT
-  when the tier uses it, no header, no rename, no sync.
+  when the tier uses it, no header, no rename; synced (``fdatasync``) exactly when the tier
+  syncs, so that each row compares writes that give the same durability.
 
 The two take turns going first, `--repeats` times; each row gives the medians. Before
 every read phase the files are dropped from the page cache (``posix_fadvise(DONTNEED)`` after a
@@ -33,6 +34,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -53,12 +55,13 @@ KiB, MiB = 1 << 10, 1 << 20
 
 
 def drop_cache(directory: Path) -> None:
-    """Sync every file below `directory` and drop it from the page cache."""
+    """Write everything out (one sync), then drop every file below `directory` from the page
+    cache."""
+    os.sync()
     for path in directory.rglob("*"):
         if path.is_file():
             fd = os.open(path, os.O_RDONLY)
             try:
-                os.fsync(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
@@ -73,16 +76,19 @@ def timed(fn: Callable[[], object]) -> float:
 class Raw:
     """One file per object, moved by a pool of threads with one call each."""
 
-    def __init__(self, directory: Path, threads: int, direct: bool) -> None:
+    def __init__(self, directory: Path, threads: int, direct: bool, sync: bool) -> None:
         self.dir = directory
         self.pool = ThreadPoolExecutor(threads)
         self.flag = os.O_DIRECT if direct else 0
+        self.sync = sync
 
     def write(self, names: list[str], views: list[memoryview]) -> None:
         def one(name: str, view: memoryview) -> None:
             fd = os.open(self.dir / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self.flag, 0o644)
             try:
                 write_full(fd, [view], 0)
+                if self.sync:
+                    os.fdatasync(fd)
             finally:
                 os.close(fd)
 
@@ -152,8 +158,7 @@ def one_round(
 ) -> tuple[dict[str, float], bool]:
     """Writes of raw and tier, (the cache dropped) reads of raw and tier, the tier first or
     second: their seconds, and whether O_DIRECT was used."""
-    work = Path(args.dir) / "bench"
-    shutil.rmtree(work, ignore_errors=True)
+    work = Path(args.work) / "round"
     (work / "raw").mkdir(parents=True)
     config = DiskTierConfig(
         path=str(work / "tier"), size=2 * args.total + (1 << 30), io_threads=args.threads, sync=sync
@@ -163,7 +168,7 @@ def one_round(
     tier.wait_ready(30)
     tier.register(memory.tensor)
     direct = tier._direct_align is not None
-    raw = Raw(work / "raw", args.threads, direct)
+    raw = Raw(work / "raw", args.threads, direct, sync)
     sizes = [[buffers.sizes[0][0]] * len(b) for b in batches]
 
     def tier_call(call: Callable[[list[str], Buffers], list[int]], want: int) -> None:
@@ -204,11 +209,13 @@ def main() -> None:
     parser.add_argument("--machine", default=socket.gethostname())
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    args.work = tempfile.mkdtemp(prefix="bench-", dir=args.dir)  # this run's own
     rows = []
     for size in (_to_bytes(s) for s in args.sizes.split(",")):
         for sync in (True, False):
             rows += measure(args, size, sync)
-    shutil.rmtree(args.dir, ignore_errors=True)
+    shutil.rmtree(args.work, ignore_errors=True)
     commit = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
@@ -220,7 +227,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "measured": "tier put_from/get_into vs raw parallel pwritev/preadv of the same bytes, "
         "same directory, same run; page cache dropped before reads; medians of repeats",
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "machine")},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "machine", "work")},
         "rows": rows,
     }
     out = Path(args.out or ROOT / "bench" / "results" / f"disk_{args.machine}.json")

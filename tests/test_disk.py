@@ -334,27 +334,27 @@ def test_a_second_process_is_refused_the_directory_until_the_first_is_gone(tmp_p
     assert codes == [64 * KiB] and mem.wrong(["held"], [[64 * KiB]], codes) == []
 
 
-def test_a_fresh_cache_hits_from_disk_with_exact_bytes(tmp_path):
+def cache_run(path: str) -> int:
+    """A fresh cache over host and disk (at `path`) runs one prompt, checking every byte it
+    loads, and closes (which drains its writes); its hit in tokens."""
     from fake_engine import FakeEngine, config
 
     cfg = config(host_pages=64)
-    disk = {"type": "disk", "path": str(tmp_path / "d"), "size": MiB, "group_pages": 2}
-    cfg["tiers"].append(disk)
-    tokens = np.random.default_rng(1).integers(0, 30_000, 42, dtype=np.int32)
-    writer = FakeEngine(cfg)
-    writer.run("w", tokens)
-    deadline = time.monotonic() + 30
-    while not writer.cache.tiers_idle:
-        assert time.monotonic() < deadline
-        writer.cache.poll()
-        time.sleep(0.01)
-    writer.cache.close()
-    reader = FakeEngine(cfg)  # an empty host tier: every hit comes from disk
+    cfg["tiers"].append({"type": "disk", "path": path, "size": MiB, "group_pages": 2})
+    engine = FakeEngine(cfg)
     try:
-        m = reader.run("r", tokens)  # checks every loaded byte
-        assert m.hit_tokens == 40  # 10 pages of 4 tokens; the 42nd token is recomputed
+        tokens = np.random.default_rng(1).integers(0, 30_000, 42, dtype=np.int32)
+        return engine.run("r", tokens).hit_tokens
     finally:
-        reader.cache.close()
+        engine.cache.close()
+
+
+def test_a_cache_in_a_new_process_hits_from_disk_with_exact_bytes(tmp_path):
+    path = str(tmp_path / "d")
+    assert cache_run(path) == 0
+    # an empty host tier in a new process: every hit comes from disk; 10 pages of 4 tokens (the
+    # 42nd token is recomputed)
+    assert finish(run_self("cache", path)) == {"hit": 40}
 
 
 # -- other processes -----------------------------------------------------------------------------
@@ -363,7 +363,10 @@ def test_a_fresh_cache_hits_from_disk_with_exact_bytes(tmp_path):
 def main(mode: str, path: str, *args: str) -> None:
     """Modes: ``start`` (report the start-up error, if any), ``hold`` (store one object, say
     ready, wait for stdin to close), ``write N FIRST BYTES [nosync]`` (objects objFIRST..;
-    forever-ish with a large N), ``read N BYTES``."""
+    forever-ish with a large N), ``read N BYTES``, ``cache`` (`cache_run`)."""
+    if mode == "cache":
+        print(json.dumps({"hit": cache_run(path)}))
+        return
     cfg = DiskTierConfig(path=path, size=1 << 30, sync="nosync" not in args)
     tier = DiskTier(cfg)
     try:

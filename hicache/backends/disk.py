@@ -21,8 +21,8 @@ The contract the tier chain's workers rely on:
 - A record is published only whole (written to ``tmp``, synced, renamed into place). A record
   found damaged (its header does not verify or its length is wrong) is a miss and is removed.
 - Capacity: the records' bytes (headers included) stay within `size`; a put first evicts the
-  least recently used records (`LruBook`). The order survives restarts: a hit touches the file's
-  modification time, and a restart orders the records by it.
+  least recently used records (`LruBook`). The order survives restarts: a record's modification
+  time is stamped with its last use (its write, its latest hit), and a restart orders by it.
 - One process per directory: a second process gets a start-up error rather than a directory
   whose capacity and eviction order two processes would keep apart. The lock dies with its
   process, SIGKILL included, so a restart after a crash takes the directory over at once.
@@ -36,6 +36,7 @@ import fcntl
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -204,6 +205,7 @@ class DiskTier(StoreTier):
         self._closed = False
         self._direct_align: int | None = None  # least alignment O_DIRECT takes here; None: off
         self._seq = 0
+        self._clock = 0  # the last use stamped on a record (ns); see _stamp
         self._count_lock = threading.Lock()
         self._counts = dict.fromkeys(
             (
@@ -267,8 +269,9 @@ class DiskTier(StoreTier):
             for entry in os.scandir(shard):
                 st = entry.stat()
                 found.append((st.st_mtime_ns, f"{shard.name}/{entry.name}", st.st_size))
-        for _, name, nbytes in sorted(found):
+        for stamp, name, nbytes in sorted(found):
             self.book.add(name, nbytes)
+            self._clock = max(self._clock, stamp)
         self._remove(self.book.shrink())
 
     @property
@@ -379,7 +382,7 @@ class DiskTier(StoreTier):
         else:
             self.book.touch(name)
             with contextlib.suppress(OSError):
-                os.utime(path)  # the eviction order survives a restart
+                os.utime(path, ns=(self._stamp(),) * 2)  # the eviction order survives a restart
             self._count("keys_got", code, "bytes_got")
         return code
 
@@ -393,16 +396,15 @@ class DiskTier(StoreTier):
         except FileNotFoundError:
             return MISSING
         try:
-            size = os.fstat(fd).st_size
             got = rec.read_full(fd, [head, *views], 0)
         finally:
             os.close(fd)
-        found = rec.parse_header(head)
-        if found is None or found[0] != key or size != rec.HEADER + found[1]:
+        found = rec.parse_header(head) if got >= rec.HEADER else None
+        if found is None or found[0] != key:
             return MISSING
         if found[1] != nbytes:
             return -errno.EMSGSIZE
-        return nbytes if got == size else MISSING
+        return nbytes if got == rec.HEADER + nbytes else MISSING  # shorter: a torn record
 
     def _put_one(self, key: str, obj: tuple[list[memoryview], list[int]]) -> int:
         name = rec.file_name(key)
@@ -440,6 +442,7 @@ class DiskTier(StoreTier):
         try:
             if rec.write_full(fd, [head, *views], 0) != rec.HEADER + nbytes:
                 raise OSError(errno.EIO, "short write")
+            os.utime(fd, ns=(self._stamp(),) * 2)
             if self.config.sync:
                 os.fdatasync(fd)
         finally:
@@ -452,6 +455,14 @@ class DiskTier(StoreTier):
         )
         self._count("direct_calls" if direct else "buffered_calls")
         return os.open(path, flags | (os.O_DIRECT if direct else 0), 0o644)
+
+    def _stamp(self) -> int:
+        """A record's time of last use, in ns: the wall clock, but always later than every stamp
+        before it (file times are coarser than the order of two calls), so that a restart
+        lists the records in the order of their use."""
+        with self._count_lock:
+            self._clock = max(time.time_ns(), self._clock + 1)
+            return self._clock
 
     def _remove(self, names: list[str], why: str = "evicted") -> None:
         for name in names:
