@@ -415,3 +415,23 @@ def test_a_tier_without_a_breaker_of_its_own_gets_one_from_the_chain(engines):
     settle(e)
     s = e.cache.stats()
     assert (s["available_memory"], s["fetches_memory"], s["objects_put_memory"]) == (1, 3, 5)
+
+
+def test_close_writes_back_what_a_persistent_on_evict_tier_still_lacks(tmp_path):
+    """write: on_evict on the disk: while the host has room nothing is written, and `close`
+    writes back every group still waiting (the disk is persistent), so a cache started on the
+    same directory afterwards hits them all from disk."""
+    cfg = chain_config(disk(tmp_path / "d", write="on_evict"))
+    p = prompt(200)
+    writer = FakeEngine(cfg)
+    writer.run("w", p)
+    settle(writer)
+    s = writer.cache.stats()
+    assert (s["objects_put_disk"], s["write_back_pending_disk"]) == (0, 5)
+    writer.cache.close()
+    reader = FakeEngine(cfg)
+    try:
+        m = reader.run("r", p)
+        assert (m.hit_tokens, m.tier_tokens) == (40, (("disk", 40),))
+    finally:
+        reader.cache.close()
