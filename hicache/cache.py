@@ -30,16 +30,16 @@ import torch
 from hicache import native, threads
 from hicache.backends.gpu import GpuTier
 from hicache.backends.host import HostTier, HostTierConfig
-from hicache.backends.registry import tier_class
+from hicache.chain import TierChain, adopt_keys
 from hicache.config import HiCacheConfig, Layout, StoreTierConfig
 from hicache.errors import StateHookError
 from hicache.events import EventSink, emit
 from hicache.kernels import PagedBuffer, Route, prepare, route
 from hicache.keys import KeyChain, PrefixMemo, as_tokens, chain_seed, fingerprint
-from hicache.l3 import L3, Fetch, L3Settings
 from hicache.request import Match, Request
 from hicache.slots import Lease
 from hicache.stats import Stats
+from hicache.store_link import Fetch
 from hicache.transfers import DONE, Completion, Transfers
 
 
@@ -72,11 +72,12 @@ class HiCache:
     engine's state hooks, required when the layout has state_bytes; `stream` is the CUDA stream
     of the engine's model kernels (default: the current stream at each call); `events` receives
     a `KVEvent` whenever a tier stores or removes pages (see `hicache.events`); `wake` is called
-    from an L3 worker thread whenever it has posted a result for `poll` or `match` to apply (an
-    engine whose loop sleeps while requests wait on L3 sets an event or writes an eventfd there;
-    it must be thread-safe and return at once). `layers` is the number of KV layers a page holds,
-    for loads layer by layer (`load(..., by_layer=True)`; 0: none): the pool's segments split into
-    that many equal runs, or a page-first pool's rows into that many equal column ranges.
+    from a store tier's worker thread whenever it has posted a result for `poll` or `match` to
+    apply (an engine whose loop sleeps while requests wait on a fetch sets an event or writes an
+    eventfd there; it must be thread-safe and return at once). `layers` is the number of KV
+    layers a page holds, for loads layer by layer (`load(..., by_layer=True)`; 0: none): the
+    pool's segments split into that many equal runs, or a page-first pool's rows into that many
+    equal column ranges.
 
     On CUDA the constructor builds (the first time on a machine, about 20 s, then cached) and
     loads the page-copy extension, so that no copy on the engine thread pays for it.
@@ -104,7 +105,7 @@ class HiCache:
                 f"the state hooks' state_bytes={states.state_bytes} disagrees with the "
                 f"layout's state_bytes={layout.state_bytes}"
             )
-        store_config = _store_tier(config)  # checked before any thread or pool is made
+        store_configs = _store_tiers(config)  # checked before any thread or pool is made
         self.config = config
         self.layout = layout
         self.policy = config.policy
@@ -117,12 +118,14 @@ class HiCache:
         host_config = config.tiers[0]  # HiCacheConfig guarantees the first tier is the host tier
         if not isinstance(host_config, HostTierConfig):
             raise TypeError(f"tiers[0] must be a HostTierConfig, got {type(host_config).__name__}")
-        self._stats = Stats()
+        self._stats = Stats(prefill_tokens_per_s=int(self.policy.prefill_tokens_per_s))
         self._events = events
         prepare(self.gpu.device)  # on CUDA: build/load the copy extension now, not at a copy
         native.available()  # load the compiled helpers now, not in the first store
         self._routes: tuple[Route, Route] | None = None
-        evicted = self._evicted if events is not None else None  # counted by the pool anyway
+        # the pool counts evictions anyway; the hook runs for an event sink or a write-back tier
+        writes_back = any(c.write == "on_evict" for c in store_configs)
+        evicted = self._evicted if events is not None or writes_back else None
         self.host = HostTier(host_config, layout, evicted, self._prepare_copies)
         self._hooks = states if layout.state_bytes else None
         self._transfers = Transfers(self.gpu.device, stream)
@@ -130,40 +133,18 @@ class HiCache:
         self._seeds: dict[bytes | str | None, bytes] = {}
         memo = self.policy.prefix_memo
         self._memo = PrefixMemo(layout.page_tokens, memo) if memo else None
-        self._l3 = self._build_l3(store_config, wake)
+        self._chain: TierChain | None = None
+        if store_configs:
+            self._chain = TierChain(
+                store_configs, self.host, layout, self.fingerprint, self.policy, self._stats,
+                events, wake,
+            )  # fmt: skip
         self.metrics_server = None
         if config.metrics.port is not None:
             from hicache.metrics import register, serve
 
             registry, _ = register(self)
             self.metrics_server = serve(registry, config.metrics.port, config.metrics.addr)
-
-    def _build_l3(self, cfg: StoreTierConfig | None, wake: Callable[[], None] | None) -> L3 | None:
-        """The L3 over the store tier below the host tier, if the config has one."""
-        if cfg is None:
-            return None
-        store = tier_class(cfg.type)(cfg)
-        cpus = frozenset(cfg.worker_cpus)  # checked by _store_tier
-        settings = L3Settings(
-            group_pages=cfg.group_pages,
-            key_prefix=cfg.key_prefix,
-            queue_depth=cfg.write_queue_depth,
-            fetch_depth=cfg.fetch_queue_depth,
-            fetch_workers=cfg.fetch_workers or threads.fetch_workers(cpus),
-            reserve_pages=cfg.fetch_reserve // self.layout.page_size,
-            worker_cpus=cpus,
-        )
-        return L3(
-            store,
-            settings,
-            self.host,
-            self.layout,
-            self.fingerprint,
-            self.policy,
-            self._stats,
-            events=self._events,
-            wake=wake,
-        )
 
     def _prepare_copies(self, host: HostTier) -> None:
         """The copy routes between the GPU pool and the host slots (cut into the pool's
@@ -181,6 +162,8 @@ class HiCache:
 
     def _evicted(self, keys: list[bytes]) -> None:
         emit(self._events, "removed", "host", keys)
+        if self._chain is not None:
+            self._chain.evicted(keys)
 
     # -- match ----------------------------------------------------------------------------------
 
@@ -217,14 +200,15 @@ class HiCache:
         req = self._request(request_id, tokens, salt)
         again = _pending_answer(req, n, computed_tokens)  # the same question as last time
         if req.fetch is not None and req.fetch.busy:  # its answer may have come since poll
-            self._l3.apply()  # type: ignore[union-attr]
-            if again is not None and self._l3.waiting(req.fetch):  # type: ignore[union-attr]
+            self._chain.apply()  # type: ignore[union-attr]
+            if again is not None and self._chain.waiting(req.fetch):  # type: ignore[union-attr]
                 return self._answer(req, again, n, started)  # the same answer, its pins kept
         first = computed_tokens // P
         cap = max(0, n - self.policy.min_recompute_tokens) // P
         done = req.fetch if req.fetch is not None and not req.fetch.busy else None
         if done is not None:
-            _adopt_keys(req.chain, done)
+            for part in done.parts():
+                adopt_keys(req.chain, part)
             if again is not None and (grown := self._fetched(req, again, done, cap)) is not None:
                 return self._answer(req, grown, n, started)
         req.drop_pins()
@@ -236,26 +220,26 @@ class HiCache:
         state_slot = None
         if self._hooks is not None and hit > first:
             hit, state_slot = self._snap_to_state(keys, first, hit)
-        l3_tokens = 0
+        tier_tokens: tuple[tuple[str, int], ...] = ()
         if hit > first:
             req.pages = self.host.page_slots.lease(slots[: hit - first])
             if state_slot is not None:
                 req.state = self.host.state_slots.lease([state_slot])
             hit_tokens = hit * P
             if done is not None:
-                _, hi = done.pages
-                l3_tokens = max(0, min(hit, hi) - max(first, done.host_pages)) * P
+                tier_tokens = _tier_tokens(done, first, hit, P)
         else:
             hit, hit_tokens = first, computed_tokens
         if done is not None:
-            done.release()  # its pages are pinned by this match now, or not needed
+            for part in done.parts():
+                part.release()  # its pages are pinned by this match now, or not needed
         m = Match(
             request_id=request_id,
             hit_tokens=hit_tokens,
             computed_tokens=computed_tokens,
             first_page=first,
             load_pages=hit - first,
-            l3_tokens=l3_tokens,
+            tier_tokens=tier_tokens,
             needs_state=state_slot is not None,
             pending=pending,
             limited_tokens=(found - hit) * P,
@@ -297,22 +281,29 @@ class HiCache:
         return slots
 
     def _look_ahead(self, req: Request, found: int, cap: int) -> bool:
-        """Start an L3 fetch for the pages after the host hit (`start_fetch` hashes the first of
-        them, its worker the rest); True while the request waits."""
-        if self._l3 is None:
+        """Start the walk down the store tiers for the pages after the host hit (the first
+        tier's `start_fetch` hashes the first of them, its worker the rest); True while the
+        request waits."""
+        if self._chain is None:
             return False
         if req.fetch is None and found < cap:
-            req.fetch = self._l3.start_fetch(req.chain, found, cap)
-        return req.fetch is not None and self._l3.waiting(req.fetch)
+            req.fetch = self._chain.start(req.chain, found, cap)
+        return req.fetch is not None and self._chain.waiting(req.fetch)
 
-    def _fetched(self, req: Request, pending: Match, fetch: Fetch, cap: int) -> Match | None:
-        """The `pending` answer grown by its finished `fetch`, when the fetch reached the cap:
-        the host hit (still pinned) followed by the fetched pages up to the cap, whose pins move
-        from the fetch to the request. Nothing is looked up or hashed. None when the general
-        walk must answer: a state layout (the hit snaps to a state), a fetch that fell short of
-        the cap, or a page past the host hit that the host tier held under another slot by then
-        (another request stored it meanwhile)."""
+    def _fetched(self, req: Request, pending: Match, walk: Fetch, cap: int) -> Match | None:
+        """The `pending` answer grown by its finished walk, when one tier's fetch reached the
+        cap: the host hit (still pinned) followed by the fetched pages up to the cap, whose pins
+        move from the fetch to the request. Nothing is looked up or hashed. None when the
+        general walk must answer: a state layout (the hit snaps to a state), pages from more
+        than one tier, a fetch that fell short of the cap, or a page past the host hit that the
+        host tier held under another slot by then (another request stored it meanwhile)."""
         found = pending.first_page + pending.load_pages  # its host hit, pinned
+        fetch = walk
+        if walk.next is not None:  # the one part that brought pages, if only one did
+            brought = [part for part in walk.parts() if part.lease is not None]
+            if len(brought) != 1:
+                return None
+            fetch = brought[0]
         lo, hi = fetch.pages
         # (a fetch started by an earlier question may have begun past this host hit)
         if self._hooks is not None or fetch.lease is None or hi < cap or not lo <= found < cap:
@@ -322,7 +313,8 @@ class HiCache:
             return None  # not every page past the host hit was published by the fetch
         taken = fetch.lease.split(len(fetch.lease) - (found - lo))  # pages found..
         taken.split(len(taken) - (cap - found)).release()  # pages past the cap: not needed
-        fetch.release()  # its slots before the host hit: reserved, never published
+        for part in walk.parts():
+            part.release()  # its slots before the host hit: reserved, never published
         if req.pages is None:
             req.pages = taken
         else:
@@ -334,7 +326,7 @@ class HiCache:
             computed_tokens=pending.computed_tokens,
             first_page=pending.first_page,
             load_pages=cap - pending.first_page,
-            l3_tokens=(cap - found) * P,
+            tier_tokens=((fetch.link.name, (cap - found) * P),),
             limited_tokens=(hi - cap) * P,
         )
 
@@ -500,7 +492,9 @@ class HiCache:
         finally:
             # New pages are unpinned before the held ones, once the copies are done: the
             # sequence's head ends up most recent, so its tail is evicted first.
-            slots = None if self._l3 is None else _slots_in_order(keep, pages, missing, len(keys))
+            slots = (
+                None if self._chain is None else _slots_in_order(keep, pages, missing, len(keys))
+            )
             self._after_store(keys, slots, pages, keep, states)
         return len(pages) if pages is not None else 0
 
@@ -536,14 +530,15 @@ class HiCache:
     def _store_states(
         self, keys: list[bytes], n_tokens: int, state_slot: int | None
     ) -> Lease | None:
-        """Save the states at the trailing boundaries (and, with L3, the last group end)."""
+        """Save the states at the trailing boundaries (and, with store tiers, the last group end
+        of each tier's group size)."""
         hooks, P = self._hooks, self.layout.page_tokens
         if hooks is None:
             return None
         oldest = n_tokens - hooks.history_tokens
         boundaries = list(range(len(keys), 0, -1)[: self.policy.state_boundaries])
-        if self._l3 is not None:  # L3 keeps whole groups: a state at a group end can be fetched
-            boundaries.append(len(keys) // self._l3.G * self._l3.G)
+        if self._chain is not None:  # stores keep whole groups: a state at a group end is fetched
+            boundaries += [len(keys) // G * G for G in self._chain.group_pages]
         boundaries = sorted({b for b in boundaries if b and b * P >= oldest}, reverse=True)
         held = self.host.state_slots.lookup([keys[b - 1] for b in boundaries])
         wanted = [b for b, slot in zip(boundaries, held) if slot is None]
@@ -568,12 +563,11 @@ class HiCache:
         (its worker waits for the copies before it reads the host slots). `slots`: the host
         slot of every page of `keys`, where the store knows them (see `_slots_in_order`)."""
         held = [lease for lease in leases if lease is not None]
-        if not held and self._l3 is None:
+        if not held and self._chain is None:
             return
         copied = self._transfers.then(lambda: _release(held))
-        if self._l3 is not None:
-            G = self._l3.G
-            self._l3.write_behind(keys, len(keys), range(G, len(keys) + 1, G), copied, slots)
+        if self._chain is not None:
+            self._chain.stored(keys, copied, slots)
 
     def _call_hook(self, name: str, state_slot: int | None, boundary: int, host_slot: int) -> None:
         try:
@@ -588,11 +582,18 @@ class HiCache:
     # -- housekeeping ---------------------------------------------------------------------------
 
     def poll(self) -> None:
-        """Retire finished copies, release what they pinned, apply L3 results. Never blocks;
-        call it every engine step."""
+        """Retire finished copies, release what they pinned, apply the store tiers' results.
+        Never blocks; call it every engine step."""
         self._transfers.poll()
-        if self._l3 is not None:
-            self._l3.poll()
+        if self._chain is not None:
+            self._chain.poll()
+
+    def report_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine prefilled `tokens` in `seconds` (call it after each prefill, or now and
+        then): the cost model's prefill speed follows it (a moving average), so that a page is
+        fetched from a tier only where reading it beats recomputing it. Never blocks."""
+        if self._chain is not None:
+            self._chain.report_prefill(tokens, seconds)
 
     def release(self, request_id: str) -> None:
         """Forget a request (finished or aborted) and drop what its match pinned. Idempotent."""
@@ -602,8 +603,8 @@ class HiCache:
         req.drop_pins()
         if self._memo is not None:
             self._memo.remember(req.chain)
-        if req.fetch is not None and self._l3 is not None:
-            self._l3.forget(req.fetch)
+        if req.fetch is not None and self._chain is not None:
+            self._chain.forget(req.fetch)
 
     def histograms(self) -> dict[str, dict[str, Any]]:
         """Latency histograms by Prometheus family name (see `hicache.metrics`)."""
@@ -612,9 +613,9 @@ class HiCache:
     def stats(self) -> dict[str, int]:
         """Counters and gauges as a plain dict (see `hicache.stats.Stats` for their meaning)."""
         pages, states = self.host.page_slots, self.host.state_slots
-        l3 = {} if self._l3 is None else self._l3.gauges()
+        tiers = {} if self._chain is None else self._chain.gauges()
         return self._stats.as_dict(
-            **l3,
+            **tiers,
             pages_evicted=pages.evicted,  # host pages evicted so far
             host_slots=pages.capacity,
             host_used=pages.used,
@@ -626,46 +627,48 @@ class HiCache:
         )
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
-        """Block until the host pools are allocated and, with an L3 tier, the store answers.
-        True if both happened within `timeout_s`.
+        """Block until the host pools are allocated and every store tier answers. True if both
+        happened within `timeout_s`.
 
         For tools and tests; engines need not call it: until then `store` skips its pages
-        (counted as dropped) and `match` does not ask L3."""
+        (counted as dropped) and `match` does not ask a tier that does not answer."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         if not self.host.wait_ready(timeout_s):
             return False
-        while self._l3 is not None and not self._l3.usable():
+        while self._chain is not None and not self._chain.usable():
             if deadline is not None and time.monotonic() > deadline:
                 return False
             time.sleep(0.01)
         return True
 
     @property
-    def l3_idle(self) -> bool:
-        """No L3 work is queued or running (always true without an L3 tier). For tools and
-        tests that wait for the write-behind to drain, calling `poll` meanwhile."""
-        return self._l3 is None or self._l3.idle
+    def tiers_idle(self) -> bool:
+        """No store tier has work queued or running (always true without one). For tools and
+        tests that wait for the writes to drain, calling `poll` meanwhile."""
+        return self._chain is None or self._chain.idle
 
     def close(self) -> None:
-        """Drop every request and free the host pools. Pending copies must have completed."""
+        """Drop every request, drain the writes of persistent store tiers (bounded by each
+        tier's `close_timeout_s`), close the tiers and free the host pools. Pending copies must
+        have completed. Blocks."""
         for rid in list(self._requests):
             self.release(rid)
-        if self._l3 is not None:
-            self._l3.close()
+        if self._chain is not None:
+            self._chain.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
         self.host.close()
 
 
-def _store_tier(config: HiCacheConfig) -> StoreTierConfig | None:
-    """The store tier below the host tier, if any (at most one for now), its CPUs checked."""
-    stores = [t for t in config.tiers[1:] if isinstance(t, StoreTierConfig)]
-    if len(stores) > 1:
-        raise ValueError("hicache supports one store tier below the host tier")
-    if stores:
-        where = f"tiers.{config.tiers.index(stores[0])}.worker_cpus"
-        threads.check_cpus(stores[0].worker_cpus, where)
-    return stores[0] if stores else None
+def _store_tiers(config: HiCacheConfig) -> list[StoreTierConfig]:
+    """The store tiers below the host tier, in walk order, their CPUs checked."""
+    stores = []
+    for i, tier in enumerate(config.tiers[1:], start=1):
+        if not isinstance(tier, StoreTierConfig):
+            raise ValueError(f"tiers.{i}: type {tier.type!r} is not a store tier")
+        threads.check_cpus(tier.worker_cpus, f"tiers.{i}.worker_cpus")
+        stores.append(tier)
+    return stores
 
 
 def _pending_answer(req: Request, n: int, computed_tokens: int) -> Match | None:
@@ -678,13 +681,21 @@ def _pending_answer(req: Request, n: int, computed_tokens: int) -> Match | None:
     return None
 
 
-def _adopt_keys(chain: KeyChain, fetch: Fetch) -> None:
-    """Take the keys a fetch's worker hashed into the request's chain, so that the walk over
-    the fetched pages looks them up instead of hashing them again. They chain from the key
-    before the fetch's first page, which the chain had hashed when the fetch began."""
-    have, first = len(chain.hashed), fetch.first_page
-    if first <= have < first + len(fetch.keys):
-        chain.append(fetch.keys[have - first :])
+def _tier_tokens(
+    walk: Fetch, first: int, hit: int, page_tokens: int
+) -> tuple[tuple[str, int], ...]:
+    """The tokens of a hit of pages [first, hit) that each tier of a finished walk brought:
+    the pages a tier's fetch published past the host hit it started from and past what the
+    tiers before it brought."""
+    out = []
+    done = first
+    for part in walk.parts():
+        lo, hi = part.pages
+        begin, end = max(done, part.host_pages, lo), min(hit, hi)
+        if end > begin:
+            out.append((part.link.name, (end - begin) * page_tokens))
+            done = end
+    return tuple(out)
 
 
 def _partial(m: Match, skipped: int, page_tokens: int) -> Match:

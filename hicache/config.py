@@ -137,7 +137,26 @@ class TierConfig(_Strict):
 
 
 class StoreTierConfig(TierConfig):
-    """Base of the sections of keyed stores below the host tier (L3)."""
+    """Base of the sections of keyed stores below the host tier (see `hicache.chain`)."""
+
+    name: str | None = Field(default=None, max_length=32, pattern=r"^[a-z][a-z0-9_]*$")
+    """The tier's name in stats keys (``hit_tokens_<name>``), metrics and events (``tier=<name>``);
+    default: its type. Two tiers of one chain need different names."""
+    write: Literal["behind", "on_evict", "off"] = "behind"
+    """behind: every page group stored in the host tier is put to this tier soon after;
+    on_evict: a group is put when the host tier is about to evict it (write-back: once the host
+    runs short of free slots, its groups not yet written are put, oldest first, and pinned until
+    the put returns); off: this tier is only read."""
+    read_gbps: float | None = Field(default=None, gt=0)
+    """Read throughput (GB/s) the cost model starts from; then it learns the tier's own from its
+    completed fetches. None: the backend's default (`StoreTier.read_gbps`)."""
+    breaker_failures: int = Field(default=3, ge=1, le=1000)
+    """Consecutive failed calls (unreachable, timed out) that open the tier's breaker."""
+    breaker_reprobe_s: float = Field(default=5.0, gt=0, le=3600)
+    """How long an open breaker refuses calls before one probe is let through."""
+    close_timeout_s: float = Field(default=10.0, ge=0, le=3600)
+    """A persistent tier (its contents outlive the process): how long `HiCache.close` waits at
+    most for its writes (and write-backs) to finish, so that a clean shutdown loses nothing."""
 
     group_pages: int = Field(default=4, ge=1)
     """G: consecutive pages written to the store as one object."""
@@ -147,12 +166,12 @@ class StoreTierConfig(TierConfig):
     """Put batches waiting for the write-behind worker; beyond this, work is dropped and counted."""
     fetch_queue_depth: int = Field(default=64, ge=1)
     """Fetch calls queued or running at most; beyond this a request takes its host hit at once
-    (counted): behind that many calls a new fetch would not land within l3_max_wait_ms anyway,
+    (counted): behind that many calls a new fetch would not land within fetch_max_wait_ms anyway,
     and a store that stopped answering would otherwise collect one job per request."""
     fetch_workers: int | None = Field(default=None, ge=1, le=16)
     """Threads that run fetch calls. A fetch goes to the least busy, the first of equals: one
     fetch at a time always runs on the first; with several out, one request's call runs while
-    another's is prepared or answered, and their transfers overlap. None: 2 where L3's threads
+    another's is prepared or answered, and their transfers overlap. None: 2 where the tier's threads
     may use 4 CPUs or more, else 1 (on fewer cores, transfers at once compete for them)."""
     fetch_reserve: Bytes = 64 << 20
     """Host memory kept free for fetches from the store (at most an eighth of the host tier). A
@@ -160,8 +179,8 @@ class StoreTierConfig(TierConfig):
     before it) and reaches the host tier one engine step sooner; larger ones (and layouts with
     states) ask exists first. 0: always ask first."""
     worker_cpus: tuple[Annotated[int, Field(ge=0)], ...] = ()
-    """CPUs for the L3's threads (its workers, and the store client's threads, which inherit
-    them): give CPUs other than the engine thread's, so that L3 never takes its core. Empty:
+    """CPUs for this tier's threads (its workers, and the store client's threads, which inherit
+    them): give CPUs other than the engine thread's, so that a tier never takes its core. Empty:
     wherever the process may run."""
 
 
@@ -174,16 +193,16 @@ class Policy(_Strict):
     """States are stored at this many trailing page boundaries of every stored sequence."""
     write_policy: Literal["write_through", "read_only"] = "write_through"
     """write_through: `store` copies new pages to the host tier; read_only: `store` does nothing."""
-    l3_pending: Literal["wait", "host_only"] = "wait"
-    """While an L3 lookup runs, `match` answers pending (wait) or takes the host hit now and
-    lets the fetch finish for later requests (host_only)."""
-    l3_max_wait_ms: float = Field(default=200.0, gt=0)
-    """A request waits at most this long for L3, then goes on with its host hit."""
-    l3_read_gbps: float = Field(default=1.2, gt=0)
-    """Expected L3 read bandwidth (GB/s): with prefill_tokens_per_s, decides whether an L3 hit
-    is cheaper than recomputing (1.2 is loopback TCP on a 2-core VM; RDMA is far higher)."""
+    fetch_pending: Literal["wait", "host_only"] = "wait"
+    """While a fetch from the tiers below the host runs, `match` answers pending (wait) or takes
+    the host hit now and lets the fetch finish for later requests (host_only)."""
+    fetch_max_wait_ms: float = Field(default=200.0, gt=0)
+    """A request waits at most this long for the tiers below the host (the whole walk), then
+    goes on with its host hit."""
     prefill_tokens_per_s: float = Field(default=20000.0, gt=0)
-    """The engine's prefill throughput, for the same decision."""
+    """The engine's prefill throughput the cost model starts from, until the engine reports its
+    own (`HiCache.report_prefill`): a tier's page is fetched only where reading it is faster
+    than recomputing its tokens."""
     prefix_memo: int = Field(default=256, ge=0)
     """Finished sequences whose tokens and keys are kept so that a prompt that starts like one of
     them is hashed only past the shared part (0: hash every prompt in full)."""
@@ -225,6 +244,8 @@ class HiCacheConfig(_Strict):
             if not isinstance(item, Mapping) or "type" not in item:
                 raise ValueError(f"tiers.{i} needs a 'type'")
             model = tier_config_model(str(item["type"]), where=f"tiers.{i}.type")
+            if ":" in str(item["type"]):  # a module path: the section is the class's own type
+                item = {**item, "type": model.model_fields["type"].default}
             try:
                 out.append(model.model_validate(item))
             except ValidationError as err:
@@ -236,15 +257,24 @@ class HiCacheConfig(_Strict):
     @model_validator(mode="after")
     def _tier_order(self) -> HiCacheConfig:
         types = [t.type for t in self.tiers]
-        if len(set(types)) != len(types):
-            raise ValueError(f"each tier type may appear once, got {types}")
-        if types[0] != "host":
-            raise ValueError("the first tier must be 'host': every other tier moves through it")
+        if types[0] != "host" or "host" in types[1:]:
+            raise ValueError(
+                "the first tier must be 'host', and only the first: every other tier "
+                "moves through it"
+            )
+        names = [tier_name(t) for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"each tier needs its own name (give 'name:'), got {names}")
         return self
 
-    def tier(self, type_: str) -> TierConfig | None:
-        """The section of the tier of this type, or None."""
-        return next((t for t in self.tiers if t.type == type_), None)
+    def tier(self, name: str) -> TierConfig | None:
+        """The section of the tier of this name (by default its type), or None."""
+        return next((t for t in self.tiers if tier_name(t) == name), None)
+
+
+def tier_name(tier: TierConfig) -> str:
+    """A tier's name: its `name:` where it has one, else its type."""
+    return getattr(tier, "name", None) or tier.type
 
 
 # -- loading -------------------------------------------------------------------------------------

@@ -8,9 +8,11 @@ consumer never holds up the engine thread).
 
 Events are emitted on the engine thread, in the order the books changed:
 
-- ``stored`` / host: pages published in the host tier (written through, or fetched from L3);
+- ``stored`` / host: pages published in the host tier (written through, or fetched from a
+  store tier);
 - ``removed`` / host: pages evicted from the host tier;
-- ``stored`` / l3: page groups the store accepted (keys are the groups' last page keys).
+- ``stored`` / <tier name>: page groups a store tier accepted (keys are the groups' last page
+  keys; the tier is named by its `name:`, by default its type: ``disk``, ``mooncake``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Page keys, the layout fingerprint and the L3 key format.
+"""Page keys, the layout fingerprint and the store object names.
 
 A page key names a whole prefix: ``key[i] = SHA-256(key[i-1] || SHA-256(page i))[:16]`` with
 ``key[-1] = SHA-256(namespace)[:16]``, a page being its tokens as int32 little-endian. The page
@@ -309,7 +309,7 @@ class PrefixMemo:
             self._count -= len(dropped)
 
 
-def l3_key(prefix: str, fingerprint_: bytes, key: bytes, group: int | None) -> str:
+def store_key(prefix: str, fingerprint_: bytes, key: bytes, group: int | None) -> str:
     """The object name of a page group (named by its last page's key) or, with group None, a state.
 
     ``<prefix>/<fingerprint hex>/g<G>/<key hex>`` or ``<prefix>/<fingerprint hex>/s/<key hex>``.

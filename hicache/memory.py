@@ -6,6 +6,8 @@ import contextlib
 
 import torch
 
+_PAGE = 4096
+
 
 class HostMemory:
     """One 1-D uint8 CPU tensor of `nbytes`, page-locked when `pin` is true.
@@ -19,7 +21,11 @@ class HostMemory:
 
     def __init__(self, nbytes: int, pin: bool) -> None:
         self.nbytes = nbytes
-        self.tensor = (torch.empty if pin else torch.zeros)(nbytes, dtype=torch.uint8)
+        # page-aligned (torch's own blocks start 64 bytes into a page), so that the disk tier
+        # can move slots with O_DIRECT
+        raw = (torch.empty if pin else torch.zeros)(nbytes + _PAGE, dtype=torch.uint8)
+        skip = -raw.data_ptr() % _PAGE
+        self.tensor = raw[skip : skip + nbytes]
         self.pinned = False
         if pin and nbytes:
             rc = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0))

@@ -3,12 +3,15 @@
 There is one set of books: the cache's own counters. `HiCacheCollector` turns a stats dict into
 ``hicache_*`` metric families whenever the registry is collected, so a scrape costs one
 `stats()` call and nothing is counted twice. The mapping is the table `METRICS`: one line per
-stats key, naming the family and its labels; `FAMILIES` gives each family's type and help.
-A new stats key is one new line (`unmapped` lists keys without one; they are not exported).
+stats key, naming the family and its labels, and `TIER_METRICS` for the keys of each store
+tier, ``<counter>_<tier name>``, exported with the label ``tier=<tier name>``; `FAMILIES` gives
+each family's type and help. A new stats key is one new line (`unmapped` lists keys without
+one; they are not exported).
 
-Latency histograms come from `cache.histograms()` when the cache provides it: a dict from
-family name (``hicache_copy_seconds``) to a `HistogramSnapshot`-like mapping (see
-`HistogramSnapshot`). Without it no histogram is exported.
+Latency histograms come from `cache.histograms()` when the cache provides it: a dict whose
+values are `HistogramSnapshot`-like mappings (see `HistogramSnapshot`), keyed by family name
+(``hicache_match_seconds``) or naming their ``family`` and ``labels`` themselves (a tier's
+``hicache_tier_get_seconds{tier="disk"}``). Without it no histogram is exported.
 
 Usage::
 
@@ -25,7 +28,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypedDict
+from typing import Any, Literal, NotRequired, Protocol, TypedDict
 
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.core import (
@@ -51,7 +54,9 @@ class Family:
 FAMILIES: dict[str, Family] = {
     # counters (exported with the _total suffix)
     "hicache_lookups": Family("counter", "Answers of match that were not pending."),
-    "hicache_pending_answers": Family("counter", "Answers of match that said pending (L3)."),
+    "hicache_pending_answers": Family(
+        "counter", "Answers of match that said pending (a fetch from the store tiers ran)."
+    ),
     "hicache_prompt_tokens": Family("counter", "Prompt tokens of the lookups."),
     "hicache_hit_tokens": Family("counter", "Prompt tokens served from cache.", ("tier",)),
     "hicache_limited_tokens": Family(
@@ -64,12 +69,18 @@ FAMILIES: dict[str, Family] = {
         "counter", "Pages not stored because every slot was pinned.", ("tier",)
     ),
     "hicache_states_stored": Family("counter", "States written to the host tier."),
-    "hicache_l3_probes": Family("counter", "L3 fetches started (one batched exists each)."),
-    "hicache_l3_objects_put": Family("counter", "Objects (page groups, states) put to L3."),
-    "hicache_l3_bytes": Family("counter", "Bytes moved to or from L3.", ("op",)),
-    "hicache_errors": Family("counter", "Failures; none of them ever counts as a hit.", ("kind",)),
+    "hicache_tier_fetches": Family("counter", "Fetches started from a store tier.", ("tier",)),
+    "hicache_tier_objects_put": Family(
+        "counter", "Objects (page groups, states) put to a store tier.", ("tier",)
+    ),
+    "hicache_tier_bytes": Family("counter", "Bytes moved to or from a store tier.", ("tier", "op")),
+    "hicache_errors": Family(
+        "counter", "Failures; none of them ever counts as a hit.", ("tier", "kind")
+    ),
     "hicache_fallbacks": Family(
-        "counter", "Times L3 was skipped and the request went on without it.", ("reason",)
+        "counter",
+        "Times a store tier was passed over and the walk went on without it.",
+        ("tier", "reason"),
     ),
     # gauges
     "hicache_pool_slots": Family("gauge", "Slots of a pool.", ("tier", "pool")),
@@ -77,13 +88,28 @@ FAMILIES: dict[str, Family] = {
     "hicache_pool_pinned_slots": Family("gauge", "Slots somebody pins.", ("tier", "pool")),
     "hicache_requests": Family("gauge", "Requests hicache holds state for."),
     "hicache_copies_in_flight": Family("gauge", "Copies enqueued and not yet retired."),
-    "hicache_l3_available": Family(
-        "gauge", "1 while L3 answers (connected, breaker closed), 0 while requests skip it."
+    "hicache_prefill_tokens_per_second": Family(
+        "gauge", "The engine's prefill speed the cost model uses (reported, or configured)."
     ),
-    "hicache_l3_queue_depth": Family("gauge", "Puts waiting in the write-behind queue."),
-    "hicache_l3_jobs_in_flight": Family("gauge", "L3 jobs whose results are not applied yet."),
-    "hicache_l3_fetch_reserve_slots": Family(
-        "gauge", "Free host page slots held for fetches from L3 (pinned, so in pinned slots too)."
+    "hicache_tier_available": Family(
+        "gauge",
+        "1 while a store tier answers (connected, breaker closed), 0 while skipped.",
+        ("tier",),
+    ),
+    "hicache_tier_queue_depth": Family("gauge", "Puts queued or running.", ("tier",)),
+    "hicache_tier_jobs_in_flight": Family(
+        "gauge", "Jobs whose results are not applied yet.", ("tier",)
+    ),
+    "hicache_tier_fetch_reserve_slots": Family(
+        "gauge",
+        "Free host page slots held for fetches (pinned, so in pinned slots too).",
+        ("tier",),
+    ),
+    "hicache_tier_write_back_pending": Family(
+        "gauge", "write: on_evict: page groups waiting for their write-back.", ("tier",)
+    ),
+    "hicache_tier_read_bytes_per_second": Family(
+        "gauge", "A store tier's read throughput the cost model uses (learned).", ("tier",)
     ),
 }
 
@@ -93,29 +119,13 @@ METRICS: dict[str, tuple[str, dict[str, str]]] = {
     "pending_answers": ("hicache_pending_answers", {}),
     "prompt_tokens": ("hicache_prompt_tokens", {}),
     "hit_tokens_host": ("hicache_hit_tokens", {"tier": "host"}),
-    "hit_tokens_l3": ("hicache_hit_tokens", {"tier": "l3"}),
     "limited_tokens": ("hicache_limited_tokens", {}),
     "pages_loaded": ("hicache_pages_loaded", {"tier": "host"}),
     "pages_stored": ("hicache_pages_stored", {"tier": "host"}),
     "pages_evicted": ("hicache_pages_evicted", {"tier": "host"}),
     "pages_dropped": ("hicache_pages_dropped", {"tier": "host"}),
     "states_stored": ("hicache_states_stored", {}),
-    "hook_errors": ("hicache_errors", {"kind": "state_hook"}),
-    "l3_probes": ("hicache_l3_probes", {}),
-    "l3_pages_fetched": ("hicache_pages_loaded", {"tier": "l3"}),
-    "l3_get_bytes": ("hicache_l3_bytes", {"op": "get"}),
-    "l3_get_failed": ("hicache_errors", {"kind": "l3_get"}),
-    "l3_objects_put": ("hicache_l3_objects_put", {}),
-    "l3_put_bytes": ("hicache_l3_bytes", {"op": "put"}),
-    "l3_put_failed": ("hicache_errors", {"kind": "l3_put"}),
-    "l3_puts_dropped": ("hicache_fallbacks", {"reason": "put_queue_full"}),
-    "l3_puts_skipped": ("hicache_fallbacks", {"reason": "put_store_unavailable"}),
-    "l3_errors": ("hicache_errors", {"kind": "l3_call"}),
-    "l3_skipped": ("hicache_fallbacks", {"reason": "breaker_open"}),
-    "l3_skipped_busy": ("hicache_fallbacks", {"reason": "fetch_queue_full"}),
-    "l3_skipped_slow": ("hicache_fallbacks", {"reason": "slower_than_recompute"}),
-    "l3_timeouts": ("hicache_fallbacks", {"reason": "timeout"}),
-    "l3_no_space": ("hicache_fallbacks", {"reason": "no_host_space"}),
+    "hook_errors": ("hicache_errors", {"tier": "host", "kind": "state_hook"}),
     "host_slots": ("hicache_pool_slots", {"tier": "host", "pool": "page"}),
     "host_used": ("hicache_pool_used_slots", {"tier": "host", "pool": "page"}),
     "host_pinned": ("hicache_pool_pinned_slots", {"tier": "host", "pool": "page"}),
@@ -123,12 +133,57 @@ METRICS: dict[str, tuple[str, dict[str, str]]] = {
     "state_used": ("hicache_pool_used_slots", {"tier": "host", "pool": "state"}),
     "requests": ("hicache_requests", {}),
     "copies_in_flight": ("hicache_copies_in_flight", {}),
-    "l3_available": ("hicache_l3_available", {}),
-    "l3_queue_depth": ("hicache_l3_queue_depth", {}),
-    "l3_jobs_in_flight": ("hicache_l3_jobs_in_flight", {}),
-    "l3_fetch_reserve": ("hicache_l3_fetch_reserve_slots", {}),
+    "prefill_tokens_per_s": ("hicache_prefill_tokens_per_second", {}),
 }
 """Stats key -> (family, labels). Keys absent from a cache's stats are simply not exported."""
+
+TIER_METRICS: dict[str, tuple[str, dict[str, str]]] = {
+    # counter of a store tier   family                      labels besides tier=<name>
+    "hit_tokens": ("hicache_hit_tokens", {}),
+    "fetches": ("hicache_tier_fetches", {}),
+    "pages_fetched": ("hicache_pages_loaded", {}),
+    "get_bytes": ("hicache_tier_bytes", {"op": "get"}),
+    "get_failed": ("hicache_errors", {"kind": "get"}),
+    "objects_put": ("hicache_tier_objects_put", {}),
+    "put_bytes": ("hicache_tier_bytes", {"op": "put"}),
+    "put_failed": ("hicache_errors", {"kind": "put"}),
+    "puts_dropped": ("hicache_fallbacks", {"reason": "put_queue_full"}),
+    "puts_skipped": ("hicache_fallbacks", {"reason": "put_tier_unavailable"}),
+    "call_errors": ("hicache_errors", {"kind": "call"}),
+    "skipped_down": ("hicache_fallbacks", {"reason": "tier_unavailable"}),
+    "skipped_busy": ("hicache_fallbacks", {"reason": "fetch_queue_full"}),
+    "skipped_slow": ("hicache_fallbacks", {"reason": "slower_than_recompute"}),
+    "skipped_unheld": ("hicache_fallbacks", {"reason": "not_held"}),
+    "timeouts": ("hicache_fallbacks", {"reason": "timeout"}),
+    "no_space": ("hicache_fallbacks", {"reason": "no_host_space"}),
+    "evict_lost": ("hicache_errors", {"kind": "evicted_before_write_back"}),
+    "available": ("hicache_tier_available", {}),
+    "queue_depth": ("hicache_tier_queue_depth", {}),
+    "jobs_in_flight": ("hicache_tier_jobs_in_flight", {}),
+    "fetch_reserve": ("hicache_tier_fetch_reserve_slots", {}),
+    "write_back_pending": ("hicache_tier_write_back_pending", {}),
+    "read_mbps": ("hicache_tier_read_bytes_per_second", {}),
+}
+"""A store tier's stats key ``<counter>_<tier name>`` -> (family, labels): exported with
+``tier=<tier name>`` added."""
+
+_SCALE = {"read_mbps": 1e6}
+"""Tier stats kept in other units than their family's."""
+
+_BY_LENGTH = sorted(TIER_METRICS, key=len, reverse=True)
+
+
+def metric_of(key: str) -> tuple[str, dict[str, str], float] | None:
+    """The family, labels and scale of a stats key, or None if it has no metric."""
+    entry = METRICS.get(key)
+    if entry is not None:
+        return entry[0], entry[1], 1.0
+    for counter in _BY_LENGTH:  # the longest counter name that begins the key
+        if key.startswith(counter + "_") and len(key) > len(counter) + 1:
+            family, labels = TIER_METRICS[counter]
+            tier = key[len(counter) + 1 :]
+            return family, {"tier": tier, **labels}, _SCALE.get(counter, 1.0)
+    return None
 
 
 class HistogramSnapshot(TypedDict):
@@ -141,6 +196,10 @@ class HistogramSnapshot(TypedDict):
     buckets: list[tuple[float, int]]
     sum: float
     help: str
+    family: NotRequired[str]
+    """The family, where the dict key is not it (one family per label set)."""
+    labels: NotRequired[dict[str, str]]
+    """The labels of this histogram in its family (every one of a family has the same keys)."""
 
 
 class StatsSource(Protocol):
@@ -149,7 +208,7 @@ class StatsSource(Protocol):
 
 def unmapped(stats: Mapping[str, Any]) -> list[str]:
     """Stats keys that `METRICS` has no line for (they are not exported)."""
-    return sorted(k for k in stats if k not in METRICS)
+    return sorted(k for k in stats if metric_of(k) is None)
 
 
 def families(
@@ -159,23 +218,29 @@ def families(
     """The metric families for one stats dict (and optional histogram snapshots)."""
     built: dict[str, Metric] = {}
     for key, value in stats.items():
-        entry = METRICS.get(key)
+        entry = metric_of(key)
         if entry is None:
             continue
-        name, labels = entry
+        name, labels, scale = entry
         fam = FAMILIES[name]
         metric = built.get(name)
         if metric is None:
             cls = CounterMetricFamily if fam.kind == "counter" else GaugeMetricFamily
             metric = built[name] = cls(name, fam.help, labels=list(fam.labels))
-        metric.add_metric([labels[label] for label in fam.labels], float(value))
-    out = list(built.values())
-    for name, snap in (histograms or {}).items():
-        h = HistogramMetricFamily(name, snap.get("help", name))
+        metric.add_metric([labels.get(label, "") for label in fam.labels], float(value) * scale)
+    out: list[Metric] = list(built.values())
+    hists: dict[str, HistogramMetricFamily] = {}
+    for key, snap in (histograms or {}).items():
+        name = snap.get("family", key)
+        labels = snap.get("labels", {})
+        h = hists.get(name)
+        if h is None:
+            h = hists[name] = HistogramMetricFamily(
+                name, snap.get("help", name), labels=list(labels)
+            )
         buckets = [(_bound(b), float(c)) for b, c in snap["buckets"]]
-        h.add_metric([], buckets, float(snap["sum"]))
-        out.append(h)
-    return out
+        h.add_metric(list(labels.values()), buckets, float(snap["sum"]))
+    return out + list(hists.values())
 
 
 def _bound(b: float) -> str:

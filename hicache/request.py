@@ -9,7 +9,7 @@ from hicache.keys import KeyChain
 from hicache.slots import Lease
 
 if TYPE_CHECKING:
-    from hicache.l3 import Fetch
+    from hicache.store_link import Fetch
 
 
 @dataclass(frozen=True)
@@ -19,8 +19,8 @@ class Match:
     `hit_tokens` is the number of leading prompt tokens the engine need not compute: what it
     said it had (`computed_tokens`) plus what hicache will load. `load_pages` pages, starting at
     page `first_page`, come from hicache's tiers; with a state layout, the state at `hit_tokens`
-    comes too. While `pending` is true, an L3 lookup is still running: ask again later (the hit
-    may grow), or take this answer.
+    comes too. While `pending` is true, a fetch from the store tiers is still running: ask again
+    later (the hit may grow), or take this answer.
     """
 
     request_id: str
@@ -28,13 +28,19 @@ class Match:
     computed_tokens: int
     first_page: int
     load_pages: int
-    l3_tokens: int = 0
-    """Of the cached tokens, those whose pages came from L3 (promoted to the host tier)."""
+    tier_tokens: tuple[tuple[str, int], ...] = ()
+    """Of the cached tokens, those whose pages came from the store tiers (promoted to the host
+    tier), as (tier name, tokens) in walk order; the rest were in the host tier."""
     needs_state: bool = False
     pending: bool = False
     limited_tokens: int = 0
     """Tokens found in the tiers that the cap (min_recompute_tokens) or the snap to a stored state
     kept the hit from using."""
+
+    @property
+    def fetched_tokens(self) -> int:
+        """Of the cached tokens, those that came from the store tiers below the host."""
+        return sum(tokens for _, tokens in self.tier_tokens)
 
     @property
     def cached_tokens(self) -> int:
@@ -55,7 +61,7 @@ class Request:
     state: Lease | None = None
     """The host state slot pinned by `match` for `load`."""
     fetch: Fetch | None = None
-    """The request's look-ahead from L3, if one was started."""
+    """The first part of the request's walk down the store tiers, if one was started."""
 
     def drop_pins(self) -> None:
         """Release what `match` pinned and forget the match (it can no longer be loaded)."""

@@ -49,13 +49,66 @@ def _histograms() -> dict[str, Histogram]:
         "hicache_store_copy_seconds": Histogram(
             "Time of one store's page copy GPU -> host (device time on CUDA)."
         ),
-        "hicache_l3_exists_seconds": Histogram("Time of one batched L3 exists (worker thread)."),
-        "hicache_l3_get_seconds": Histogram("Time of one batched L3 get (worker thread)."),
-        "hicache_l3_put_seconds": Histogram("Time of one batched L3 put (worker thread)."),
-        "hicache_l3_fetch_seconds": Histogram(
-            "From the match that started an L3 fetch until its pages were in the host tier."
+    }
+
+
+def _tier_histograms() -> dict[str, Histogram]:
+    return {
+        "hicache_tier_exists_seconds": Histogram("Time of one batched exists (worker thread)."),
+        "hicache_tier_get_seconds": Histogram("Time of one batched get (worker thread)."),
+        "hicache_tier_put_seconds": Histogram("Time of one batched put (worker thread)."),
+        "hicache_tier_fetch_seconds": Histogram(
+            "From the match that started a fetch from the tier until its pages were in the host "
+            "tier."
         ),
     }
+
+
+@dataclass
+class TierStats:
+    """Monotonic counters of one store tier below the host; `stats()` names each
+    ``<counter>_<tier name>`` (``hit_tokens_disk``, ``fetches_mooncake``)."""
+
+    hit_tokens: int = 0
+    """Tokens loaded that came from this tier, promoted through the host tier (counted at load)."""
+    fetches: int = 0
+    """Fetches started (a batched exists, or a get straight into the fetch reserve)."""
+    pages_fetched: int = 0
+    get_bytes: int = 0
+    get_failed: int = 0
+    """Page groups whose get failed (missing since the probe, transfer error): never a hit."""
+    objects_put: int = 0
+    put_bytes: int = 0
+    put_failed: int = 0
+    """Objects the tier refused (too large, no space) or lost to an error."""
+    puts_dropped: int = 0
+    """Objects not queued because the write queue was full."""
+    puts_skipped: int = 0
+    """Page groups not offered because the tier was unavailable (not connected yet, or its
+    breaker open)."""
+    call_errors: int = 0
+    """Calls that failed as a whole (unreachable, breaker open): the request went on without."""
+    skipped_down: int = 0
+    """Fetches not started because the tier was unavailable: the walk went on below it."""
+    skipped_busy: int = 0
+    """Fetches not started because `fetch_queue_depth` fetch calls were queued or running
+    already (a tier that has stopped answering holds them)."""
+    skipped_slow: int = 0
+    """Fetches not started because recomputing is cheaper than reading from this tier (one in
+    `EXPLORE_EVERY` is started anyway, to measure the tier again)."""
+    skipped_unheld: int = 0
+    """Fetches not asked of a private tier (neither shared nor persistent) because it was
+    never given the first group: its books are the chain's own."""
+    timeouts: int = 0
+    """Fetches that outlived policy.fetch_max_wait_ms: the request went on with its host hit."""
+    no_space: int = 0
+    """Fetches dropped because every host slot was pinned."""
+    evict_lost: int = 0
+    """write: on_evict: page groups the host evicted before they could be written here."""
+    latency: dict[str, Histogram] = field(default_factory=_tier_histograms, repr=False)
+
+    def as_dict(self, name: str) -> dict[str, int]:
+        return {f"{k}_{name}": v for k, v in asdict(self).items() if k != "latency"}
 
 
 @dataclass
@@ -65,13 +118,11 @@ class Stats:
     lookups: int = 0
     """Answers of match that were not pending."""
     pending_answers: int = 0
-    """Answers of match that said pending (an L3 lookup was running)."""
+    """Answers of match that said pending (a fetch from the tiers below the host was running)."""
     prompt_tokens: int = 0
     """Prompt tokens of the lookups."""
     hit_tokens_host: int = 0
-    """Tokens loaded from the host tier (counted at load)."""
-    hit_tokens_l3: int = 0
-    """Tokens loaded that came from L3, promoted through the host tier (counted at load)."""
+    """Tokens loaded from the host tier that were there at match (counted at load)."""
     limited_tokens: int = 0
     """Tokens found but not usable: the cap left min_recompute_tokens, or no state to snap to."""
     pages_loaded: int = 0
@@ -80,36 +131,12 @@ class Stats:
     """Pages store could not place because every host slot was pinned."""
     states_stored: int = 0
     hook_errors: int = 0
-    l3_probes: int = 0
-    """Fetches started: one batched exists each."""
-    l3_pages_fetched: int = 0
-    l3_get_bytes: int = 0
-    l3_get_failed: int = 0
-    """Page groups whose get failed (missing since the probe, transfer error): never a hit."""
-    l3_objects_put: int = 0
-    l3_put_bytes: int = 0
-    l3_put_failed: int = 0
-    """Objects the store refused (too large, no space) or lost to an error."""
-    l3_puts_dropped: int = 0
-    """Objects not queued because the write-behind queue was full."""
-    l3_puts_skipped: int = 0
-    """Page groups not offered to write-behind because the store was unavailable (not
-    connected yet, or its breaker open)."""
-    l3_errors: int = 0
-    """Store calls that failed as a whole (unreachable, breaker open): the request fell back."""
-    l3_skipped: int = 0
-    """Fetches not started because the breaker was open."""
-    l3_skipped_busy: int = 0
-    """Fetches not started because `fetch_queue_depth` fetch calls were queued or running
-    already (a store that has stopped answering holds them)."""
-    l3_skipped_slow: int = 0
-    """L3 hits not taken because recomputing is cheaper than fetching."""
-    l3_timeouts: int = 0
-    """Fetches that outlived policy.l3_max_wait_ms: the request went on with its host hit."""
-    l3_no_space: int = 0
-    """Fetches dropped because every host slot was pinned."""
+    prefill_tokens_per_s: int = 0
+    """The engine's prefill speed the cost model uses now (reported, or the config's)."""
     latency: dict[str, Histogram] = field(default_factory=_histograms, repr=False)
     """Latency histograms by Prometheus family name (not part of `as_dict`)."""
+    tiers: dict[str, TierStats] = field(default_factory=dict, repr=False)
+    """The counters of each store tier, by name (flattened into `as_dict`)."""
 
     def matched(self, m: Match, prompt_tokens: int) -> None:
         if m.pending:
@@ -121,8 +148,11 @@ class Stats:
 
     def loaded(self, m: Match) -> None:
         self.pages_loaded += m.load_pages
-        self.hit_tokens_l3 += m.l3_tokens
-        self.hit_tokens_host += m.cached_tokens - m.l3_tokens
+        fetched = 0
+        for name, tokens in m.tier_tokens:
+            self.tiers[name].hit_tokens += tokens
+            fetched += tokens
+        self.hit_tokens_host += m.cached_tokens - fetched
 
     def stored(self, pages: int) -> None:
         self.pages_stored += pages
@@ -137,8 +167,16 @@ class Stats:
         self.hook_errors += 1
 
     def as_dict(self, **gauges: int) -> dict[str, int]:
-        counters = {k: v for k, v in asdict(self).items() if k != "latency"}
+        counters = {k: v for k, v in asdict(self).items() if k not in ("latency", "tiers")}
+        for name, tier in self.tiers.items():
+            counters.update(tier.as_dict(name))
         return {**counters, **gauges}
 
     def histograms(self) -> dict[str, dict[str, Any]]:
-        return {name: h.snapshot() for name, h in self.latency.items()}
+        """Snapshots by key: the family name, or ``<family>:<tier>`` for a tier's own (its
+        snapshot names its ``family`` and ``labels``)."""
+        out = {name: h.snapshot() for name, h in self.latency.items()}
+        for tier, counters in self.tiers.items():
+            for name, h in counters.latency.items():
+                out[f"{name}:{tier}"] = {**h.snapshot(), "family": name, "labels": {"tier": tier}}
+        return out

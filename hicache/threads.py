@@ -1,10 +1,10 @@
 """hicache's background threads, and the CPUs they may run on.
 
-Every thread that the L3 starts (its fetch and put workers, and the store client's connect,
+Every thread that a store tier starts (its fetch and put workers, and the store client's connect,
 watchdog and close threads) goes through `start`: a daemon thread that first restricts itself to
 the configured CPUs (`worker_cpus` of the store tier). Threads that a library starts from one of
 them inherit the restriction — Mooncake's transfer threads are made while its client is set up on
-the connect thread — so one setting keeps all of L3 off the cores the engine thread runs on.
+the connect thread — so one setting keeps all of a tier off the cores the engine thread runs on.
 Sharing a core with them slows the engine thread's own calls by tens of percent (see
 docs/decisions/l3-engine-thread.md).
 """
@@ -41,7 +41,7 @@ def check_cpus(cpus: Iterable[int], what: str = "worker_cpus") -> frozenset[int]
 
 
 def fetch_workers(cpus: frozenset[int]) -> int:
-    """The default count of L3 fetch workers for threads confined to `cpus` (empty: the CPUs
+    """The default count of a tier's fetch workers for threads confined to `cpus` (empty: the CPUs
     this process may run on): 2 with at least 4 CPUs, else 1. Two calls at once overlap one's
     Python with the other's transfer (four fills of 512 KiB objects at once: 93-96 % -> 102 % of
     raw gets on an H200 host, 16 vCPUs), but on 2 cores their transfers compete (four fills of

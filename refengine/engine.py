@@ -48,7 +48,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     hit_tokens: int = 0  # prompt tokens the cache supplied
-    l3_tokens: int = 0  # of which promoted from L3
+    l3_tokens: int = 0  # of which promoted from the store tiers below the host
     # runtime
     blocks: list[int] = field(default_factory=list)
     table: torch.Tensor | None = None
@@ -227,7 +227,7 @@ class Engine:
         req.loading = loading if self.by_layer else None
         req.computed = m.hit_tokens
         req.hit_tokens = m.hit_tokens - m.computed_tokens
-        req.l3_tokens = getattr(m, "l3_tokens", 0)
+        req.l3_tokens = getattr(m, "fetched_tokens", 0)
 
     def _batch(self) -> tuple[list[Item], list[tuple[Request, int]]]:
         items: list[Item] = []

@@ -132,7 +132,7 @@ def test_write_behind_queued_before_the_copy_ran_puts_the_copied_bytes(mooncake_
 
     def cache_on(pages: PagedBuffer) -> HiCache:
         host = {"type": "host", "size": 64 * layout.page_size}
-        cfg = load_config({"tiers": [host, tier], "policy": {"l3_read_gbps": 100}}, env={})
+        cfg = load_config({"tiers": [host, tier], "policy": {"prefill_tokens_per_s": 1}}, env={})
         cache = HiCache(cfg, pages, layout=layout)
         assert cache.wait_ready(60)
         return cache
@@ -147,18 +147,18 @@ def test_write_behind_queued_before_the_copy_ran_puts_the_copied_bytes(mooncake_
     with torch.cuda.stream(stream):
         torch.cuda._sleep(200_000_000)  # the copy runs ~0.1 s after store returns
         writer.store("w", prompt, blocks)
-        assert writer.stats()["l3_jobs_in_flight"] == 1  # queued already, before the copy ran
+        assert writer.stats()["jobs_in_flight_mooncake"] == 1  # queued already, before the copy ran
     deadline = time.monotonic() + 30
-    while not writer.l3_idle and time.monotonic() < deadline:
+    while not writer.tiers_idle and time.monotonic() < deadline:
         writer.poll()
         time.sleep(0.005)
-    assert writer.stats()["l3_objects_put"] == 4
+    assert writer.stats()["objects_put_mooncake"] == 4
     m = reader.match("r", prompt)
     while m.pending and time.monotonic() < deadline:
         reader.poll()
         time.sleep(0.005)
         m = reader.match("r", prompt)
-    assert (m.hit_tokens, m.l3_tokens) == (16 * P, 16 * P)
+    assert (m.hit_tokens, m.fetched_tokens) == (16 * P, 16 * P)
     out = list(range(40, 56))
     reader.load(m, out)
     torch.cuda.synchronize()
@@ -184,9 +184,10 @@ def _pool_for(path: str, pages: int) -> tuple[PagedBuffer, Layout]:
 @pytest.mark.mooncake
 @pytest.mark.parametrize("path", ["copy_engine", "kernel", "staged"])
 def test_no_engine_thread_call_lets_go_of_the_gil_on_any_path(mooncake_master, path):
-    """As on the CPU (test_l3.py), with CUDA copies on each path: the extension's copy calls
-    and the completion events keep the GIL (torch's Event.record and tensor copies would let go
-    of it). 600 pages: numpy releases the GIL for arrays of more than a few hundred elements."""
+    """As on the CPU (test_mooncake_tier.py), with CUDA copies on each path: the extension's copy
+    calls and the completion events keep the GIL (torch's Event.record and tensor copies would
+    let go of it). 600 pages: numpy releases the GIL for arrays of more than a few hundred
+    elements."""
     import sys
     from pathlib import Path
 
@@ -198,7 +199,7 @@ def test_no_engine_thread_call_lets_go_of_the_gil_on_any_path(mooncake_master, p
     dst, _ = _pool_for(path, pages)
     tier = {"type": "mooncake", **mooncake_master.tier_config, "group_pages": 4}
     host = {"type": "host", "size": 2 * pages * layout.page_size}
-    cfg = load_config({"tiers": [host, tier], "policy": {"l3_read_gbps": 100}}, env={})
+    cfg = load_config({"tiers": [host, tier], "policy": {"prefill_tokens_per_s": 1}}, env={})
 
     def cache_on(pool: PagedBuffer) -> HiCache:
         cache = HiCache(cfg, pool, layout=layout)
@@ -211,7 +212,7 @@ def test_no_engine_thread_call_lets_go_of_the_gil_on_any_path(mooncake_master, p
     fill(src, blocks, seed=9)
     writer.store("w", prompt, blocks)
     deadline = time.monotonic() + 60
-    while not writer.l3_idle and time.monotonic() < deadline:
+    while not writer.tiers_idle and time.monotonic() < deadline:
         writer.poll()
         time.sleep(0.005)
     watch, released = GilWatch(), []
@@ -235,7 +236,7 @@ def test_no_engine_thread_call_lets_go_of_the_gil_on_any_path(mooncake_master, p
         call("poll", reader.poll)
     finally:
         watch.close()
-    assert (m.hit_tokens, m.l3_tokens) == (n * P, n * P)
+    assert (m.hit_tokens, m.fetched_tokens) == (n * P, n * P)
     assert torch.equal(rows(dst, out), rows(src, blocks))
     assert released == []
     assert {reader._route(to_host).path for to_host in (True, False)} == {path}

@@ -41,7 +41,7 @@ LAYOUT = "layout: {model: m, kv_dtype: bf16, page_bytes: 64}\n"
     [
         ("tiers: [{type: host, size: 12XB}]", "tiers.0.size: could not interpret byte unit: XB"),
         ("tiers: [{type: host, size: 1GiB, colour: red}]", "tiers.0.colour: unknown key"),
-        ("tiers: [{type: disk, size: 1GiB}]", "tiers.0.type: unknown tier type 'disk'"),
+        ("tiers: [{type: tape, size: 1GiB}]", "tiers.0.type: unknown tier type 'tape'"),
         ("tiers: [{type: host, size: 0}]", "tiers.0.size: Input should be greater than 0"),
         ("tiers: []", "tiers: Tuple should have at least 1 item"),
         (

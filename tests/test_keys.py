@@ -17,8 +17,8 @@ from hicache.keys import (
     as_tokens,
     chain_seed,
     fingerprint,
-    l3_key,
     page_keys,
+    store_key,
 )
 
 LAYOUT = Layout(model="m", kv_dtype="bfloat16", page_tokens=4, page_bytes=64)
@@ -179,11 +179,11 @@ def test_token_validation_names_the_problem():
     assert as_tokens((5, 6)).tolist() == [5, 6] and as_tokens([]).shape == (0,)
 
 
-def test_l3_key_format():
+def test_store_key_format():
     fp = fingerprint(LAYOUT)
     key = page_keys(SEED, TOKENS, 4)[3]
-    assert l3_key("hicache", fp, key, 4) == f"hicache/{fp.hex()}/g4/{key.hex()}"
-    assert l3_key("hicache", fp, key, None) == f"hicache/{fp.hex()}/s/{key.hex()}"
+    assert store_key("hicache", fp, key, 4) == f"hicache/{fp.hex()}/g4/{key.hex()}"
+    assert store_key("hicache", fp, key, None) == f"hicache/{fp.hex()}/s/{key.hex()}"
 
 
 def test_prefix_memo_reuses_exactly_the_keys_hashing_gives(monkeypatch):

@@ -9,7 +9,15 @@ import pytest
 from fake_engine import FakeEngine, config
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from hicache.metrics import FAMILIES, METRICS, HiCacheCollector, register, serve, unmapped
+from hicache.metrics import (
+    FAMILIES,
+    METRICS,
+    TIER_METRICS,
+    HiCacheCollector,
+    register,
+    serve,
+    unmapped,
+)
 
 
 def tokens(start: int, n: int) -> np.ndarray:
@@ -30,7 +38,6 @@ def test_two_identical_requests_read_back_exactly() -> None:
     assert value(registry, "hicache_lookups_total") == 2
     assert value(registry, "hicache_prompt_tokens_total") == 20
     assert value(registry, "hicache_hit_tokens_total", tier="host") == 8
-    assert value(registry, "hicache_hit_tokens_total", tier="l3") == 0
     assert value(registry, "hicache_pages_loaded_total", tier="host") == 2
     assert value(registry, "hicache_pages_stored_total", tier="host") == 2
     assert value(registry, "hicache_pages_evicted_total", tier="host") == 0
@@ -71,19 +78,36 @@ def test_table_is_consistent() -> None:
         assert name.startswith("hicache_") and not name.endswith("_total"), name
     # no two keys export the same series
     series = [(name, tuple(sorted(labels.items()))) for name, labels in METRICS.values()]
+    series += [(n, tuple(sorted({**ls, "tier": "x"}.items()))) for n, ls in TIER_METRICS.values()]
     assert len(series) == len(set(series))
+    for key, (name, labels) in TIER_METRICS.items():
+        assert name in FAMILIES, f"{key}: family {name} is not declared"
+        assert {"tier", *labels} == set(FAMILIES[name].labels), f"{key}: labels of {name}"
 
 
-def test_new_l3_keys_export_through_the_table() -> None:
-    stats = {"l3_put_bytes": 4096, "l3_get_bytes": 512, "l3_skipped": 3, "l3_available": 0}
+def test_each_store_tier_exports_under_its_own_name() -> None:
+    stats = {
+        "put_bytes_mooncake": 4096,
+        "get_bytes_disk": 512,
+        "skipped_down_mooncake": 3,
+        "available_disk": 0,
+        "hit_tokens_disk": 64,
+        "hit_tokens_host": 16,
+        "read_mbps_disk": 2500,
+    }
     registry = CollectorRegistry()
     registry.register(HiCacheCollector(stats=lambda: stats))
-    assert value(registry, "hicache_l3_bytes_total", op="put") == 4096
-    assert value(registry, "hicache_l3_bytes_total", op="get") == 512
-    assert value(registry, "hicache_fallbacks_total", reason="breaker_open") == 3
-    assert value(registry, "hicache_l3_available") == 0
-    stats["l3_put_bytes"] = 8192  # read at scrape time: no second set of books
-    assert value(registry, "hicache_l3_bytes_total", op="put") == 8192
+    assert value(registry, "hicache_tier_bytes_total", tier="mooncake", op="put") == 4096
+    assert value(registry, "hicache_tier_bytes_total", tier="disk", op="get") == 512
+    assert (
+        value(registry, "hicache_fallbacks_total", tier="mooncake", reason="tier_unavailable") == 3
+    )
+    assert value(registry, "hicache_tier_available", tier="disk") == 0
+    assert value(registry, "hicache_hit_tokens_total", tier="disk") == 64
+    assert value(registry, "hicache_hit_tokens_total", tier="host") == 16
+    assert value(registry, "hicache_tier_read_bytes_per_second", tier="disk") == 2.5e9
+    stats["put_bytes_mooncake"] = 8192  # read at scrape time: no second set of books
+    assert value(registry, "hicache_tier_bytes_total", tier="mooncake", op="put") == 8192
 
 
 def test_unknown_keys_are_listed_not_exported() -> None:
@@ -154,7 +178,7 @@ def test_the_cache_exports_latency_histograms_after_a_scenario():
     assert registry.get_sample_value("hicache_match_seconds_count") == 2
     assert registry.get_sample_value("hicache_match_seconds_bucket", {"le": "+Inf"}) == 2
     assert registry.get_sample_value("hicache_match_seconds_sum") > 0
-    assert registry.get_sample_value("hicache_l3_get_seconds_count") == 0
+    assert registry.get_sample_value("hicache_tier_get_seconds_count", {"tier": "memory"}) is None
     # a stored the prompt's pages in one copy; b loaded them in one and had nothing to store
     assert registry.get_sample_value("hicache_store_copy_seconds_count") == 1
     assert registry.get_sample_value("hicache_load_copy_seconds_count") == 1

@@ -2,19 +2,22 @@
 
 Every tier states what it can do as class attributes, read by the cache instead of checking names:
 
-- `shared`: other processes and instances see what this tier holds (Mooncake: yes; host: no);
-- `persistent`: its contents outlive this process;
-- `addressable`: its pages are memory that the copy kernel can address (GPU pool, pinned host);
-- `blocking`: its calls may wait on I/O, so hicache calls it only from its own worker threads,
-  never from the engine thread.
+- `shared`: other processes and instances see what this tier holds (Mooncake: yes; host: no).
+  The tier chain trusts its own books of a tier that is neither shared nor persistent: a group
+  it never put there is a miss without asking the tier.
+- `persistent`: its contents outlive this process. `HiCache.close` waits (bounded) for the
+  write-behind of a persistent tier to drain, so that a clean shutdown loses nothing.
 
 Two families share that header:
 
 - `PoolTier`: memory that hicache addresses by page id through a `PagedBuffer` — the engine's GPU
   pool (block ids) and the pinned host pools (slots). Copies between pool tiers go through
   `hicache.kernels.copy_pages` on the engine's stream.
-- `StoreTier`: a keyed object store below the host tier (Mooncake Store). Objects move between it
-  and host slots in batches: which keys exist, get into host memory, put from host memory.
+- `StoreTier`: a keyed object store below the host tier (Mooncake Store, a local disk, a tier from
+  another package). Objects move between it and host slots in batches: which keys exist, get into
+  host memory, put from host memory. The tier chain (`hicache.chain`) calls a store tier only
+  from its own worker threads, never from the engine thread, except for `available` (a read
+  that never blocks) and `start` (returns at once).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from hicache.backends.breaker import CircuitBreaker
 from hicache.kernels import PagedBuffer
 
 Piece = tuple[int, int]
@@ -42,7 +46,7 @@ class Buffers:
     ptrs: list[list[int]]
     sizes: list[list[int]]
     span: tuple[int, int] | None = None
-    """[low, high): addresses that hold every piece, when the builder knows them (hicache's L3
+    """[low, high): addresses that hold every piece, when the builder knows them (the tier chain
     does: its pieces are slots of one pool). A store then checks the span against its registered
     memory instead of every piece; a builder that gives one promises that it is right."""
 
@@ -68,15 +72,10 @@ class Tier(ABC):
     type: ClassVar[str]
     shared: ClassVar[bool]
     persistent: ClassVar[bool]
-    addressable: ClassVar[bool]
-    blocking: ClassVar[bool]
 
 
 class PoolTier(Tier):
     """Addressable memory made of pages (and, where the layout has them, state slots)."""
-
-    addressable = True
-    blocking = False
 
     @property
     @abstractmethod
@@ -87,18 +86,23 @@ class PoolTier(Tier):
 class StoreTier(Tier):
     """A keyed object store. Every call may block: call it from worker threads only.
 
-    Keys are strings built by `hicache.keys.l3_key`. Objects are written from and read into
+    Keys are strings built by `hicache.keys.store_key`. Objects are written from and read into
     host memory that the store has registered (`register`). A failed call raises
     `StoreUnavailable`; a per-key failure is a negative code in the returned list. The buffers
     of a call are the store's until the call returns (raised or not): the caller keeps them
     unchanged and pinned until then.
     """
 
-    addressable = False
-    blocking = True
     missing_code: int | None = None
     """The per-key code `get_into` gives for an object the store does not hold, if it has one:
     then a get may be asked without an exists first, and a miss is not counted as a failure."""
+    read_gbps: ClassVar[float] = 4.0
+    """Read throughput (GB/s) the cost model starts from until it has measured this tier's own
+    fetches (a tier's `read_gbps:` setting overrides it)."""
+    breaker: CircuitBreaker | None = None
+    """The store's own circuit breaker, if it keeps one (and counts its failures itself);
+    otherwise the tier chain keeps one for it, fed by the outcomes of its calls."""
+
     @abstractmethod
     def start(self) -> None:
         """Begin connecting in the background and return at once."""
@@ -107,7 +111,7 @@ class StoreTier(Tier):
     @abstractmethod
     def available(self) -> bool:
         """Whether calls are expected to be answered now (connected; not failing repeatedly).
-        Never blocks: the engine thread reads it to decide whether to start an L3 fetch. A
+        Never blocks: the engine thread reads it to decide whether to start a fetch. A
         store that is down re-probes itself in the background and becomes available again."""
 
     @abstractmethod

@@ -104,7 +104,7 @@ class HiCacheRun:
     host_pages: int
     prompt_tokens: int = 0
     hit_tokens: dict[str, int] = field(default_factory=dict)
-    """Tokens skipped, per tier they came from ("host", "l3")."""
+    """Tokens skipped, per tier they came from ("host", then each store tier by name)."""
     limited_tokens: int = 0
     wrong_bytes: int = 0
     timeouts: int = 0
@@ -125,15 +125,16 @@ def run_hicache(
 ) -> HiCacheRun:
     """Replay every request of `workload` through a fresh HiCache with `host_pages` slots."""
     engine = ReplayEngine(setup.config(host_pages), setup.layout, workload.max_blocks)
-    run = HiCacheRun(host_pages=host_pages, hit_tokens={"host": 0, "l3": 0})
+    run = HiCacheRun(host_pages=host_pages, hit_tokens={"host": 0})
     start = time.perf_counter()
     try:
         for i, req in enumerate(workload.requests):
             out = engine.run(prompt_tokens(req, setup.block_tokens))
             run.prompt_tokens += out.prompt_tokens
-            l3 = out.match.l3_tokens if out.hit_tokens else 0
-            run.hit_tokens["l3"] += l3
-            run.hit_tokens["host"] += out.hit_tokens - l3
+            tiers = out.match.tier_tokens if out.hit_tokens else ()
+            for name, tokens in tiers:
+                run.hit_tokens[name] = run.hit_tokens.get(name, 0) + tokens
+            run.hit_tokens["host"] += out.hit_tokens - sum(tokens for _, tokens in tiers)
             run.limited_tokens += out.match.limited_tokens
             if progress is not None:
                 progress(i)

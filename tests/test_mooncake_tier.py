@@ -1,4 +1,4 @@
-"""L3 through the cache, against a real mooncake_master on loopback.
+"""A Mooncake tier through the cache, against a real mooncake_master on loopback.
 
 Every engine here is a fresh `FakeEngine` with its own host tier, so a hit it gets on a prompt it
 never saw can only have come from the store; every loaded byte is checked.
@@ -25,7 +25,9 @@ P = 4
 HERE = Path(__file__).resolve().parent
 
 
-def l3_config(master, *, group_pages: int = 2, fetch_reserve: int | None = None, **policy) -> dict:
+def mooncake_config(
+    master, *, group_pages: int = 2, fetch_reserve: int | None = None, **policy
+) -> dict:
     """Two fetch workers, as on the hosts engines run on (the default gives 2-core machines,
     such as CI's, one)."""
     cfg = config(host_pages=64, **policy)
@@ -49,7 +51,7 @@ def wait_until(cond: Callable[[], bool], engine: FakeEngine | None = None, timeo
 
 def settled(engine: FakeEngine) -> None:
     """Wait until the write-behind queue has drained and its results are applied."""
-    wait_until(lambda: engine.cache.l3_idle, engine)
+    wait_until(lambda: engine.cache.tiers_idle, engine)
 
 
 @pytest.fixture
@@ -57,7 +59,7 @@ def engines(mooncake_master) -> Iterator[Callable[..., FakeEngine]]:
     made: list[FakeEngine] = []
 
     def make(cfg: dict | None = None, **kw) -> FakeEngine:
-        e = FakeEngine(cfg or l3_config(mooncake_master), **kw)
+        e = FakeEngine(cfg or mooncake_config(mooncake_master), **kw)
         made.append(e)
         return e
 
@@ -75,12 +77,12 @@ def remove_group(
 ) -> None:
     """Remove from the store the group of 2 pages that ends at `last_page` of `tokens` (with
     `group` None: the state there), as another client would."""
-    from hicache.keys import chain_seed, l3_key, page_keys
+    from hicache.keys import chain_seed, page_keys, store_key
 
     fp = writer.cache.fingerprint
     keys = page_keys(chain_seed(fp), tokens, P)
-    name = l3_key("hicache", fp, keys[last_page], group)
-    assert writer.cache._l3.store.remove([name], force=True) == [0]
+    name = store_key("hicache", fp, keys[last_page], group)
+    assert writer.cache._chain.links[0].store.remove([name], force=True) == [0]
 
 
 def test_a_fetch_that_fits_the_reserve_is_one_get_and_a_missing_group_ends_it(
@@ -91,26 +93,34 @@ def test_a_fetch_that_fits_the_reserve_is_one_get_and_a_missing_group_ends_it(
     writer.run("w", p)
     settled(writer)
     remove_group(writer, p, 5)  # group 2: pages 4, 5
-    reader = engines(l3_config(mooncake_master, fetch_reserve=16 * 64))  # 16 pages of 64 bytes
+    reader = engines(
+        mooncake_config(mooncake_master, fetch_reserve=16 * 64)
+    )  # 16 pages of 64 bytes
     reader.cache.poll()  # fills the reserve
-    assert reader.cache.stats()["l3_fetch_reserve"] == 8  # an eighth of the 64 host pages
+    assert reader.cache.stats()["fetch_reserve_mooncake"] == 8  # an eighth of the 64 host pages
     m = reader.cache.match("r", p[:34])  # 8 full pages: fits the reserve
     assert m.pending
-    wait_until(lambda: len(reader.cache._l3._results) == 1)  # the get answered; no poll yet
+    wait_until(
+        lambda: len(reader.cache._chain.links[0]._results) == 1
+    )  # the get answered; no poll yet
     m = reader.cache.match("r", p[:34])  # asking again takes the answer at once
-    assert (m.hit_tokens, m.l3_tokens) == (16, 16)  # groups 0, 1; group 2 is missing
+    assert (m.hit_tokens, m.fetched_tokens) == (16, 16)  # groups 0, 1; group 2 is missing
     s = reader.cache.stats()
-    assert s["l3_probes"] == 1 and s["l3_get_failed"] == 0 and s["l3_pages_fetched"] == 4
+    assert (
+        s["fetches_mooncake"] == 1
+        and s["get_failed_mooncake"] == 0
+        and s["pages_fetched_mooncake"] == 4
+    )
     h = reader.cache.histograms()
-    assert h["hicache_l3_exists_seconds"]["buckets"][-1][1] == 0  # no exists was asked
-    assert h["hicache_l3_get_seconds"]["buckets"][-1][1] == 1
+    assert h["hicache_tier_exists_seconds:mooncake"]["buckets"][-1][1] == 0  # no exists was asked
+    assert h["hicache_tier_get_seconds:mooncake"]["buckets"][-1][1] == 1
     blocks = reader.allocate(9)
     reader.cache.load(m, blocks)
     for i in range(4):
         assert np.array_equal(reader.page(blocks[i]), kv_bytes(p, (i + 1) * P, 64))
     reader.cache.release("r")
     reader.cache.poll()
-    assert reader.cache.stats()["l3_fetch_reserve"] == 8  # refilled
+    assert reader.cache.stats()["fetch_reserve_mooncake"] == 8  # refilled
     reader.cache.host.page_slots.check()
 
 
@@ -121,17 +131,17 @@ def test_the_poll_that_finishes_a_fetch_leaves_the_refill_to_the_next_one(moonca
     p = prompt(13, 17)  # 4 full pages: 2 groups
     writer.run("w", p)
     settled(writer)
-    reader = engines(l3_config(mooncake_master, fetch_reserve=16 * 64))
+    reader = engines(mooncake_config(mooncake_master, fetch_reserve=16 * 64))
     reader.cache.poll()
-    assert reader.cache.stats()["l3_fetch_reserve"] == 8
+    assert reader.cache.stats()["fetch_reserve_mooncake"] == 8
     assert reader.cache.match("r", p).pending  # 4 of the 8 reserved slots lent to the get
-    wait_until(lambda: len(reader.cache._l3._results) == 1)
+    wait_until(lambda: len(reader.cache._chain.links[0]._results) == 1)
     reader.cache.poll()  # applies the get: 4 left of 8, not refilled yet
-    assert reader.cache.stats()["l3_fetch_reserve"] == 4
+    assert reader.cache.stats()["fetch_reserve_mooncake"] == 4
     m = reader.cache.match("r", p)
-    assert (m.pending, m.hit_tokens, m.l3_tokens) == (False, 16, 16)
+    assert (m.pending, m.hit_tokens, m.fetched_tokens) == (False, 16, 16)
     reader.cache.poll()
-    assert reader.cache.stats()["l3_fetch_reserve"] == 8
+    assert reader.cache.stats()["fetch_reserve_mooncake"] == 8
     reader.cache.release("r")
 
 
@@ -140,26 +150,31 @@ def test_a_fetch_of_objects_the_store_does_not_hold_gives_its_slots_back_to_the_
 ):
     """A get from the reserve that reads nothing returns the same slots to the reserve: no
     refill, no eviction, and nothing left pinned but the reserve."""
-    reader = engines(l3_config(mooncake_master, fetch_reserve=16 * 64))
+    reader = engines(mooncake_config(mooncake_master, fetch_reserve=16 * 64))
     reader.cache.poll()  # fills the reserve
-    before = sorted(reader.cache._l3._reserve.slots)
+    before = sorted(reader.cache._chain.links[0]._reserve.slots)
     assert len(before) == 8
     m = reader.cache.match("r", prompt(21, 34))  # 8 full pages that L3 has never seen
-    assert m.pending and reader.cache.stats()["l3_fetch_reserve"] == 0  # all 8 lent to the get
-    wait_until(lambda: len(reader.cache._l3._results) == 1)
+    assert (
+        m.pending and reader.cache.stats()["fetch_reserve_mooncake"] == 0
+    )  # all 8 lent to the get
+    wait_until(lambda: len(reader.cache._chain.links[0]._results) == 1)
     pool, reserved = reader.cache.host.page_slots, []
     pool.reserve = lambda n: reserved.append(n) or type(pool).reserve(pool, n)
     reader.cache.poll()  # applies the get: every group missing
     reader.cache.poll()
     del pool.reserve
     assert reserved == []  # the reserve was never refilled: its own slots came back
-    assert sorted(reader.cache._l3._reserve.slots) == before
+    assert sorted(reader.cache._chain.links[0]._reserve.slots) == before
     m = reader.cache.match("r", prompt(21, 34))
-    assert (m.pending, m.hit_tokens, m.l3_tokens) == (False, 0, 0)
+    assert (m.pending, m.hit_tokens, m.fetched_tokens) == (False, 0, 0)
     reader.cache.release("r")
     s = reader.cache.stats()
-    assert (s["l3_get_failed"], s["l3_pages_fetched"]) == (0, 0)  # a miss, not a failure
-    assert s["host_pinned"] == s["l3_fetch_reserve"] == 8
+    assert (s["get_failed_mooncake"], s["pages_fetched_mooncake"]) == (
+        0,
+        0,
+    )  # a miss, not a failure
+    assert s["host_pinned"] == s["fetch_reserve_mooncake"] == 8
     reader.cache.host.page_slots.check()
 
 
@@ -170,8 +185,8 @@ def test_the_engine_thread_hashes_a_fetch_only_up_to_its_bound(
 ):
     """The engine thread hashes the first ENGINE_PREP_PAGES pages of a fetch, the worker the
     rest (with the GIL dropped), and the hit is the same either way, every byte checked."""
-    import hicache.l3 as l3
-    import hicache.l3_worker as l3_worker
+    import hicache.store_link as l3
+    import hicache.store_worker as l3_worker
 
     monkeypatch.setattr(l3, "ENGINE_PREP_PAGES", prep)
     writer = engines()
@@ -191,9 +206,9 @@ def test_the_engine_thread_hashes_a_fetch_only_up_to_its_bound(
     reader.cache.poll()  # fills the fetch reserve
     m = reader.run("r", p)
     pages = (tokens - 1) // P
-    assert (m.hit_tokens, m.l3_tokens) == (pages * P, pages * P)
+    assert (m.hit_tokens, m.fetched_tokens) == (pages * P, pages * P)
     assert by_worker == ([pages - prep] if prep < pages else [])
-    probes = reader.cache.histograms()["hicache_l3_exists_seconds"]["buckets"][-1][1]
+    probes = reader.cache.histograms()["hicache_tier_exists_seconds:mooncake"]["buckets"][-1][1]
     assert probes == (1 if pages > 8 else 0)  # the reserve holds 8 pages (an eighth)
 
 
@@ -204,20 +219,20 @@ def test_a_fresh_process_hits_from_l3_with_exact_bytes_and_puts_nothing_again(
     p = prompt(1)
     writer.run("w", p)
     settled(writer)
-    assert writer.cache.stats()["l3_objects_put"] == 5  # 10 full pages in groups of 2
+    assert writer.cache.stats()["objects_put_mooncake"] == 5  # 10 full pages in groups of 2
 
     script = f"""
 import json, sys
 sys.path.insert(0, {str(HERE)!r})
 import numpy as np
-from test_l3 import l3_config, settled, wait_until
+from test_mooncake_tier import mooncake_config, settled, wait_until
 from fake_engine import FakeEngine
 class M: tier_config = json.loads(sys.argv[1])
-e = FakeEngine(l3_config(M))
+e = FakeEngine(mooncake_config(M))
 p = np.array(json.loads(sys.argv[2]), dtype=np.int32)
 m = e.run("r", p)          # checks every loaded byte against a recompute
 settled(e)
-print(json.dumps({{"hit": m.hit_tokens, "l3": m.l3_tokens, **e.cache.stats()}}))
+print(json.dumps({{"hit": m.hit_tokens, "l3": m.fetched_tokens, **e.cache.stats()}}))
 e.cache.close()
 """
     done = subprocess.run(
@@ -237,8 +252,8 @@ e.cache.close()
     got = json.loads(done.stdout.strip().splitlines()[-1])
     # 42 tokens: 10 pages, capped at 41 tokens -> 10 pages usable, all from L3
     assert (got["hit"], got["l3"], got["hit_tokens_host"]) == (40, 40, 0)
-    assert got["l3_pages_fetched"] == 10
-    assert got["l3_objects_put"] == 0 and got["l3_put_failed"] == 0
+    assert got["pages_fetched_mooncake"] == 10
+    assert got["objects_put_mooncake"] == 0 and got["put_failed_mooncake"] == 0
 
 
 def test_a_store_after_a_prefix_hit_puts_only_its_new_groups_with_their_own_bytes(
@@ -252,10 +267,10 @@ def test_a_store_after_a_prefix_hit_puts_only_its_new_groups_with_their_own_byte
     settled(writer)
     assert writer.run("b", p).hit_tokens == 16
     settled(writer)
-    assert writer.cache.stats()["l3_objects_put"] == 5  # 2, then 3
+    assert writer.cache.stats()["objects_put_mooncake"] == 5  # 2, then 3
     reader = engines()
     m = reader.run("r", p)  # checks every loaded byte against a recompute
-    assert (m.hit_tokens, m.l3_tokens) == (40, 40)
+    assert (m.hit_tokens, m.fetched_tokens) == (40, 40)
 
 
 def test_an_engine_that_sleeps_is_woken_when_its_fetch_has_landed(mooncake_master, engines):
@@ -275,7 +290,7 @@ def test_an_engine_that_sleeps_is_woken_when_its_fetch_has_landed(mooncake_maste
         wakes += 1
         m = reader.cache.match("r", p)  # applies the posted result itself, no poll needed
     assert wakes == 2  # 10 pages do not fit the 8-page reserve: an exists, then the get
-    assert (m.hit_tokens, m.l3_tokens) == (40, 40)
+    assert (m.hit_tokens, m.fetched_tokens) == (40, 40)
     reader.cache.release("r")
 
 
@@ -288,13 +303,13 @@ def test_other_fingerprints_and_salts_never_share(mooncake_master, engines):
     assert other_tenant.run("r", p, salt="tenant-b").hit_tokens == 0
     no_tenant = engines()
     assert no_tenant.run("r", p).hit_tokens == 0
-    cfg = l3_config(mooncake_master)
+    cfg = mooncake_config(mooncake_master)
     cfg["layout"]["kv_dtype"] = "float8_e4m3fn"
     other_dtype = engines(cfg)
     assert other_dtype.run("r", p, salt="tenant-a").hit_tokens == 0
     same = engines()
     m = same.run("r", p, salt="tenant-a")
-    assert (m.hit_tokens, m.l3_tokens) == (40, 40)
+    assert (m.hit_tokens, m.fetched_tokens) == (40, 40)
 
 
 def test_an_object_removed_between_exists_and_get_is_never_a_hit(mooncake_master, engines):
@@ -302,17 +317,17 @@ def test_an_object_removed_between_exists_and_get_is_never_a_hit(mooncake_master
     p = prompt(3)
     writer.run("w", p)
     settled(writer)
-    reader = engines(l3_config(mooncake_master, fetch_reserve=0))  # exists, then get
-    cache, l3 = reader.cache, reader.cache._l3
+    reader = engines(mooncake_config(mooncake_master, fetch_reserve=0))  # exists, then get
+    cache, l3 = reader.cache, reader.cache._chain.links[0]
     m = cache.match("r", p)
     assert m.pending
     wait_until(lambda: len(l3._results) == 1)  # the probe answered; the get is not asked yet
     remove_group(writer, p, 5)  # another client removes group 2 (pages 4, 5) before the get
     m = reader.match("r", p)
     # groups 0 and 1 arrived; group 2 failed, and groups after it are not used
-    assert (m.hit_tokens, m.l3_tokens) == (16, 16)
+    assert (m.hit_tokens, m.fetched_tokens) == (16, 16)
     s = cache.stats()
-    assert s["l3_get_failed"] == 3 and s["l3_pages_fetched"] == 4
+    assert s["get_failed_mooncake"] == 3 and s["pages_fetched_mooncake"] == 4
     blocks = reader.allocate(11)
     cache.load(m, blocks)
     for i in range(4):
@@ -326,10 +341,12 @@ def test_a_hit_is_not_taken_from_l3_when_recomputing_is_cheaper(mooncake_master,
     writer.run("w", p)
     settled(writer)
     # 64-byte pages of 4 tokens: at 1e-9 GB/s a page takes 64 s, recomputing it 4e-4 s
-    slow = engines(l3_config(mooncake_master, l3_read_gbps=1e-9))
+    cfg = mooncake_config(mooncake_master)
+    cfg["tiers"][-1]["read_gbps"] = 1e-9
+    slow = engines(cfg)
     m = slow.run("r", p)
     assert m.hit_tokens == 0
-    assert slow.cache.stats()["l3_skipped_slow"] == 1
+    assert slow.cache.stats()["skipped_slow_mooncake"] == 1
 
 
 def test_a_full_store_and_an_oversized_put_never_reach_the_engine(mooncake_master, engines):
@@ -340,7 +357,7 @@ def test_a_full_store_and_an_oversized_put_never_reach_the_engine(mooncake_maste
     e.run("big", np.arange(9, dtype=np.int32))
     settled(e)
     s = e.cache.stats()
-    assert (s["l3_objects_put"], s["l3_put_failed"]) == (0, 2)
+    assert (s["objects_put_mooncake"], s["put_failed_mooncake"]) == (0, 2)
     # many 1 MiB objects: twice what the segment holds; eviction or refusals, no exception
     small = config(page_tokens=4, page_bytes=1 << 20, host_pages=80)
     small["tiers"].append({"type": "mooncake", **mooncake_master.tier_config, "group_pages": 1})
@@ -349,8 +366,8 @@ def test_a_full_store_and_an_oversized_put_never_reach_the_engine(mooncake_maste
         e.run(f"fill{i}", prompt(100 + i, 4 * 64 + 1))
         settled(e)
     s = e.cache.stats()
-    assert s["l3_objects_put"] + s["l3_put_failed"] == 4 * 64
-    assert s["l3_objects_put"] >= 64 and s["l3_errors"] == 0
+    assert s["objects_put_mooncake"] + s["put_failed_mooncake"] == 4 * 64
+    assert s["objects_put_mooncake"] >= 64 and s["call_errors_mooncake"] == 0
 
 
 def test_a_killed_master_never_stalls_the_engine_and_l3_comes_back(start_mooncake_master):
@@ -359,7 +376,7 @@ def test_a_killed_master_never_stalls_the_engine_and_l3_comes_back(start_mooncak
     from gil_watch import GilWatch
 
     master = start_mooncake_master()
-    cfg = l3_config(master)
+    cfg = mooncake_config(master)
     made = [FakeEngine(cfg)]
     watch = GilWatch()
     try:
@@ -386,8 +403,8 @@ def test_a_killed_master_never_stalls_the_engine_and_l3_comes_back(start_mooncak
         s = e.cache.stats()
         # how many calls fail, time out or are refused depends on when the dead master's calls
         # return, which the scenario does not fix; that some do, and nothing reaches the engine
-        assert s["l3_errors"] + s["l3_skipped"] + s["l3_timeouts"] > 0
-        assert s["l3_puts_skipped"] > 0  # once the breaker opened, nothing is offered to it
+        assert s["call_errors_mooncake"] + s["skipped_down_mooncake"] + s["timeouts_mooncake"] > 0
+        assert s["puts_skipped_mooncake"] > 0  # once the breaker opened, nothing is offered to it
         assert released == []
         watch.close()  # restores the switch interval for the rest
         for name, fn in real.items():
@@ -398,10 +415,10 @@ def test_a_killed_master_never_stalls_the_engine_and_l3_comes_back(start_mooncak
         # put finds no space. Store new prompts until one is put whole (it must come back).
         for attempt in range(40):
             p = prompt(100 + attempt)
-            before = e.cache.stats()["l3_objects_put"]
+            before = e.cache.stats()["objects_put_mooncake"]
             e.run(f"after{attempt}", p)
             settled(e)
-            if e.cache.stats()["l3_objects_put"] - before == 5:
+            if e.cache.stats()["objects_put_mooncake"] - before == 5:
                 break
             time.sleep(0.25)
         else:
@@ -409,7 +426,7 @@ def test_a_killed_master_never_stalls_the_engine_and_l3_comes_back(start_mooncak
         fresh = FakeEngine(cfg)
         made.append(fresh)
         m = fresh.run("again", p)
-        assert (m.hit_tokens, m.l3_tokens) == (40, 40)
+        assert (m.hit_tokens, m.fetched_tokens) == (40, 40)
     finally:
         watch.close()
         for engine in made:
@@ -424,7 +441,7 @@ def test_no_engine_thread_call_lets_go_of_the_gil(mooncake_master, engines):
     tokens as lists of ints, as engines often do."""
     from gil_watch import GilWatch
 
-    cfg = l3_config(mooncake_master)
+    cfg = mooncake_config(mooncake_master)
     cfg["tiers"][0]["size"] = 2048 * 64  # 2,048 pages of 64 bytes
     writer, reader = engines(cfg, num_blocks=1024), engines(cfg, num_blocks=1024)
     prompts = [prompt(40 + i, 2048) for i in range(3)]
@@ -451,7 +468,7 @@ def test_no_engine_thread_call_lets_go_of_the_gil(mooncake_master, engines):
                 time.sleep(0.002)
                 call("poll", cache.poll)
                 m = call("match", cache.match, f"r{i}", given)
-            assert m.l3_tokens == 2044  # 511 pages from L3; the last token is recomputed
+            assert m.fetched_tokens == 2044  # 511 pages from L3; the last token is recomputed
             blocks = reader.allocate(-(-len(p) // P) + 1)
             call("load", cache.load, m, blocks)
             call("poll", cache.poll)
@@ -471,7 +488,7 @@ def test_fetches_behind_a_stalled_store_are_bounded(start_mooncake_master):
     requests do not pile fetch jobs up behind it: beyond fetch_queue_depth they take their
     host hit at once, counted, and fetching resumes once the calls return."""
     master = start_mooncake_master()
-    cfg = l3_config(master, l3_pending="host_only")
+    cfg = mooncake_config(master, fetch_pending="host_only")
     cfg["tiers"][1].update(fetch_queue_depth=2, call_timeout_s=2.0)
     e = FakeEngine(cfg)
     try:
@@ -483,13 +500,13 @@ def test_fetches_behind_a_stalled_store_are_bounded(start_mooncake_master):
                 m = e.cache.match(f"r{i}", prompt(70 + i))
                 assert not m.pending and m.hit_tokens == 0
                 e.cache.release(f"r{i}")
-            assert e.cache.stats()["l3_skipped_busy"] == 4
-            assert e.cache.stats()["l3_jobs_in_flight"] == 2
+            assert e.cache.stats()["skipped_busy_mooncake"] == 4
+            assert e.cache.stats()["jobs_in_flight_mooncake"] == 2
         finally:
             master.resume()
         settled(e)  # the held calls return (answered or timed out) and free their places
         m = e.cache.match("again", prompt(80))
-        assert e.cache.stats()["l3_skipped_busy"] == 4  # this one was offered to the store
+        assert e.cache.stats()["skipped_busy_mooncake"] == 4  # this one was offered to the store
         e.cache.release("again")
     finally:
         e.cache.close()
@@ -514,11 +531,11 @@ def test_each_fetch_worker_has_one_call_out(start_mooncake_master, workers, monk
     that many calls are out at once and the others queue. Once it answers, every request gets
     its pages, the jobs spread over the workers."""
     master = start_mooncake_master()
-    writer = FakeEngine(l3_config(master))
-    reader_cfg = l3_config(master)
+    writer = FakeEngine(mooncake_config(master))
+    reader_cfg = mooncake_config(master)
     reader_cfg["tiers"][1]["fetch_workers"] = workers
     reader = FakeEngine(reader_cfg)
-    store = reader.cache._l3.store
+    store = reader.cache._chain.links[0].store
     ran_on = _threads_of_gets(store, monkeypatch)
     try:
         prompts = [prompt(120 + i, 17) for i in range(3)]  # 4 full pages each: 2 groups
@@ -534,16 +551,16 @@ def test_each_fetch_worker_has_one_call_out(start_mooncake_master, workers, monk
             # each of the reader's fetch threads is inside a call: none is free to start another
             assert sorted(ran_on) == [f"hicache-l3-fetch-{i}" for i in range(workers)]
             assert store.stats().calls - calls == workers
-            assert reader.cache.stats()["l3_jobs_in_flight"] == 3
+            assert reader.cache.stats()["jobs_in_flight_mooncake"] == 3
         finally:
             master.resume()
-        wait_until(lambda: reader.cache.l3_idle, reader)
+        wait_until(lambda: reader.cache.tiers_idle, reader)
         for i, p in enumerate(prompts):
             m = reader.cache.match(f"r{i}", p)
-            assert (m.pending, m.hit_tokens, m.l3_tokens) == (False, 16, 16)
+            assert (m.pending, m.hit_tokens, m.fetched_tokens) == (False, 16, 16)
         # the reserve (8 slots) held the first two: a get each; the third asked exists first
         assert store.stats().calls - calls == 4
-        assert sorted(set(ran_on)) == [f"hicache-l3-fetch-{i}" for i in range(workers)]
+        assert sorted(set(ran_on)) == [f"hicache-mooncake-fetch-{i}" for i in range(workers)]
     finally:
         writer.cache.close()
         reader.cache.close()
@@ -554,17 +571,17 @@ def test_fetches_one_at_a_time_all_run_on_the_first_worker(mooncake_master, engi
     overlap all run on the first thread."""
     writer = engines()
     reader = engines()
-    store = reader.cache._l3.store
+    store = reader.cache._chain.links[0].store
     ran_on = _threads_of_gets(store, monkeypatch)
     for i in range(4):
         p = prompt(140 + i, 17)
         writer.run(f"w{i}", p)
         settled(writer)
         assert reader.cache.match(f"r{i}", p).pending
-        wait_until(lambda: reader.cache.l3_idle, reader)
-        assert reader.cache.match(f"r{i}", p).l3_tokens == 16
+        wait_until(lambda: reader.cache.tiers_idle, reader)
+        assert reader.cache.match(f"r{i}", p).fetched_tokens == 16
         reader.cache.release(f"r{i}")
-    assert ran_on == ["hicache-l3-fetch-0"] * 4
+    assert ran_on == ["hicache-mooncake-fetch-0"] * 4
 
 
 def test_asking_again_while_the_fetch_runs_returns_the_same_answer(start_mooncake_master):
@@ -572,7 +589,7 @@ def test_asking_again_while_the_fetch_runs_returns_the_same_answer(start_mooncak
     out, it gets the same pending answer back (its host hit still pinned, nothing walked again);
     once the result is in, the next ask takes it."""
     master = start_mooncake_master()
-    writer, reader = FakeEngine(l3_config(master)), FakeEngine(l3_config(master))
+    writer, reader = FakeEngine(mooncake_config(master)), FakeEngine(mooncake_config(master))
     try:
         p = prompt(90)
         writer.run("w", p)
@@ -591,7 +608,7 @@ def test_asking_again_while_the_fetch_runs_returns_the_same_answer(start_mooncak
         finally:
             master.resume()
         m = reader.match("r", p)
-        assert (m.pending, m.hit_tokens, m.l3_tokens) == (False, 40, 32)
+        assert (m.pending, m.hit_tokens, m.fetched_tokens) == (False, 40, 32)
     finally:
         writer.cache.close()
         reader.cache.close()
@@ -618,7 +635,7 @@ def test_a_finished_fetch_grows_the_pending_answer_as_a_walk_would(
     """Asked again once its fetch is in, a request gets its pending host hit followed by the
     fetched pages, their pins moved from the fetch to the request, without walking the host
     tier again; a later request that walks it finds the same hit. Every byte is checked."""
-    cfg = l3_config(mooncake_master, group_pages=4)
+    cfg = mooncake_config(mooncake_master, group_pages=4)
     writer = engines(cfg)
     p = prompt(7, 49)  # 12 full pages, 3 groups; the cap keeps the last token: 12 pages
     writer.run("w", p)
@@ -629,13 +646,13 @@ def test_a_finished_fetch_grows_the_pending_answer_as_a_walk_would(
     answers = _spy_fetched(monkeypatch)
     m = reader.run("r", p)
     assert answers[-1] is m  # the finished fetch answered
-    assert (m.hit_tokens, m.first_page, m.load_pages, m.l3_tokens) == (48, 0, 12, 40)
+    assert (m.hit_tokens, m.first_page, m.load_pages, m.fetched_tokens) == (48, 0, 12, 40)
     walked = reader.cache.match("again", p)  # the host tier alone now
-    assert (walked.hit_tokens, walked.load_pages, walked.l3_tokens) == (48, 12, 0)
+    assert (walked.hit_tokens, walked.load_pages, walked.fetched_tokens) == (48, 12, 0)
     reader.cache.release("again")
     settled(reader)
     stats = reader.cache.stats()
-    assert stats["host_pinned"] == stats["l3_fetch_reserve"]  # every other pin was released
+    assert stats["host_pinned"] == stats["fetch_reserve_mooncake"]  # every other pin was released
     reader.cache.host.page_slots.check()
 
 
@@ -646,7 +663,7 @@ def test_a_fetched_page_stored_meanwhile_leaves_the_answer_to_the_walk(
     fetch's to hand over: the request is answered by the walk, which finds them in their own
     slots. Every byte is checked."""
     master = start_mooncake_master()
-    cfg = l3_config(master, group_pages=4)
+    cfg = mooncake_config(master, group_pages=4)
     writer, reader = FakeEngine(cfg), FakeEngine(cfg)
     try:
         p = prompt(8, 49)
@@ -670,7 +687,7 @@ def test_a_fetched_page_stored_meanwhile_leaves_the_answer_to_the_walk(
         assert (m.hit_tokens, m.load_pages) == (48, 12)
         settled(reader)
         stats = reader.cache.stats()
-        assert stats["host_pinned"] == stats["l3_fetch_reserve"]
+        assert stats["host_pinned"] == stats["fetch_reserve_mooncake"]
         reader.cache.host.page_slots.check()
     finally:
         writer.cache.close()
@@ -682,12 +699,12 @@ def test_a_host_tier_short_of_free_slots_fetches_the_whole_groups_that_fit(
 ):
     """When pinned pages leave fewer free host slots than L3 holds pages, the fetch reads the
     whole groups that fit, and its other slots go back. Every byte is checked."""
-    cfg = l3_config(mooncake_master, group_pages=4)
+    cfg = mooncake_config(mooncake_master, group_pages=4)
     writer = engines(cfg)
     b = prompt(9, 49)  # 12 pages: 3 groups in L3
     writer.run("w", b)
     settled(writer)
-    small = l3_config(mooncake_master, group_pages=4)
+    small = mooncake_config(mooncake_master, group_pages=4)
     small["tiers"][0]["size"] = 20 * 64  # 20 host slots: a fetch reserve of 2
     reader = engines(small)
     a = prompt(10, 53)
@@ -696,8 +713,8 @@ def test_a_host_tier_short_of_free_slots_fetches_the_whole_groups_that_fit(
     held = reader.cache.match("held", a)  # pins 13 pages: 5 slots are left
     assert held.load_pages == 13 and not held.pending
     m = reader.run("r", b)  # 5 free slots: one group of 4
-    assert (m.hit_tokens, m.l3_tokens) == (16, 16)
-    assert reader.cache.stats()["l3_errors"] == 0
+    assert (m.hit_tokens, m.fetched_tokens) == (16, 16)
+    assert reader.cache.stats()["call_errors_mooncake"] == 0
     reader.cache.release("held")
     settled(reader)
     reader.cache.host.page_slots.check()
@@ -705,7 +722,7 @@ def test_a_host_tier_short_of_free_slots_fetches_the_whole_groups_that_fit(
 
 def _pieces(engine: FakeEngine, method: str) -> list[list[int]]:
     """Spy on the engine's store: the piece sizes of each object of every `method` call."""
-    store = engine.cache._l3.store
+    store = engine.cache._chain.links[0].store
     seen: list[list[int]] = []
     real = getattr(store, method)
 
@@ -722,7 +739,7 @@ def test_a_group_in_consecutive_slots_travels_as_one_piece(mooncake_master, engi
     slots, in order, is put and got as one piece, any other group as a piece per page. A store
     into blocks that run down takes slots that run down too (its GPU copy is then one row), so
     its groups go as pieces; a fetch takes its slots in order. Every byte is checked."""
-    cfg = l3_config(mooncake_master, group_pages=4)
+    cfg = mooncake_config(mooncake_master, group_pages=4)
     writer = engines(cfg)
     puts = _pieces(writer, "put_from")
     p, q = prompt(11, 33), prompt(12, 33)  # 8 pages each: 2 groups of 4 pages of 64 bytes
@@ -736,7 +753,7 @@ def test_a_group_in_consecutive_slots_travels_as_one_piece(mooncake_master, engi
     gets = _pieces(reader, "get_into")
     for rid, tokens in (("p", p), ("q", q)):
         m = reader.run(rid, tokens)
-        assert (m.hit_tokens, m.l3_tokens) == (32, 32)
+        assert (m.hit_tokens, m.fetched_tokens) == (32, 32)
     assert gets == [[256]] * 4
 
 
@@ -745,7 +762,7 @@ def test_l3_threads_and_the_store_clients_run_on_the_worker_cpus(mooncake_master
     client's threads, and the threads Mooncake's client starts on the connect thread."""
     cpu = min(os.sched_getaffinity(0))
     before = set(os.listdir("/proc/self/task"))
-    cfg = l3_config(mooncake_master)
+    cfg = mooncake_config(mooncake_master)
     cfg["tiers"][1]["worker_cpus"] = [cpu]
     del cfg["tiers"][1]["fetch_workers"]  # the default for one CPU
     e = FakeEngine(cfg)  # waits until the host tier and the store are ready
@@ -756,8 +773,12 @@ def test_l3_threads_and_the_store_clients_run_on_the_worker_cpus(mooncake_master
         new = set(os.listdir("/proc/self/task")) - before - host  # (the host tier's, if alive)
         named = {t.name for t in threading.enumerate() if t.native_id in {int(n) for n in new}}
         # one CPU: one fetch worker by default (transfers at once would compete for it)
-        assert e.cache._l3.settings.fetch_workers == 1
-        assert {"hicache-l3-fetch-0", "hicache-l3-put", "hicache-l3-connect"} <= named
+        assert e.cache._chain.links[0].settings.fetch_workers == 1
+        assert {
+            "hicache-mooncake-fetch-0",
+            "hicache-mooncake-put",
+            "hicache-mooncake-connect",
+        } <= named
         assert len(new) > len(named)  # Mooncake's own threads too
         assert {n: os.sched_getaffinity(int(n)) for n in new} == {n: {cpu} for n in new}
     finally:
@@ -765,7 +786,7 @@ def test_l3_threads_and_the_store_clients_run_on_the_worker_cpus(mooncake_master
 
 
 def test_worker_cpus_the_process_may_not_use_are_refused_by_name(mooncake_master):
-    cfg = l3_config(mooncake_master)
+    cfg = mooncake_config(mooncake_master)
     cfg["tiers"][1]["worker_cpus"] = [4096]
     with pytest.raises(ValueError, match=r"tiers\.1\.worker_cpus: CPU 4096 is not one this pro"):
         FakeEngine(cfg)
@@ -774,7 +795,7 @@ def test_worker_cpus_the_process_may_not_use_are_refused_by_name(mooncake_master
 def test_a_state_layout_hits_from_l3_with_its_state_in_a_fresh_cache(mooncake_master):
     """Hybrid models: the page groups and the state at the last group end go to L3, and a cache
     that never saw the prompt fetches both and loads them exactly (the state's bytes too)."""
-    cfg = l3_config(mooncake_master)
+    cfg = mooncake_config(mooncake_master)
     cfg["layout"]["state_bytes"] = 32
     cfg["tiers"][0]["state_slots"] = 16
     made = [FakeEngine(cfg, states=FakeStates(4, 32, history_tokens=12)) for _ in range(2)]
@@ -784,10 +805,10 @@ def test_a_state_layout_hits_from_l3_with_its_state_in_a_fresh_cache(mooncake_ma
         assert writer.run("w", p).hit_tokens == 0
         settled(writer)
         assert writer.cache.stats()["states_stored"] == 2  # at pages 10 and 9
-        assert writer.cache.stats()["l3_objects_put"] == 6  # 5 groups, and the state at 10
+        assert writer.cache.stats()["objects_put_mooncake"] == 6  # 5 groups, and the state at 10
         m = reader.run("r", p)  # checks every loaded page and the state
-        assert (m.hit_tokens, m.l3_tokens, m.needs_state) == (40, 40, True)
-        assert reader.cache.stats()["l3_pages_fetched"] == 10
+        assert (m.hit_tokens, m.fetched_tokens, m.needs_state) == (40, 40, True)
+        assert reader.cache.stats()["pages_fetched_mooncake"] == 10
     finally:
         for e in made:
             e.cache.close()
@@ -796,7 +817,7 @@ def test_a_state_layout_hits_from_l3_with_its_state_in_a_fresh_cache(mooncake_ma
 def test_without_its_state_an_l3_prefix_of_a_state_layout_is_not_loaded(mooncake_master):
     """A hybrid model cannot resume from pages alone: with the state at the last group end gone
     from the store, a fresh cache fetches nothing and the prompt is recomputed."""
-    cfg = l3_config(mooncake_master)
+    cfg = mooncake_config(mooncake_master)
     cfg["layout"]["state_bytes"] = 32
     cfg["tiers"][0]["state_slots"] = 16
     made = [FakeEngine(cfg, states=FakeStates(4, 32, history_tokens=12)) for _ in range(2)]
@@ -807,8 +828,8 @@ def test_without_its_state_an_l3_prefix_of_a_state_layout_is_not_loaded(mooncake
         settled(writer)
         remove_group(writer, p, 9, group=None)  # the state at page 10, the only one in L3
         m = reader.run("r", p)
-        assert (m.hit_tokens, m.l3_tokens, m.needs_state) == (0, 0, False)
-        assert reader.cache.stats()["l3_pages_fetched"] == 0
+        assert (m.hit_tokens, m.fetched_tokens, m.needs_state) == (0, 0, False)
+        assert reader.cache.stats()["pages_fetched_mooncake"] == 0
     finally:
         for e in made:
             e.cache.close()

@@ -1,4 +1,5 @@
-"""The engine side of L3: look-ahead fetches and write-behind puts, run on worker threads.
+"""One store tier below the host, seen from the engine: look-ahead fetches and writes, run on
+worker threads. `hicache.chain.TierChain` holds one `StoreLink` per store tier and walks them.
 
 The engine thread never calls the store. It hands jobs to worker threads — one for puts,
 `fetch_workers` for fetches, each fetch to the least busy of them — and applies their results in
@@ -15,25 +16,27 @@ The engine thread never calls the store. It hands jobs to worker threads — one
   succeeded, under the keys of the job: a failed transfer is never a hit. The slots stay pinned
   by the fetch until the worker has returned, even if the request went away meanwhile, so no
   transfer writes into a reused slot.
-- a *put* (write-behind), queued by `store` with the completion of its host copy: the worker
-  waits for that copy, then sends the full page groups (and group-aligned states) that L3 is not
-  known to hold straight from the pinned host slots, which stay pinned until the put returns.
-  The queue is bounded: when it is full, work is dropped and counted, never queued without bound
-  and never waited for.
+- a *put*: with `write: behind`, queued by `store` with the completion of its host copy: the
+  worker waits for that copy, then sends the full page groups (and group-aligned states) that
+  the tier is not known to hold straight from the pinned host slots, which stay pinned until the
+  put returns. With `write: on_evict`, `store` only notes the new groups; once the host tier runs
+  short of free slots, `poll` puts the oldest of them (pinned until the put returns, so not
+  evicted before). The queue is bounded: when it is full, work is dropped and counted, never
+  queued without bound and never waited for.
 
 Both queues are bounded by a count of jobs queued or running (`queue_depth` puts,
 `fetch_depth` fetches); beyond it a put is dropped and a fetch not started, both counted. On
 the engine thread a job is bookkeeping only (keys, slots, pins), besides a fetch's first
 `ENGINE_PREP_PAGES` pages hashed; what a worker does with it (hash the rest, name the objects,
-find their bytes, make the call) is `hicache.l3_worker.Worker`'s. Nothing
+find their bytes, make the call) is `hicache.store_worker.Worker`'s. Nothing
 here releases the GIL on the engine thread (see the README's engine contract): a worker that
 wants it waits for the engine's next release, never cuts into a call.
 
-While the store is not `available` (not connected yet, or its breaker opened after repeated
-failures) no fetch starts and no put is offered: requests take their host hit at once. The store
-re-probes itself in the background, so L3 comes back by itself after a master restart. A job's
-slots stay pinned until its call has returned, however long Mooncake takes; a call that hangs
-opens the store's breaker meanwhile (its watchdog), so no new work is offered.
+While the store is not `available` (not connected yet) or its breaker is open (repeated failed
+calls: the store's own breaker where it keeps one, else the link's) no fetch starts and no put is
+offered: the chain asks the next tier, or the request takes its host hit at once. An open
+breaker lets one call through after `breaker_reprobe_s`, so the tier comes back by itself. A
+job's slots stay pinned until its call has returned, however long the store takes.
 """
 
 from __future__ import annotations
@@ -48,13 +51,15 @@ from dataclasses import dataclass, field
 
 from hicache import threads
 from hicache.backends.base import StoreTier, StoreUnavailable
+from hicache.backends.breaker import CircuitBreaker
 from hicache.backends.host import HostTier
 from hicache.config import Layout, Policy
+from hicache.cost import Rate, Verdict
 from hicache.events import EventSink, emit
 from hicache.keys import KeyChain
-from hicache.l3_worker import Job, Worker
 from hicache.slots import Lease
-from hicache.stats import Stats
+from hicache.stats import TierStats
+from hicache.store_worker import Job, Worker
 from hicache.transfers import DONE, Completion
 
 log = logging.getLogger(__name__)
@@ -67,17 +72,21 @@ times slower than warm on the machines measured), and the fill waits for the key
 hashes the pages past these (GIL dropped), so the engine thread's share stays bounded however
 long the look-ahead."""
 
+WRITE_BACK_GROUPS = 64
+"""`write: on_evict`: page groups one write-back put takes at most."""
+
 _LATENCY = {
-    "probe": "hicache_l3_exists_seconds",
-    "get": "hicache_l3_get_seconds",
-    "put": "hicache_l3_put_seconds",
+    "probe": "hicache_tier_exists_seconds",
+    "get": "hicache_tier_get_seconds",
+    "put": "hicache_tier_put_seconds",
 }
 
 
 @dataclass(frozen=True)
-class L3Settings:
-    """What the L3 machinery needs from a store tier's configuration."""
+class LinkSettings:
+    """What a `StoreLink` needs from its store tier's configuration."""
 
+    name: str
     group_pages: int
     key_prefix: str
     queue_depth: int
@@ -90,11 +99,20 @@ class L3Settings:
     """Host page slots kept reserved for fetches that skip the exists (`fetch_reserve`)."""
     worker_cpus: frozenset[int] = frozenset()
     """CPUs of the worker threads (`hicache.threads`); empty: no restriction."""
+    write: str = "behind"
+    """behind | on_evict | off (see `StoreTierConfig.write`)."""
+    read_gbps: float = 4.0
+    """The read throughput the cost model starts from."""
+    breaker_failures: int = 3
+    breaker_reprobe_s: float = 5.0
 
 
 @dataclass
 class Fetch:
-    """One request's look-ahead from L3. Engine thread only."""
+    """One request's look-ahead from one tier. Engine thread only.
+
+    The chain links the fetches of one request's walk: where a tier's fetch fell short, the
+    next tier's fetch (`next`) asks for the pages after it."""
 
     first_group: int
     groups: int
@@ -106,6 +124,12 @@ class Fetch:
     below it) were host hits already."""
     deadline: float
     started: float
+    link: StoreLink
+    """The tier it reads from."""
+    chain: KeyChain
+    """The request's keys (the next tier's fetch starts from them)."""
+    max_pages: int
+    """The cap of the hit: a state layout's fetch ends at a state no deeper than this."""
     phase: str = "probe"  # probe -> get -> done
     abandoned: bool = False
     lease: Lease | None = None
@@ -120,16 +144,39 @@ class Fetch:
     keys: list[bytes] = field(default_factory=list)
     """Keys of the pages from the first group's first page on (those the worker hashed come
     with its first result)."""
+    next: Fetch | None = None
+    """The next tier's fetch of the same walk, once this one has finished short."""
 
     def key_before(self, pages: int) -> bytes:
         """The key of page ``pages - 1`` (a group end inside the fetch)."""
         return self.keys[pages - 1 - self.first_page]
 
     @property
-    def busy(self) -> bool:
+    def running(self) -> bool:
+        """This tier's part is not done."""
         return self.phase != "done"
 
+    @property
+    def busy(self) -> bool:
+        """Some part of the walk (this fetch, or one after it) is not done."""
+        fetch: Fetch | None = self
+        while fetch is not None:
+            if fetch.phase != "done":
+                return True
+            fetch = fetch.next
+        return False
+
+    def parts(self) -> list[Fetch]:
+        """This fetch and the ones after it, in walk order."""
+        out: list[Fetch] = []
+        fetch: Fetch | None = self
+        while fetch is not None:
+            out.append(fetch)
+            fetch = fetch.next
+        return out
+
     def release(self) -> None:
+        """Release this fetch's own slots."""
         for lease in (self.lease, self.state_lease):
             if lease is not None:
                 lease.release()
@@ -147,34 +194,51 @@ class _Leases:
             lease.release()
 
 
-class L3:
-    """Fetches and puts between the host tier and a `StoreTier`, off the engine thread."""
+class StoreLink:
+    """Fetches and puts between the host tier and one `StoreTier`, off the engine thread."""
 
     def __init__(
         self,
         store: StoreTier,
-        settings: L3Settings,
+        settings: LinkSettings,
         host: HostTier,
         layout: Layout,
         fingerprint: bytes,
         policy: Policy,
-        stats: Stats,
+        prefill: Rate,
         clock: Callable[[], float] = time.monotonic,
         events: EventSink | None = None,
         wake: Callable[[], None] | None = None,
+        on_done: Callable[[Fetch], None] | None = None,
     ) -> None:
         self.store = store
         self.settings = settings
+        self.name = settings.name
         self.G = settings.group_pages
         self.host = host
         self.layout = layout
         self.fingerprint = fingerprint
         self.policy = policy
-        self.stats = stats
+        self.stats = TierStats()
         self.clock = clock
         self.events = events
         self.wake = wake
         """Called by a worker after it posted a result (see `HiCache`'s `wake`)."""
+        self.on_done = on_done
+        """Called on the engine thread when a fetch's part here is done (the chain walks on)."""
+        self.read = Rate(settings.read_gbps * 1e9)
+        """This tier's read throughput (bytes/s), learned from its gets."""
+        self._verdict = Verdict(self.read, prefill, layout.page_size, layout.page_tokens)
+        own = store.breaker
+        self._own_breaker = own is None
+        self.breaker = own or CircuitBreaker(settings.breaker_failures, settings.breaker_reprobe_s)
+        """The store's own breaker, or one the link keeps from the outcomes of its calls."""
+        self._trusted_books = not (store.shared or store.persistent)
+        """Nobody else writes this tier and it starts empty: a group the link never put there
+        is a miss without asking."""
+        self._dirty: OrderedDict[bytes, list[bytes]] = OrderedDict()
+        """write: on_evict: groups stored in the host and not yet put here, oldest first, by
+        their end key: the keys of their pages."""
         self._worker = Worker(
             store,
             host,
@@ -184,7 +248,7 @@ class L3:
             layout.page_tokens,
             bool(layout.state_bytes),
         )
-        # what L3 holds (or is receiving), by the key that names the object: engine thread only
+        # what the tier holds (or receives), by the key naming the object: engine thread only
         self._groups_held = _Seen(1 << 20)
         self._states_held = _Seen(1 << 18)
         self._registered = threading.Event()
@@ -206,27 +270,34 @@ class L3:
         self._puts_out = 0  # put jobs queued or running (at most settings.queue_depth)
         cpus = settings.worker_cpus
         store.start()
+        name = settings.name
         self._threads = [
             *(
-                threads.start(self._work, f"hicache-l3-fetch-{i}", cpus, (jobs,))
+                threads.start(self._work, f"hicache-{name}-fetch-{i}", cpus, (jobs,))
                 for i, jobs in enumerate(self._fetch_jobs)
             ),
-            threads.start(self._work, "hicache-l3-put", cpus, (self._put_jobs,)),
+            threads.start(self._work, f"hicache-{name}-put", cpus, (self._put_jobs,)),
         ]
-        threads.start(self._register, "hicache-l3-register", cpus)
+        threads.start(self._register, f"hicache-{name}-register", cpus)
 
     # -- engine thread: fetch ---------------------------------------------------------------------
 
     def usable(self) -> bool:
-        """Whether L3 can be used now: the host pools are registered and the store answers."""
-        return self._registered.is_set() and self.store.available
+        """Whether the tier can be used now: the host pools are registered, the store answers
+        and the breaker lets calls through (an open one, one probe per `breaker_reprobe_s`)."""
+        if not (self._registered.is_set() and self.store.available):
+            return False
+        return self.breaker.closed or (self._own_breaker and self.breaker.allow())
 
-    def start_fetch(self, chain: KeyChain, host_pages: int, max_pages: int) -> Fetch | None:
+    def start_fetch(
+        self, chain: KeyChain, host_pages: int, max_pages: int, deadline: float | None = None
+    ) -> Fetch | None:
         """Begin a fetch of the groups after `host_pages` of `chain`, up to `max_pages` pages.
 
         `chain` has hashed at least `host_pages` pages; the worker hashes the rest it needs.
-        Returns None when no whole group lies in that range, the store is not available, or
-        fetching is slower than recomputing (`policy.l3_read_gbps`, `prefill_tokens_per_s`).
+        `deadline`: when a waiting request gives up (default: `policy.fetch_max_wait_ms` from
+        now). Returns None when no whole group lies in that range, the tier is not available or
+        busy, or fetching is slower than recomputing (see `hicache.cost`).
         """
         G, P = self.G, chain.page_tokens
         first = host_pages // G
@@ -236,17 +307,26 @@ class L3:
         if last <= first:
             return None
         if not self.usable():
-            self.stats.l3_skipped += 1
+            self.stats.skipped_down += 1
             return None
         if sum(self._fetch_load) >= self.settings.fetch_depth:
-            self.stats.l3_skipped_busy += 1
+            self.stats.skipped_busy += 1
             return None
-        if not self._worth_fetching():
+        if not self._verdict.worth():
+            self.stats.skipped_slow += 1
             return None
+        if self._trusted_books:
+            chain.hash_to((first + 1) * G)
+            if chain.hashed[(first + 1) * G - 1] not in self._groups_held:
+                self.stats.skipped_unheld += 1
+                return None
         now = self.clock()
-        deadline = now + self.policy.l3_max_wait_ms / 1e3
-        fetch = Fetch(first, last - first, first * G, host_pages, deadline, now)
-        self.stats.l3_probes += 1
+        if deadline is None:
+            deadline = now + self.policy.fetch_max_wait_ms / 1e3
+        fetch = Fetch(
+            first, last - first, first * G, host_pages, deadline, now, self, chain, max_pages
+        )
+        self.stats.fetches += 1
         pages = (last - first) * G
         job = Job("probe", fetch=fetch, started=now)
         if self._can_get_at_once(pages):
@@ -321,24 +401,33 @@ class L3:
         the host tier."""
         return min(self.settings.reserve_pages, self.host.page_slots.capacity // 8)
 
-    def waiting(self, fetch: Fetch) -> bool:
-        """True while the request should wait for `fetch` (policy 'wait', before its deadline)."""
-        if not fetch.busy or self.policy.l3_pending != "wait":
-            return False
-        if self.clock() > fetch.deadline:
-            if not fetch.abandoned:
-                self.stats.l3_timeouts += 1
-            fetch.abandoned = True  # results still arrive and free their slots, but too late
-            return False
-        return True
-
     def forget(self, fetch: Fetch) -> None:
         """The request is gone: drop the fetch (a running get still finishes into its slots)."""
         fetch.abandoned = True
-        if not fetch.busy:
+        if not fetch.running:
             fetch.release()
 
     # -- engine thread: write-behind --------------------------------------------------------------
+
+    def stored(
+        self,
+        keys: list[bytes],
+        n_pages: int,
+        state_pages: Sequence[int],
+        ready: Completion = DONE,
+        slots: list[int] | None = None,
+    ) -> None:
+        """`store` has written `keys[:n_pages]` to the host: put them behind, or note them for
+        a write-back, as the tier's `write:` says."""
+        write = self.settings.write
+        if write == "behind":
+            self.write_behind(keys, n_pages, state_pages, ready, slots)
+        elif write == "on_evict":
+            G, held, dirty = self.G, self._groups_held, self._dirty
+            for g in range(n_pages // G):
+                end = keys[(g + 1) * G - 1]
+                if end not in held and end not in dirty:
+                    dirty[end] = keys[g * G : (g + 1) * G]
 
     def write_behind(
         self,
@@ -348,7 +437,7 @@ class L3:
         ready: Completion = DONE,
         slots: list[int] | None = None,
     ) -> None:
-        """Queue puts of the full groups of `keys[:n_pages]` (and states) L3 does not hold.
+        """Queue puts of the full groups of `keys[:n_pages]` (and states) the tier does not hold.
 
         Called by `store` at once, with `ready` marking the host write-through: the worker waits
         for it before reading the slots, which stay pinned until the put has returned. On this
@@ -358,12 +447,12 @@ class L3:
         """
         G = self.G
         if not self.usable():  # not connected, or the breaker is open: offer nothing
-            self.stats.l3_puts_skipped += n_pages // G
+            self.stats.puts_skipped += n_pages // G
             return
         held = self._groups_held
         groups = [g for g in range(n_pages // G) if keys[(g + 1) * G - 1] not in held]
         if self._puts_out >= self.settings.queue_depth:  # drop at once, build nothing
-            self.stats.l3_puts_dropped += len(groups)
+            self.stats.puts_dropped += len(groups)
             return
         ends: list[bytes] = []
         pins: list[int] = []
@@ -390,6 +479,18 @@ class L3:
                 if slot is not None:
                     state_ends.append(key)
                     state_pins.append(slot)
+        self._put(ends, pins, state_ends, state_pins, ready)
+
+    def _put(
+        self,
+        ends: list[bytes],
+        pins: list[int],
+        state_ends: list[bytes],
+        state_pins: list[int],
+        ready: Completion = DONE,
+    ) -> None:
+        """Queue one put of the groups named by `ends` (their pages in host slots `pins`, `G`
+        a group) and the states in `state_pins`; the slots stay pinned until it has returned."""
         if not ends and not state_ends:
             return
         lease = _Leases(self.host.page_slots.lease(pins), self.host.state_slots.lease(state_pins))
@@ -397,20 +498,70 @@ class L3:
         job.started = self.clock()
         self._puts_out += 1
         self._submit(self._put_jobs, job)
-        held.add_all(ends)
+        self._groups_held.add_all(ends)
         self._states_held.add_all(state_ends)
+
+    def write_back(self, force: bool = False) -> None:
+        """`write: on_evict`: once the host tier runs short of free slots (fewer than an eighth
+        of them free; `force`: at once), put the oldest groups noted by `stored` that it still
+        holds, up to `WRITE_BACK_GROUPS` in one put. A group the host evicted first is counted
+        lost (`evict_lost`)."""
+        dirty = self._dirty
+        if not dirty or self._puts_out >= self.settings.queue_depth or not self.usable():
+            return
+        pool = self.host.page_slots
+        if not force and pool.free >= pool.capacity // 8:
+            return
+        batch = [dirty.popitem(last=False) for _ in range(min(WRITE_BACK_GROUPS, len(dirty)))]
+        flat = [key for _, group in batch for key in group]
+        found = pool.lookup(flat)
+        G = self.G
+        ends: list[bytes] = []
+        pins: list[int] = []
+        for i, (end, _) in enumerate(batch):
+            group = found[i * G : (i + 1) * G]
+            if None in group:
+                self.stats.evict_lost += 1
+                continue
+            ends.append(end)
+            pins += group  # type: ignore[arg-type]
+        state_ends: list[bytes] = []
+        state_pins: list[int] = []
+        if self.layout.state_bytes and ends:
+            for key, slot in zip(ends, self.host.state_slots.lookup(ends)):
+                if slot is not None and key not in self._states_held:
+                    state_ends.append(key)
+                    state_pins.append(slot)
+        self._put(ends, pins, state_ends, state_pins)
+
+    def evicted(self, keys: Sequence[bytes]) -> None:
+        """The host evicted `keys`: groups noted for write-back whose end was among them are
+        lost to this tier (counted)."""
+        dirty = self._dirty
+        if dirty:
+            for key in keys:
+                if dirty.pop(key, None) is not None:
+                    self.stats.evict_lost += 1
+
+    @property
+    def dirty(self) -> int:
+        """Groups waiting for their write-back."""
+        return len(self._dirty)
 
     # -- engine thread: results -------------------------------------------------------------------
 
     def poll(self) -> None:
-        """Apply the results the workers have posted and refill the fetch reserve. Never
-        blocks. A poll that has just finished a fetch leaves the refill to the next one while
-        the reserve holds at least half its size: the request that fetch answers is matched
-        right after this poll, and should not wait for slots that a later fetch needs."""
+        """Apply the results the workers have posted, refill the fetch reserve, write back.
+        Never blocks. A poll that has just finished a fetch leaves the refill to the next one
+        while the reserve holds at least half its size: the request that fetch answers is
+        matched right after this poll, and should not wait for slots that a later fetch
+        needs."""
         fetched = self.apply()
         have = self._reserve_free()
         if not fetched or 2 * have < self._reserve_size():
             self.refill()
+        if self._dirty:
+            self.write_back()
 
     def apply(self) -> bool:
         """Apply the results the workers have posted (engine thread); True if a fetch finished.
@@ -428,7 +579,7 @@ class L3:
             self.stats.latency[family].observe(job.finished - job.started)
             failed = isinstance(outcome, BaseException)
             if failed:
-                self.stats.l3_errors += 1
+                self.stats.call_errors += 1
             if job.page_keys:  # a fetch's first job: its pages' keys, the worker's part too
                 job.fetch.keys = job.page_keys
             if job.kind == "probe":
@@ -440,35 +591,45 @@ class L3:
                 self._on_put(job, None if failed else outcome)  # type: ignore[arg-type]
         return fetched
 
+    def _done(self, fetch: Fetch) -> None:
+        """This tier's part of `fetch` is over: the chain may walk on."""
+        fetch.phase = "done"
+        if self.on_done is not None:
+            self.on_done(fetch)
+
     def _on_probe(self, job: Job, present: list[bool] | None) -> None:
         fetch = job.fetch
         n_groups = fetch.groups
         if present is None or fetch.abandoned:
-            fetch.phase = "done"
+            self._done(fetch)
             return
         run = 0
         while run < n_groups and present[run]:
             run += 1
-        state_in_l3 = False  # the run ends where L3 holds a state (the host tier has none)
-        if self.layout.state_bytes:  # snap to the deepest group end with a state somewhere
+        state_here = False  # the run ends where this tier holds a state (the host tier has none)
+        if self.layout.state_bytes:
+            # snap to the deepest group end with a state somewhere, no deeper than the cap: a
+            # state past it (at the prompt's end) could not be used, one a group earlier can
+            G = self.G
+            run = min(run, (fetch.max_pages - fetch.first_page) // G)
             states = self.host.state_slots
             while run > 0:
-                key = fetch.key_before(fetch.first_page + run * self.G)
+                key = fetch.key_before(fetch.first_page + run * G)
                 if key in states:
                     break
                 if present[n_groups + run - 1]:
-                    state_in_l3 = True
+                    state_here = True
                     break
                 run -= 1
-        if run == 0 or not self.host.ready:
-            fetch.phase = "done"
+        if run <= 0 or not self.host.ready:
+            self._done(fetch)
             return
         lease = self.host.page_slots.reserve(run * self.G)
         run = len(lease) // self.G  # the whole groups that fit (the others' pages are pinned)
         lease.split(len(lease) - run * self.G).release()
         lease.slots.sort()  # runs of slots in order: a group in a run is one piece
         state_lease = None
-        if state_in_l3 and run:
+        if state_here and run:
             state_lease = self.host.state_slots.reserve(1)
             if not len(state_lease):
                 run = 0
@@ -476,8 +637,8 @@ class L3:
             lease.release()
             if state_lease is not None:
                 state_lease.release()
-            fetch.phase = "done"
-            self.stats.l3_no_space += 1
+            self.stats.no_space += 1
+            self._done(fetch)
             return
         get = Job("get", job.ends[:run], page_slots=lease.slots, fetch=fetch, groups=run)
         if state_lease is not None:
@@ -497,7 +658,7 @@ class L3:
             while ok < run and codes[ok] >= 0:
                 ok += 1
             if ok < run and not (job.unprobed and codes[ok] == self.store.missing_code):
-                self.stats.l3_get_failed += run - ok
+                self.stats.get_failed += run - ok
         state_ok = fetch.state_lease is not None and codes is not None and codes[-1] >= 0
         if fetch.state_lease is not None and not state_ok:
             ok = 0  # without its state the run can't be resumed from
@@ -516,12 +677,14 @@ class L3:
                 boundary_key = got[-1]
                 self.host.state_slots.publish(fetch.state_lease.slots, [boundary_key])
             fetch.pages = (first_page, first_page + ok * self.G)
-            self.stats.l3_pages_fetched += ok * self.G
-            self.stats.l3_get_bytes += ok * self.G * self.layout.page_size
-        fetch.phase = "done"
-        self.stats.latency["hicache_l3_fetch_seconds"].observe(self.clock() - fetch.started)
+            nbytes = ok * self.G * self.layout.page_size
+            self.stats.pages_fetched += ok * self.G
+            self.stats.get_bytes += nbytes
+            self.read.observe(nbytes, job.finished - job.started)
+        self.stats.latency["hicache_tier_fetch_seconds"].observe(self.clock() - fetch.started)
         if fetch.abandoned or not ok:
             fetch.release()
+        self._done(fetch)
 
     def _on_put(self, job: Job, codes: list[int] | None) -> None:
         job.release()
@@ -529,8 +692,8 @@ class L3:
         codes = codes or [-1] * len(ends)
         ok = [code >= 0 for code in codes]
         if all(ok):  # the usual case: counted in one step
-            self.stats.l3_objects_put += len(ok)
-            self.stats.l3_put_bytes += (
+            self.stats.objects_put += len(ok)
+            self.stats.put_bytes += (
                 len(job.page_slots) * self.layout.page_size
                 + len(job.state_slots) * self.layout.state_bytes
             )
@@ -538,25 +701,29 @@ class L3:
             groups = len(job.ends)
             for i, (key, put) in enumerate(zip(ends, ok)):
                 if put:
-                    self.stats.l3_objects_put += 1
-                    self.stats.l3_put_bytes += (
+                    self.stats.objects_put += 1
+                    self.stats.put_bytes += (
                         self.G * self.layout.page_size if i < groups else self.layout.state_bytes
                     )
                 else:
                     (self._groups_held if i < groups else self._states_held).discard(key)
-                    self.stats.l3_put_failed += 1
+                    self.stats.put_failed += 1
         if self.events is not None:
-            emit(self.events, "stored", "l3", [k for k, put in zip(job.ends, ok) if put])
+            emit(self.events, "stored", self.name, [k for k, put in zip(job.ends, ok) if put])
 
     def gauges(self) -> dict[str, int]:
-        """Gauges for `HiCache.stats`: store availability (1 available, 0 not), queue depth, jobs
-        in flight, the free host slots held for fetches (counted in host_pinned too), and how
-        often the store's own process was started again."""
+        """Gauges for `HiCache.stats`, each ``<gauge>_<name>``: availability (1 the store
+        answers and the breaker is closed, 0 not), puts queued or running, jobs in flight, the
+        free host slots held for fetches (counted in host_pinned too), groups waiting for their
+        write-back, and the read throughput the cost model uses now (MB/s)."""
+        n = self.name
         return {
-            "l3_available": int(self.store.available),
-            "l3_queue_depth": self._puts_out,
-            "l3_jobs_in_flight": self.jobs_in_flight,
-            "l3_fetch_reserve": self._reserve_free(),
+            f"available_{n}": int(self.store.available and self.breaker.closed),
+            f"queue_depth_{n}": self._puts_out,
+            f"jobs_in_flight_{n}": self.jobs_in_flight,
+            f"fetch_reserve_{n}": self._reserve_free(),
+            f"write_back_pending_{n}": len(self._dirty),
+            f"read_mbps_{n}": int(self.read.per_s / 1e6),
         }
 
     @property
@@ -586,8 +753,13 @@ class L3:
                 outcome: object = self._worker.run(job)
             except Exception as err:  # reported to the engine thread as a failed job
                 if not isinstance(err, StoreUnavailable):
-                    log.warning("hicache L3 %s failed: %r", job.kind, err)
+                    log.warning("hicache tier %s: %s failed: %r", self.name, job.kind, err)
                 outcome = err
+                if self._own_breaker:
+                    self.breaker.record_failure()
+            else:
+                if self._own_breaker:
+                    self.breaker.record_success()
             job.finished = self.clock()
             self._results.append((job, outcome))
             if self.wake is not None:
@@ -598,28 +770,32 @@ class L3:
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    def _worth_fetching(self) -> bool:
-        """Loading a page from L3 must be cheaper than recomputing its tokens (both costs grow
-        with the page count alike, so this holds for every run or for none)."""
-        fetch_s = self.layout.page_size / (self.policy.l3_read_gbps * 1e9)
-        recompute_s = self.layout.page_tokens / self.policy.prefill_tokens_per_s
-        if fetch_s < recompute_s:
-            return True
-        self.stats.l3_skipped_slow += 1
-        return False
-
     def _register(self) -> None:
         """Register the host pools with the store, off the engine thread (registering tens of
-        GiB for RDMA takes seconds). L3 is not used until this is done."""
+        GiB for RDMA takes seconds). The tier is not used until this is done."""
         if not self.host.wait_ready():
             return
         try:
             for tensor in self.host.memory():
                 self.store.register(tensor)
-        except Exception as err:  # L3 stays unused; the engine goes on with the host tier
-            log.error("hicache: registering the host pools with the store failed: %r", err)
+        except Exception as err:  # the tier stays unused; the engine goes on without it
+            log.error("hicache tier %s: registering the host pools failed: %r", self.name, err)
             return
         self._registered.set()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Write back what waits for it and wait until every put has returned, applying the
+        results, for at most `timeout_s`. True if nothing is left. Blocks (for `close`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.apply()
+            if self._dirty and self.usable():
+                self.write_back(force=True)
+            if not self._puts_out and not (self._dirty and self.usable()):
+                return not self._dirty
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
 
     def close(self) -> None:
         """Stop the workers (after their current job) and close the store. Blocks."""

@@ -1,10 +1,10 @@
-"""What an L3 worker does with a job: the part of a fetch or a put that needs no books.
+"""What a store tier's worker does with a job: the part of a fetch or a put that needs no books.
 
-The engine thread decides (`hicache.l3.L3`: which groups, which slots, which pins) and hands a
-`Job` over; a worker finishes it from what the job carries: it hashes the pages the engine
-thread left, names the objects, finds their bytes in the host pools, and makes the one store
-call. It reads the pools' memory, never their slot books or the job's leases, so it can run on
-any thread; `L3` runs it on its worker threads.
+The engine thread decides (`hicache.store_link.StoreLink`: which groups, which slots, which
+pins) and hands a `Job` over; a worker finishes it from what the job carries: it hashes the
+pages the engine thread left, names the objects, finds their bytes in the host pools, and makes
+the one store call. It reads the pools' memory, never their slot books or the job's leases, so
+it can run on any thread; `StoreLink` runs it on its worker threads.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import numpy as np
 
 from hicache.backends.base import Buffers, StoreTier
 from hicache.backends.host import HostTier
-from hicache.keys import l3_key, page_keys
+from hicache.keys import page_keys, store_key
 from hicache.transfers import DONE, Completion
 
 if TYPE_CHECKING:
-    from hicache.l3 import Fetch
+    from hicache.store_link import Fetch
 
 
 class Releasable(Protocol):
@@ -75,7 +75,7 @@ class Job:
 
 class Worker:
     """Runs jobs against `store`, naming objects under `key_prefix` and `fingerprint` in groups
-    of `group_pages` pages (see `hicache.keys.l3_key`). Holds no state a job changes: one
+    of `group_pages` pages (see `hicache.keys.store_key`). Holds no state a job changes: one
     `Worker` serves every worker thread."""
 
     def __init__(
@@ -94,8 +94,8 @@ class Worker:
         self.page_tokens = page_tokens
         self.states = states
         """Whether the layout has states (a probe then asks for the state at each group end)."""
-        self._group_names = l3_key(key_prefix, fingerprint, b"", group_pages)
-        self._state_names = l3_key(key_prefix, fingerprint, b"", None)
+        self._group_names = store_key(key_prefix, fingerprint, b"", group_pages)
+        self._state_names = store_key(key_prefix, fingerprint, b"", None)
 
     def run(self, job: Job) -> object:
         """Finish `job` and make its call: `exists` answers (a bool per object), a get's or a
