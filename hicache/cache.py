@@ -708,8 +708,21 @@ def _partial(m: Match, skipped: int, page_tokens: int) -> Match:
         computed_tokens=start,
         first_page=m.first_page + skipped,
         load_pages=m.load_pages - skipped,
-        l3_tokens=min(m.l3_tokens, m.hit_tokens - start),
+        tier_tokens=_drop_head(m, skipped * page_tokens),
     )
+
+
+def _drop_head(m: Match, tokens: int) -> tuple[tuple[str, int], ...]:
+    """`m.tier_tokens` less the first `tokens` cached tokens: a hit runs the host's pages first,
+    then each store tier's in walk order, so a head is taken from the host's part first."""
+    drop = max(0, tokens - (m.cached_tokens - m.fetched_tokens))
+    kept = []
+    for name, n in m.tier_tokens:
+        taken = min(n, drop)
+        drop -= taken
+        if n > taken:
+            kept.append((name, n - taken))
+    return tuple(kept)
 
 
 def _int32(values: list[int]) -> np.ndarray:

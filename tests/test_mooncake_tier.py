@@ -549,7 +549,7 @@ def test_each_fetch_worker_has_one_call_out(start_mooncake_master, workers, monk
             assert all(reader.cache.match(f"r{i}", p).pending for i, p in enumerate(prompts))
             wait_until(lambda: store.stats().calls - calls == workers)
             # each of the reader's fetch threads is inside a call: none is free to start another
-            assert sorted(ran_on) == [f"hicache-l3-fetch-{i}" for i in range(workers)]
+            assert sorted(ran_on) == [f"hicache-mooncake-fetch-{i}" for i in range(workers)]
             assert store.stats().calls - calls == workers
             assert reader.cache.stats()["jobs_in_flight_mooncake"] == 3
         finally:
