@@ -165,6 +165,11 @@ def test_a_missing_key_is_the_missing_code_and_a_wrong_size_is_no_hit(tmp_path, 
     assert tier.stats().keys_put == 1
     with pytest.raises(ValueError, match="outside registered memory"):
         tier.get_into(["a"], Buffers([[12345]], [[8 * KiB]]))
+    with pytest.raises(ValueError, match="longer than a record header holds"):
+        tier.put_from(["k" * HEADER], mem.buffers([[8 * KiB]]))
+    assert tier.close() is True
+    with pytest.raises(StoreUnavailable, match="disk get_into: tier is closed"):
+        tier.get_into(["a"], mem.buffers([[8 * KiB]]))
 
 
 def test_a_new_process_hits_what_an_earlier_one_stored_with_exact_bytes(tmp_path, tiers):

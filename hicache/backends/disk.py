@@ -38,7 +38,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +56,9 @@ from hicache.config import Bytes, Layout, StoreTierConfig
 log = logging.getLogger(__name__)
 
 MISSING = -errno.ENOENT
+
+_Object = tuple[list[memoryview], list[int]]
+"""An object's pieces as memoryviews, and their addresses."""
 
 
 class DiskTierConfig(StoreTierConfig):
@@ -317,7 +320,7 @@ class DiskTier(StoreTier):
         tensor = cast(torch.Tensor, memory)
         self._memory.add(tensor, memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
 
-    def _views(self, keys: list[str], buffers: Buffers) -> list[tuple[list[memoryview], list[int]]]:
+    def _views(self, keys: list[str], buffers: Buffers) -> list[_Object]:
         """Per object: memoryviews of its pieces, and their addresses. Checks the pieces."""
         at = self._memory.locate(keys, buffers)
         regions = self._memory.all()
@@ -344,16 +347,26 @@ class DiskTier(StoreTier):
         errno (-ENOENT: not held, or found damaged and removed)."""
         keys = check_keys(keys)
         objects = self._views(keys, buffers)
-        pool = self._check_open("get_into")
-        return list(pool.map(self._get_one, keys, objects))
+        return self._run("get_into", self._get_one, keys, objects)
 
     def put_from(self, keys: Sequence[str], buffers: Buffers) -> list[int]:
         """Write each object from its pieces, in parallel; per key 0 (stored, or held already:
         objects are named by content) or a negative errno."""
         keys = check_keys(keys)
+        for key in keys:
+            rec.check_key(key)
         objects = self._views(keys, buffers)
-        pool = self._check_open("put_from")
-        return list(pool.map(self._put_one, keys, objects))
+        return self._run("put_from", self._put_one, keys, objects)
+
+    def _run(
+        self, op: str, one: Callable[[str, _Object], int], keys: list[str], objects: list[_Object]
+    ) -> list[int]:
+        """`one` for every object on the I/O threads; StoreUnavailable unless the tier is open."""
+        pool = self._check_open(op)
+        try:
+            return list(pool.map(one, keys, objects))
+        except RuntimeError:  # closed meanwhile: the pool takes no more work
+            raise StoreUnavailable(f"disk {op}: tier is closed") from None
 
     def _check_open(self, op: str) -> ThreadPoolExecutor:
         if not self.available or self._pool is None:
@@ -361,7 +374,7 @@ class DiskTier(StoreTier):
             raise StoreUnavailable(f"disk {op}: tier is {state}")
         return self._pool
 
-    def _get_one(self, key: str, obj: tuple[list[memoryview], list[int]]) -> int:
+    def _get_one(self, key: str, obj: _Object) -> int:
         name = rec.file_name(key)
         if name not in self.book:
             self._count("misses")
@@ -406,7 +419,7 @@ class DiskTier(StoreTier):
             return -errno.EMSGSIZE
         return nbytes if got == rec.HEADER + nbytes else MISSING  # shorter: a torn record
 
-    def _put_one(self, key: str, obj: tuple[list[memoryview], list[int]]) -> int:
+    def _put_one(self, key: str, obj: _Object) -> int:
         name = rec.file_name(key)
         views, addresses = obj
         nbytes = sum(v.nbytes for v in views)
