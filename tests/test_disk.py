@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -265,6 +266,41 @@ def test_eviction_removes_the_least_recently_used_and_the_order_survives_a_resta
     tier.close()  # a restart with a smaller size trims the oldest at once
     tier = tiers(path, size=record)
     assert tier.exists(list("def")) == [False, False, True]
+
+
+def test_puts_and_gets_from_several_threads_under_eviction_keep_bytes_and_books_exact(
+    tmp_path, tiers
+):
+    record = HEADER + 64 * KiB
+    tier = tiers(tmp_path / "d", size=8 * record, io_threads=4)
+    keys = [f"k{i}" for i in range(40)]
+    size = [[16 * KiB] * 4]
+    wrong: list[str] = []
+    hits = [0]
+
+    def work(seed: int, puts: bool) -> None:
+        mem = Memory(tier, MiB)
+        rng = np.random.default_rng(seed)
+        for _ in range(150):
+            key = keys[int(rng.integers(len(keys)))]
+            if puts:
+                assert tier.put_from([key], mem.fill([key], size)) == [0]
+            else:
+                mem.clear()
+                codes = tier.get_into([key], mem.buffers(size))
+                assert codes[0] in (64 * KiB, -errno.ENOENT)
+                wrong.extend(mem.wrong([key], size, codes))
+                hits[0] += codes[0] > 0
+
+    with ThreadPoolExecutor(4) as pool:  # .result() raises what a thread raised
+        for done in [pool.submit(work, i, i % 2 == 0) for i in range(4)]:
+            done.result()
+    assert wrong == [] and hits[0] > 0
+    files = list((tmp_path / "d" / "objects").glob("*/*"))
+    stats = tier.stats()
+    assert stats.records == len(files) == 8
+    assert stats.bytes_used == sum(f.stat().st_size for f in files) == 8 * record
+    assert stats.evicted == stats.keys_put - 8 and stats.failed_puts == 0
 
 
 def test_unusable_paths_fail_at_start_with_one_line_naming_them(tmp_path):
