@@ -332,7 +332,7 @@ def test_writes_past_a_file_size_limit_are_counted_failures_never_hits(tmp_path)
     assert list((path / "tmp").iterdir()) == []
 
 
-def test_a_full_file_system_is_counted_failures_and_later_puts_still_land(tmp_path, tiers):
+def test_a_full_file_system_is_a_counted_failure_and_later_puts_evict_and_land(tmp_path, tiers):
     mount = tmp_path / "small"
     mount.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)])
@@ -342,17 +342,23 @@ def test_a_full_file_system_is_counted_failures_and_later_puts_still_land(tmp_pa
         tier = tiers(mount / "d", size=64 * MiB)  # the size bound is not what stops it
         mem = Memory(tier, 8 * MiB)
         keys = [f"obj{i}" for i in range(6)]
-        sizes = [[512 * KiB]] * 6
-        codes = tier.put_from(keys, mem.fill(keys, sizes))
-        assert codes.count(-errno.ENOSPC) >= 3 and set(codes) <= {0, -errno.ENOSPC}
-        held = [c == 0 for c in codes]
+        record = HEADER + 512 * KiB
+        # three records fit in 2 MiB; the fourth fails, and the bound becomes what is held
+        codes = [tier.put_from([k], mem.fill([k], [[512 * KiB]]))[0] for k in keys[:4]]
+        assert codes == [0, 0, 0, -errno.ENOSPC]
+        stats = tier.stats()
+        assert (stats.failed_puts, stats.capacity, stats.bytes_used) == (1, 3 * record, 3 * record)
+        assert list((mount / "d" / "tmp").iterdir()) == []
+        # later puts evict the least recently used and land
+        codes = [tier.put_from([k], mem.fill([k], [[512 * KiB]]))[0] for k in keys[4:]]
+        assert codes == [0, 0]
+        held = [False, False, True, False, True, True]
         assert tier.exists(keys) == held
         mem.clear()
+        sizes = [[512 * KiB]] * 6
         got = tier.get_into(keys, mem.buffers(sizes))
         assert got == [512 * KiB if h else -errno.ENOENT for h in held]
         assert mem.wrong(keys, sizes, got) == []
-        assert tier.stats().failed_puts == codes.count(-errno.ENOSPC)
-        assert list((mount / "d" / "tmp").iterdir()) == []
         tier.close()
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=True)

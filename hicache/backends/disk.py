@@ -21,8 +21,10 @@ The contract the tier chain relies on:
 - A record is published only whole (written to ``tmp``, synced, renamed into place). A record
   found damaged (its header does not verify or its length is wrong) is a miss and is removed.
 - Capacity: the records' bytes (headers included) stay within `size`; a put first evicts the
-  least recently used records (`LruBook`). The order survives restarts: a record's modification
-  time is stamped with its last use (its write, its latest hit), and a restart orders by it.
+  least recently used records (`LruBook`). A file system that runs out of space first lowers the
+  bound to what the tier holds then (the put that met it fails; later ones evict). The order
+  survives restarts: a record's modification time is stamped with its last use (its write, its
+  latest hit), and a restart orders by it.
 - One process per directory: a second process gets a start-up error rather than a directory
   whose capacity and eviction order two processes would keep apart. The lock dies with its
   process, SIGKILL included, so a restart after a crash takes the directory over at once.
@@ -91,6 +93,8 @@ class DiskStats:
 
     records: int
     bytes_used: int
+    capacity: int
+    """Bytes the records may take: `size`, or less once the file system ran out of space."""
     keys_got: int
     bytes_got: int
     keys_put: int
@@ -170,6 +174,13 @@ class LruBook:
             if nbytes is not None:
                 self.used -= nbytes
             return nbytes is not None
+
+    def lower(self) -> None:
+        """The file system ran out of space below the capacity: what is held and being written
+        now becomes the capacity (for the life of this book), so that later puts evict the least
+        recently used records instead of failing."""
+        with self._lock:
+            self.capacity = min(self.capacity, self.used)
 
     def shrink(self) -> list[str]:
         """Records to remove so that the held ones fit the capacity (after a restart with a
@@ -440,6 +451,8 @@ class DiskTier(StoreTier):
         except OSError as err:
             tmp.unlink(missing_ok=True)
             self.book.settle(name, written=False)
+            if err.errno == errno.ENOSPC:  # the file system is full before `size` is reached
+                self.book.lower()
             self._count("failed_puts")
             return -(err.errno or errno.EIO)
         self.book.settle(name, written=True)
@@ -503,7 +516,8 @@ class DiskTier(StoreTier):
         """A snapshot of the counters."""
         with self._count_lock:
             counts = dict(self._counts)
-        return DiskStats(records=len(self.book), bytes_used=self.book.used, **counts)
+        book = self.book
+        return DiskStats(records=len(book), bytes_used=book.used, capacity=book.capacity, **counts)
 
 
 def _why(err: OSError) -> str:
