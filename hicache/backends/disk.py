@@ -5,7 +5,7 @@ Layout (see docs/disk.md): ``<path>/objects/ab/<sha256 of key>`` holds one objec
 holds records being written; ``<path>/lock`` is held (flock) by the one process using the
 directory.
 
-The contract the tier chain relies on:
+The contract the tier chain's workers rely on:
 
 - `start()` makes the directories, takes the lock and checks that a record can be written and
   synced, on the caller's thread, and raises `DiskTierError` with one line naming the path and
