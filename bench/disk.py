@@ -27,6 +27,7 @@ ratio``) unless `--out` says otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -219,6 +220,8 @@ def main() -> None:
         for sync in (True, False):
             rows += measure(args, size, sync)
     shutil.rmtree(args.work, ignore_errors=True)
+    with contextlib.suppress(OSError):  # the default directory, if nothing else is in it
+        os.rmdir(args.dir)
     commit = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
