@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -165,6 +166,11 @@ def test_a_missing_key_is_the_missing_code_and_a_wrong_size_is_no_hit(tmp_path, 
     assert tier.stats().keys_put == 1
     with pytest.raises(ValueError, match="outside registered memory"):
         tier.get_into(["a"], Buffers([[12345]], [[8 * KiB]]))
+    with pytest.raises(ValueError, match="longer than a record header holds"):
+        tier.put_from(["k" * HEADER], mem.buffers([[8 * KiB]]))
+    assert tier.close() is True
+    with pytest.raises(StoreUnavailable, match="disk get_into: tier is closed"):
+        tier.get_into(["a"], mem.buffers([[8 * KiB]]))
 
 
 def test_a_new_process_hits_what_an_earlier_one_stored_with_exact_bytes(tmp_path, tiers):
@@ -262,6 +268,41 @@ def test_eviction_removes_the_least_recently_used_and_the_order_survives_a_resta
     assert tier.exists(list("def")) == [False, False, True]
 
 
+def test_puts_and_gets_from_several_threads_under_eviction_keep_bytes_and_books_exact(
+    tmp_path, tiers
+):
+    record = HEADER + 64 * KiB
+    tier = tiers(tmp_path / "d", size=8 * record, io_threads=4)
+    keys = [f"k{i}" for i in range(40)]
+    size = [[16 * KiB] * 4]
+    wrong: list[str] = []
+    hits = [0]
+
+    def work(seed: int, puts: bool) -> None:
+        mem = Memory(tier, MiB)
+        rng = np.random.default_rng(seed)
+        for _ in range(150):
+            key = keys[int(rng.integers(len(keys)))]
+            if puts:
+                assert tier.put_from([key], mem.fill([key], size)) == [0]
+            else:
+                mem.clear()
+                codes = tier.get_into([key], mem.buffers(size))
+                assert codes[0] in (64 * KiB, -errno.ENOENT)
+                wrong.extend(mem.wrong([key], size, codes))
+                hits[0] += codes[0] > 0
+
+    with ThreadPoolExecutor(4) as pool:  # .result() raises what a thread raised
+        for done in [pool.submit(work, i, i % 2 == 0) for i in range(4)]:
+            done.result()
+    assert wrong == [] and hits[0] > 0
+    files = list((tmp_path / "d" / "objects").glob("*/*"))
+    stats = tier.stats()
+    assert stats.records == len(files) == 8
+    assert stats.bytes_used == sum(f.stat().st_size for f in files) == 8 * record
+    assert stats.evicted == stats.keys_put - 8 and stats.failed_puts == 0
+
+
 def test_unusable_paths_fail_at_start_with_one_line_naming_them(tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("")
@@ -291,7 +332,7 @@ def test_writes_past_a_file_size_limit_are_counted_failures_never_hits(tmp_path)
     assert list((path / "tmp").iterdir()) == []
 
 
-def test_a_full_file_system_is_counted_failures_and_later_puts_still_land(tmp_path, tiers):
+def test_a_full_file_system_is_a_counted_failure_and_later_puts_evict_and_land(tmp_path, tiers):
     mount = tmp_path / "small"
     mount.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)])
@@ -301,17 +342,23 @@ def test_a_full_file_system_is_counted_failures_and_later_puts_still_land(tmp_pa
         tier = tiers(mount / "d", size=64 * MiB)  # the size bound is not what stops it
         mem = Memory(tier, 8 * MiB)
         keys = [f"obj{i}" for i in range(6)]
-        sizes = [[512 * KiB]] * 6
-        codes = tier.put_from(keys, mem.fill(keys, sizes))
-        assert codes.count(-errno.ENOSPC) >= 3 and set(codes) <= {0, -errno.ENOSPC}
-        held = [c == 0 for c in codes]
+        record = HEADER + 512 * KiB
+        # three records fit in 2 MiB; the fourth fails, and the bound becomes what is held
+        codes = [tier.put_from([k], mem.fill([k], [[512 * KiB]]))[0] for k in keys[:4]]
+        assert codes == [0, 0, 0, -errno.ENOSPC]
+        stats = tier.stats()
+        assert (stats.failed_puts, stats.capacity, stats.bytes_used) == (1, 3 * record, 3 * record)
+        assert list((mount / "d" / "tmp").iterdir()) == []
+        # later puts evict the least recently used and land
+        codes = [tier.put_from([k], mem.fill([k], [[512 * KiB]]))[0] for k in keys[4:]]
+        assert codes == [0, 0]
+        held = [False, False, True, False, True, True]
         assert tier.exists(keys) == held
         mem.clear()
+        sizes = [[512 * KiB]] * 6
         got = tier.get_into(keys, mem.buffers(sizes))
         assert got == [512 * KiB if h else -errno.ENOENT for h in held]
         assert mem.wrong(keys, sizes, got) == []
-        assert tier.stats().failed_puts == codes.count(-errno.ENOSPC)
-        assert list((mount / "d" / "tmp").iterdir()) == []
         tier.close()
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=True)

@@ -21,8 +21,10 @@ The contract the tier chain's workers rely on:
 - A record is published only whole (written to ``tmp``, synced, renamed into place). A record
   found damaged (its header does not verify or its length is wrong) is a miss and is removed.
 - Capacity: the records' bytes (headers included) stay within `size`; a put first evicts the
-  least recently used records (`LruBook`). The order survives restarts: a record's modification
-  time is stamped with its last use (its write, its latest hit), and a restart orders by it.
+  least recently used records (`LruBook`). A file system that runs out of space first lowers the
+  bound to what the tier holds then (the put that met it fails; later ones evict). The order
+  survives restarts: a record's modification time is stamped with its last use (its write, its
+  latest hit), and a restart orders by it.
 - One process per directory: a second process gets a start-up error rather than a directory
   whose capacity and eviction order two processes would keep apart. The lock dies with its
   process, SIGKILL included, so a restart after a crash takes the directory over at once.
@@ -38,7 +40,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +58,9 @@ from hicache.config import Bytes, Layout, StoreTierConfig
 log = logging.getLogger(__name__)
 
 MISSING = -errno.ENOENT
+
+_Object = tuple[list[memoryview], list[int]]
+"""An object's pieces as memoryviews, and their addresses."""
 
 
 class DiskTierConfig(StoreTierConfig):
@@ -88,6 +93,8 @@ class DiskStats:
 
     records: int
     bytes_used: int
+    capacity: int
+    """Bytes the records may take: `size`, or less once the file system ran out of space."""
     keys_got: int
     bytes_got: int
     keys_put: int
@@ -167,6 +174,13 @@ class LruBook:
             if nbytes is not None:
                 self.used -= nbytes
             return nbytes is not None
+
+    def lower(self) -> None:
+        """The file system ran out of space below the capacity: what is held and being written
+        now becomes the capacity (for the life of this book), so that later puts evict the least
+        recently used records instead of failing."""
+        with self._lock:
+            self.capacity = min(self.capacity, self.used)
 
     def shrink(self) -> list[str]:
         """Records to remove so that the held ones fit the capacity (after a restart with a
@@ -317,7 +331,7 @@ class DiskTier(StoreTier):
         tensor = cast(torch.Tensor, memory)
         self._memory.add(tensor, memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
 
-    def _views(self, keys: list[str], buffers: Buffers) -> list[tuple[list[memoryview], list[int]]]:
+    def _views(self, keys: list[str], buffers: Buffers) -> list[_Object]:
         """Per object: memoryviews of its pieces, and their addresses. Checks the pieces."""
         at = self._memory.locate(keys, buffers)
         regions = self._memory.all()
@@ -344,16 +358,26 @@ class DiskTier(StoreTier):
         errno (-ENOENT: not held, or found damaged and removed)."""
         keys = check_keys(keys)
         objects = self._views(keys, buffers)
-        pool = self._check_open("get_into")
-        return list(pool.map(self._get_one, keys, objects))
+        return self._run("get_into", self._get_one, keys, objects)
 
     def put_from(self, keys: Sequence[str], buffers: Buffers) -> list[int]:
         """Write each object from its pieces, in parallel; per key 0 (stored, or held already:
         objects are named by content) or a negative errno."""
         keys = check_keys(keys)
+        for key in keys:
+            rec.check_key(key)
         objects = self._views(keys, buffers)
-        pool = self._check_open("put_from")
-        return list(pool.map(self._put_one, keys, objects))
+        return self._run("put_from", self._put_one, keys, objects)
+
+    def _run(
+        self, op: str, one: Callable[[str, _Object], int], keys: list[str], objects: list[_Object]
+    ) -> list[int]:
+        """`one` for every object on the I/O threads; StoreUnavailable unless the tier is open."""
+        pool = self._check_open(op)
+        try:
+            return list(pool.map(one, keys, objects))
+        except RuntimeError:  # closed meanwhile: the pool takes no more work
+            raise StoreUnavailable(f"disk {op}: tier is closed") from None
 
     def _check_open(self, op: str) -> ThreadPoolExecutor:
         if not self.available or self._pool is None:
@@ -361,7 +385,7 @@ class DiskTier(StoreTier):
             raise StoreUnavailable(f"disk {op}: tier is {state}")
         return self._pool
 
-    def _get_one(self, key: str, obj: tuple[list[memoryview], list[int]]) -> int:
+    def _get_one(self, key: str, obj: _Object) -> int:
         name = rec.file_name(key)
         if name not in self.book:
             self._count("misses")
@@ -406,7 +430,7 @@ class DiskTier(StoreTier):
             return -errno.EMSGSIZE
         return nbytes if got == rec.HEADER + nbytes else MISSING  # shorter: a torn record
 
-    def _put_one(self, key: str, obj: tuple[list[memoryview], list[int]]) -> int:
+    def _put_one(self, key: str, obj: _Object) -> int:
         name = rec.file_name(key)
         views, addresses = obj
         nbytes = sum(v.nbytes for v in views)
@@ -427,6 +451,8 @@ class DiskTier(StoreTier):
         except OSError as err:
             tmp.unlink(missing_ok=True)
             self.book.settle(name, written=False)
+            if err.errno == errno.ENOSPC:  # the file system is full before `size` is reached
+                self.book.lower()
             self._count("failed_puts")
             return -(err.errno or errno.EIO)
         self.book.settle(name, written=True)
@@ -490,7 +516,8 @@ class DiskTier(StoreTier):
         """A snapshot of the counters."""
         with self._count_lock:
             counts = dict(self._counts)
-        return DiskStats(records=len(self.book), bytes_used=self.book.used, **counts)
+        book = self.book
+        return DiskStats(records=len(book), bytes_used=book.used, capacity=book.capacity, **counts)
 
 
 def _why(err: OSError) -> str:

@@ -35,13 +35,17 @@ def file_name(key: str) -> str:
     return f"{digest[:2]}/{digest}"
 
 
+def check_key(key: str) -> None:
+    """ValueError naming the key if it does not fit a record's header."""
+    if _FIELDS.size + len(key.encode()) + 4 > HEADER:
+        raise ValueError(f"key {key[:40]!r}...: longer than a record header holds")
+
+
 def pack_header(out: memoryview, key: str, length: int) -> None:
-    """Write the header of a record of `length` payload bytes for `key` into `out` (HEADER
-    bytes). ValueError if the key does not fit."""
+    """Write the header of a record of `length` payload bytes for `key` (checked by
+    `check_key`) into `out` (HEADER bytes)."""
     raw = key.encode()
     end = _FIELDS.size + len(raw)
-    if end + 4 > HEADER:
-        raise ValueError(f"key of {len(raw)} bytes does not fit a record header")
     out[:HEADER] = bytes(HEADER)
     _FIELDS.pack_into(out, 0, MAGIC, length, len(raw))
     out[_FIELDS.size : end] = raw
