@@ -21,9 +21,10 @@ from itertools import compress, islice
 import numpy as np
 
 from hicache import native
+from hicache.eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
 from hicache.native.index import KEY_BYTES, KeyIndex, _packed, _TableIndex
 
-__all__ = ["Books", "CompiledBooks", "PythonBooks", "slot_books"]
+__all__ = ["Books", "CompiledBooks", "PolicyBooks", "PythonBooks", "slot_books"]
 
 _FREE, _RESERVED, _PUBLISHED = 0, 1, 2
 
@@ -267,12 +268,70 @@ class PythonBooks:
         return list(self._lru)
 
 
-Books = CompiledBooks | PythonBooks
+class PolicyBooks(PythonBooks):
+    """The Python books with the eviction order kept by a policy of `hicache.eviction` instead
+    of the LRU list. The compiled index still answers every lookup (a `match` costs the same);
+    only the stores and releases pay a few Python operations per page.
+
+    A published slot enters the policy when it first becomes idle (its store's lease released),
+    so the policy sees a request's new pages inserted, then its held pages touched, from last to
+    first: the order the trace tool's simulations use. Until then it is pinned, so never a
+    victim; `lru` lists it after the policy's order.
+    """
+
+    def __init__(self, capacity: int, index: KeyIndex, policy: EvictionPolicy) -> None:
+        super().__init__(capacity, index)
+        self._policy = policy
+        self._fresh: set[int] = set()  # published, not yet idle
+
+    def unpin(self, slots: Sequence[int]) -> None:
+        if not slots:
+            return
+        idx = np.asarray(slots, dtype=np.int64)
+        refs = self._refs
+        if refs[idx].min() <= 0:
+            raise _over_unpinned()
+        refs[idx] -= 1
+        policy, fresh = self._policy, self._fresh
+        for s in idx[refs[idx] == 0][::-1].tolist():
+            if not self._published[s]:
+                self._free.append(s)  # reserved, never published
+            elif s in fresh:
+                fresh.discard(s)
+                policy.insert(s)
+            else:
+                policy.touch(s)
+
+    def _evict(self, n: int) -> list[int]:
+        policy, refs = self._policy, self._refs
+        chosen: list[int] = []
+        while len(chosen) < n:
+            s = policy.victim(lambda slot: refs[slot] != 0)
+            if s is None:
+                break
+            policy.remove(s)
+            chosen.append(s)  # type: ignore[arg-type]
+        return chosen
+
+    def publish(self, slots: Sequence[int], keys: Sequence[bytes]) -> list[int]:
+        fresh = super().publish(slots, keys)
+        for s in fresh:  # the parent put them in the LRU list; here they wait to be idle
+            del self._lru[s]
+        self._fresh.update(fresh)
+        return fresh
+
+    def lru(self) -> list[int]:
+        return [*self._policy.order(), *sorted(self._fresh)]  # type: ignore[list-item]
 
 
-def slot_books(capacity: int, index: KeyIndex) -> Books:
-    """Books for `capacity` slots over `index`: compiled where the index is (they share its
-    table), in Python otherwise."""
+Books = CompiledBooks | PythonBooks | PolicyBooks
+
+
+def slot_books(capacity: int, index: KeyIndex, policy: str = DEFAULT_POLICY) -> Books:
+    """Books for `capacity` slots over `index`, evicting by `policy`: LRU in compiled books
+    where the index is compiled (they share its table), any policy in Python otherwise."""
+    if policy != DEFAULT_POLICY:
+        return PolicyBooks(capacity, index, make_policy(policy, capacity))
     lib = native.library()
     if isinstance(index, _TableIndex) and lib is not None:
         return CompiledBooks(capacity, index, lib)
