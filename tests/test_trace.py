@@ -14,7 +14,7 @@ from hicache import load_config
 from hicache.trace.cli import main, parse_host_size
 from hicache.trace.engine import ReplayEngine
 from hicache.trace.replay import ReplaySetup, Workload, replay, run_hicache, sweep
-from hicache.trace.simulate import LruSim, OracleSim, block_ceiling
+from hicache.trace.simulate import LruSim, OracleSim, PolicySim, block_ceiling
 from hicache.trace.workload import TraceRequest, page_ids, prompt_tokens, read_trace
 
 SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/synthetic_trace.jsonl"
@@ -104,6 +104,18 @@ def test_sweep_is_monotone_and_reaches_the_oracle(trace: Path) -> None:
     for frac, share in zip(fractions, lru):  # hicache's host tier is that exact LRU
         run = run_hicache(workload, setup, max(1, round(frac * workload.unique_pages)))
         assert run.wrong_bytes == 0 and run.share == share
+
+
+@pytest.mark.parametrize("policy", ["arc", "s3fifo", "prefix"])
+def test_hicache_evicts_exactly_as_the_policys_simulation(trace: Path, policy: str) -> None:
+    workload = Workload(read_trace(trace), 128)
+    setup = ReplaySetup(page_tokens=128, kv_bytes=64, policy=policy)
+    pages = workload.unique_pages // 10
+    run = run_hicache(workload, setup, pages)
+    sim = workload.simulate(PolicySim(pages, 128, 1, policy))
+    assert run.wrong_bytes == 0 and run.stats["pages_evicted"] == sim.evicted_pages > 0
+    assert run.hit_tokens["host"] == sim.hit_tokens > 0
+    assert sim.hit_tokens != workload.simulate(LruSim(pages, 128)).hit_tokens
 
 
 def test_wrong_bytes_are_caught(trace: Path) -> None:

@@ -99,6 +99,7 @@ class StoreTier(Tier):
     missing_code: int | None = None
     """The per-key code `get_into` gives for an object the store does not hold, if it has one:
     then a get may be asked without an exists first, and a miss is not counted as a failure."""
+
     @abstractmethod
     def start(self) -> None:
         """Begin connecting in the background and return at once."""

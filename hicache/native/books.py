@@ -273,10 +273,12 @@ class PolicyBooks(PythonBooks):
     of the LRU list. The compiled index still answers every lookup (a `match` costs the same);
     only the stores and releases pay a few Python operations per page.
 
-    A published slot enters the policy when it first becomes idle (its store's lease released),
-    so the policy sees a request's new pages inserted, then its held pages touched, from last to
-    first: the order the trace tool's simulations use. Until then it is pinned, so never a
-    victim; `lru` lists it after the policy's order.
+    The policy sees page keys, not slots (a slot holds many keys over time, and a policy's
+    memory of pages it gave up must not carry over to the slot's next page). A published slot
+    enters the policy when it first becomes idle (its store's lease released), so the policy
+    sees a request's new pages inserted, then its held pages touched, from last to first: the
+    order the trace tool's simulations use. Until then it is pinned, so never a victim; `lru`
+    lists it after the policy's order.
     """
 
     def __init__(self, capacity: int, index: KeyIndex, policy: EvictionPolicy) -> None:
@@ -292,25 +294,25 @@ class PolicyBooks(PythonBooks):
         if refs[idx].min() <= 0:
             raise _over_unpinned()
         refs[idx] -= 1
-        policy, fresh = self._policy, self._fresh
+        policy, fresh, key_of = self._policy, self._fresh, self._key
         for s in idx[refs[idx] == 0][::-1].tolist():
             if not self._published[s]:
                 self._free.append(s)  # reserved, never published
             elif s in fresh:
                 fresh.discard(s)
-                policy.insert(s)
+                policy.insert(key_of[s])
             else:
-                policy.touch(s)
+                policy.touch(key_of[s])
 
     def _evict(self, n: int) -> list[int]:
-        policy, refs = self._policy, self._refs
+        policy, refs, slot_of = self._policy, self._refs, self._index.get
         chosen: list[int] = []
         while len(chosen) < n:
-            s = policy.victim(lambda slot: refs[slot] != 0)
-            if s is None:
+            key = policy.victim(lambda k: refs[slot_of(k)] != 0)
+            if key is None:
                 break
-            policy.remove(s)
-            chosen.append(s)  # type: ignore[arg-type]
+            policy.remove(key)
+            chosen.append(slot_of(key))  # type: ignore[arg-type]
         return chosen
 
     def publish(self, slots: Sequence[int], keys: Sequence[bytes]) -> list[int]:
@@ -321,7 +323,8 @@ class PolicyBooks(PythonBooks):
         return fresh
 
     def lru(self) -> list[int]:
-        return [*self._policy.order(), *sorted(self._fresh)]  # type: ignore[list-item]
+        slot_of = self._index.get
+        return [*(slot_of(k) for k in self._policy.order()), *sorted(self._fresh)]  # type: ignore[misc]
 
 
 Books = CompiledBooks | PythonBooks | PolicyBooks

@@ -15,6 +15,8 @@ under the placement rules of hicache's host slots (`hicache.slots.SlotPool` driv
 - new pages take free slots first, then evict the policy's victims; when even that is not
   enough (the prompt is longer than the capacity), the leading new pages are kept and the rest
   dropped;
+- the pages of the hit are loaded, and touched (from last to first) when the load finishes,
+  before the store;
 - afterwards the policy sees the prompt's new pages inserted, from last to first, then its held
   pages touched, from last to first. Under LRU a prompt's first page is then the most recent of
   all and its tail goes before its head.
@@ -86,6 +88,8 @@ class PolicySim:
         res.prompt_tokens += prompt_tokens
         res.hit_tokens += hit * self.page_tokens
         res.limited_tokens += (found - hit) * self.page_tokens
+        for p in reversed(pages[:hit]):  # loaded: touched when the load's pins are released
+            held.touch(p)
         present = [p for p in pages if p in held]
         missing = [p for p in pages if p not in held]
         pinned = set(present)  # pinned for the store: never evicted for the same prompt
