@@ -235,11 +235,10 @@ class ARC(EvictionPolicy):
 class _FifoWithGhosts(EvictionPolicy):
     """S3-FIFO's structure (Yang et al.): new keys enter a small FIFO (a tenth of the capacity);
     one used again while there moves to the main FIFO when it reaches the small FIFO's end,
-    the others leave and are remembered as ghosts; a ghost that comes back enters the main
-    FIFO directly. The main FIFO gives each key as many second chances as it was used (up to
-    3). Subclasses set how many ghosts are remembered."""
+    the others leave and are remembered as ghosts (as many as the capacity); a ghost that comes
+    back enters the main FIFO directly. The main FIFO gives each key as many second chances as
+    it was used (up to 3)."""
 
-    GHOSTS_PER_SLOT = 1.0
     SMALL_SHARE = 0.1
     MAX_FREQ = 3
 
@@ -248,7 +247,7 @@ class _FifoWithGhosts(EvictionPolicy):
         self._small: OrderedDict[K, None] = OrderedDict()
         self._main: OrderedDict[K, None] = OrderedDict()
         self._freq: dict[K, int] = {}
-        self._ghosts = _Ghosts(round(self.GHOSTS_PER_SLOT * capacity))
+        self._ghosts = _Ghosts(capacity)
         self._small_cap = max(1, round(self.SMALL_SHARE * capacity))
 
     def insert(self, key: K, weight: float = 1.0) -> None:
@@ -310,27 +309,23 @@ class _FifoWithGhosts(EvictionPolicy):
 
 @register_policy("s3fifo")
 class S3FIFO(_FifoWithGhosts):
-    """S3-FIFO as published: as many ghosts as slots."""
+    """S3-FIFO as published."""
 
 
 @register_policy("prefix")
 class PrefixAware(_FifoWithGhosts):
-    """S3-FIFO's queues, shaped for prefix caches.
+    """S3-FIFO's queues, fed the way a prefix cache needs and weighing what a page saves.
 
-    - Long memory: a KV page is hundreds of KiB to MiB and a ghost is a 16-byte key, so this
-      remembers four times as many ghosts as it holds pages. Reuse of a prefix comes back after
-      minutes (a conversation's next turn, the next request on the same document), far beyond
-      the few seconds of traffic a small host tier holds; a page that comes back within that
-      memory skips the small FIFO.
     - Heads outlive tails: a request's pages arrive from last to first, so within each FIFO a
-      prompt's tail is ahead of its head and goes first; a page is never given up while the
-      pages after it in the same prompt are held unless those go in the same pass.
-    - Weight: a page worth more than an ordinary one (a hybrid model's state, weight > 1) enters
-      the main FIFO with a second chance; one that a lower tier also holds (weight < 1) enters
-      the small FIFO and is never remembered as a ghost, since losing it costs only a fetch.
+      prompt's tail is ahead of its head and goes first, and a page whose parent is gone (it
+      can never hit again) is not left behind.
+    - One-offs leave early: a page enters the small FIFO and leaves it unless it is used again
+      there, so the tail of a prompt nobody sends again costs a tenth of the tier at most.
+    - Weight: a page worth more than an ordinary one (a hybrid model's state, weight > 1)
+      enters the main FIFO with a second chance; one that a lower tier also holds (weight < 1)
+      enters the small FIFO and is never remembered as a ghost, since losing it costs a fetch,
+      not a prefill.
     """
-
-    GHOSTS_PER_SLOT = 4.0
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)

@@ -266,3 +266,10 @@ def test_first_requests_of_the_mooncake_trace() -> None:
     assert r["wrong_bytes"] == 0
     assert r["hit_share"] == r["lru_share"] < r["oracle_share"]
     assert r["lru_share"] <= r["belady_share"] <= r["oracle_share"]
+
+
+def test_the_sample_trace_in_the_repository_replays(capsys: pytest.CaptureFixture) -> None:
+    sample = Path(__file__).resolve().parents[1] / "examples/traces/mooncake_synthetic_300.jsonl"
+    assert main([str(sample), "--limit", "60", "--host-size", "5%"]) == 0
+    out = capsys.readouterr().out
+    assert "requests 60," in out and "wrong bytes in loaded pages: 0" in out
