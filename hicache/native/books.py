@@ -285,6 +285,7 @@ class PolicyBooks(PythonBooks):
         super().__init__(capacity, index)
         self._policy = policy
         self._fresh: set[int] = set()  # published, not yet idle
+        self._slot_of: dict[bytes, int] = {}  # the slot of each published key
 
     def unpin(self, slots: Sequence[int]) -> None:
         if not slots:
@@ -305,26 +306,32 @@ class PolicyBooks(PythonBooks):
                 policy.touch(key_of[s])
 
     def _evict(self, n: int) -> list[int]:
-        policy, refs, slot_of = self._policy, self._refs, self._index.get
+        policy, refs, slot_of = self._policy, self._refs, self._slot_of
+
+        def busy(key: bytes) -> bool:
+            return refs[slot_of[key]] != 0
+
         chosen: list[int] = []
         while len(chosen) < n:
-            key = policy.victim(lambda k: refs[slot_of(k)] != 0)
+            key = policy.victim(busy)
             if key is None:
                 break
             policy.remove(key)
-            chosen.append(slot_of(key))  # type: ignore[arg-type]
+            chosen.append(slot_of.pop(key))  # type: ignore[call-overload]
         return chosen
 
     def publish(self, slots: Sequence[int], keys: Sequence[bytes]) -> list[int]:
         fresh = super().publish(slots, keys)
+        key_of, slot_of = self._key, self._slot_of
         for s in fresh:  # the parent put them in the LRU list; here they wait to be idle
             del self._lru[s]
+            slot_of[key_of[s]] = s  # type: ignore[index]
         self._fresh.update(fresh)
         return fresh
 
     def lru(self) -> list[int]:
-        slot_of = self._index.get
-        return [*(slot_of(k) for k in self._policy.order()), *sorted(self._fresh)]  # type: ignore[misc]
+        slot_of = self._slot_of
+        return [*(slot_of[k] for k in self._policy.order()), *sorted(self._fresh)]  # type: ignore[index]
 
 
 Books = CompiledBooks | PythonBooks | PolicyBooks
