@@ -313,18 +313,19 @@ class S3FIFO(_FifoWithGhosts):
 
 
 @register_policy("prefix")
-class PrefixAware(_FifoWithGhosts):
-    """S3-FIFO's queues, fed the way a prefix cache needs and weighing what a page saves.
+class PrefixAware(ARC):
+    """ARC, fed the way a prefix cache needs, and weighing what a page saves.
 
-    - Heads outlive tails: a request's pages arrive from last to first, so within each FIFO a
-      prompt's tail is ahead of its head and goes first, and a page whose parent is gone (it
-      can never hit again) is not left behind.
-    - One-offs leave early: a page enters the small FIFO and leaves it unless it is used again
-      there, so the tail of a prompt nobody sends again costs a tenth of the tier at most.
+    - Heads outlive tails: a request's pages arrive from last to first, so within each list a
+      prompt's tail is older than its head and goes first; a page whose parent is gone (it can
+      never hit again) is not left behind.
     - Weight: a page worth more than an ordinary one (a hybrid model's state, weight > 1)
-      enters the main FIFO with a second chance; one that a lower tier also holds (weight < 1)
-      enters the small FIFO and is never remembered as a ghost, since losing it costs a fetch,
-      not a prefill.
+      enters the frequency list T2 directly; one that a lower tier also holds (weight < 1)
+      enters T1 at its old end, first to go, and leaves no ghost, since losing it costs a
+      fetch, not a prefill.
+
+    Without weights it orders pages exactly as ARC: docs/eviction.md says what else was tried
+    on the traces measured and why none of it is here.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -333,21 +334,22 @@ class PrefixAware(_FifoWithGhosts):
 
     def insert(self, key: K, weight: float = 1.0) -> None:
         if weight < 1.0:
-            self._freq[key] = 0
-            self._small[key] = None
+            self._t1[key] = None
+            self._t1.move_to_end(key, last=False)
             self._cheap.add(key)
-            return
-        super().insert(key, weight)
-        if weight > 1.0:
-            self._freq[key] = 1
-            if self._small.pop(key, 0) is None:
-                self._main[key] = None
+        elif weight > 1.0:
+            self._b1.take(key) or self._b2.take(key)
+            self._t2[key] = None
+        else:
+            super().insert(key, weight)
+
+    def touch(self, key: K) -> None:
+        self._cheap.discard(key)  # used again: as dear as any page
+        super().touch(key)
 
     def remove(self, key: K) -> None:
         if key in self._cheap:
             self._cheap.discard(key)
-            del self._freq[key]
-            if self._small.pop(key, 0) is not None:
-                del self._main[key]
+            del self._t1[key]
             return
         super().remove(key)

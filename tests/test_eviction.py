@@ -3,6 +3,8 @@ trace tool against hand-computed optima; a tier's `policy:` reaching its books."
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from hicache.config import ConfigError, load_config
@@ -65,21 +67,28 @@ def test_s3fifo_drops_one_offs_and_keeps_what_was_used_again() -> None:
 
 
 def test_prefix_weighs_pages() -> None:
-    q = make_policy("prefix", 10)  # small FIFO of one key
-    q.insert(1, weight=0.5)  # a lower tier holds it: cheap to lose, never a ghost
-    q.insert(2, weight=2.0)  # a state page: main FIFO with a second chance
-    q.insert(3)
-    q.insert(4)
-    assert q.order() == [1, 3, 4, 2]
-    assert q.victim() == 1
-    q.remove(1)
-    assert q.victim() == 3
-    q.remove(3)
-    assert list(q.ghosts()) == [3]  # the ordinary page is remembered, the cheap one not
+    q = make_policy("prefix", 4)
     q.insert(1)
-    q.insert(3)  # a ghost comes back: straight into the main FIFO
-    assert q.order() == [4, 1, 2, 3]
-    assert evict_all(q) == [4, 1, 3, 2]  # 2 used its second chance first
+    q.insert(2, weight=0.5)  # a lower tier holds it: first to go, leaves no ghost
+    q.insert(3, weight=2.0)  # a state page: straight into the frequency list
+    q.insert(4)
+    assert q.order() == [2, 1, 4, 3]
+    assert evict_all(q) == [2, 1, 4, 3]
+    assert list(q._b1._q) == [1, 4] and list(q._b2._q) == [3]
+    q.insert(5, weight=0.5)
+    q.touch(5)  # used again: an ordinary page of T2, a ghost when it goes
+    assert evict_all(q) == [5] and list(q._b2._q) == [3, 5]
+
+
+def test_prefix_without_weights_orders_as_arc() -> None:
+    arc, prefix = PolicySim(16, 1, policy="arc"), PolicySim(16, 1, policy="prefix")
+    rng = random.Random(5)
+    for _ in range(300):
+        head = rng.randrange(6)
+        pages = [head * 100 + i for i in range(rng.randint(1, 6))]
+        pages += [rng.randrange(10**6) for _ in range(rng.randint(0, 4))]
+        assert arc.request(pages, len(pages) + 1) == prefix.request(pages, len(pages) + 1)
+    assert arc.evictions == prefix.evictions and len(arc.evictions) > 100
 
 
 @pytest.mark.parametrize("name", ["lru", "arc", "s3fifo", "prefix"])
