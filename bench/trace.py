@@ -118,6 +118,10 @@ def main() -> None:
         "commit": commit(),
         "machine": f"{args.machine}: {platform.machine()}, {platform.processor() or 'cpu'}",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "trace": args.trace.name,
+        "requests": report["requests"],
+        "unique_pages": report["unique_pages"],
+        "page_tokens": report["page_tokens"],
         "default_policy": report["default_policy"],
         "sweep": report["sweep"],
         "replay": {
