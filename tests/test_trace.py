@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 from hicache import load_config
 from hicache.trace.cli import main, parse_host_size
 from hicache.trace.engine import ReplayEngine
+from hicache.trace.progress import Progress
 from hicache.trace.replay import ReplaySetup, Workload, replay, run_hicache, sweep
 from hicache.trace.simulate import LruSim, OracleSim, PolicySim, block_ceiling
 from hicache.trace.workload import TraceRequest, page_ids, prompt_tokens, read_trace
@@ -273,3 +275,16 @@ def test_the_sample_trace_in_the_repository_replays(capsys: pytest.CaptureFixtur
     assert main([str(sample), "--limit", "60", "--host-size", "5%"]) == 0
     out = capsys.readouterr().out
     assert "requests 60," in out and "wrong bytes in loaded pages: 0" in out
+
+
+def test_progress_bar_draws_and_clears_only_when_shown() -> None:
+    out = io.StringIO()
+    with Progress(4, show=True, stream=out) as bar:
+        for _ in range(4):
+            bar.advance()
+    text = out.getvalue()
+    assert "[" + "#" * Progress.WIDTH + "] 100%" in text and text.endswith("\r")
+    quiet = io.StringIO()
+    with Progress(4, show=False, stream=quiet) as bar:
+        bar.advance(4)
+    assert quiet.getvalue() == "" and bar.done == 4
