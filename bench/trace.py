@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import subprocess
@@ -92,6 +93,16 @@ def match_cost(requests: list[TraceRequest], policy: str, fraction: float) -> di
     return {"match": m["total"], "match_median": m["median"], "store": s["total"]}
 
 
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def commit() -> str:
     out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
     return out.stdout.strip() or "unknown"
@@ -116,7 +127,7 @@ def main() -> None:
     second = Workload(conversation_requests(), 128)
     result = {
         "commit": commit(),
-        "machine": f"{args.machine}: {platform.machine()}, {platform.processor() or 'cpu'}",
+        "machine": f"{args.machine}: {os.cpu_count()} CPUs ({platform.machine()}), {cpu_model()}",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "trace": args.trace.name,
         "requests": report["requests"],
