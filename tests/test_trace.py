@@ -271,7 +271,7 @@ def test_first_requests_of_the_mooncake_trace() -> None:
 
 
 def test_the_sample_trace_in_the_repository_replays(capsys: pytest.CaptureFixture) -> None:
-    sample = Path(__file__).resolve().parents[1] / "examples/traces/mooncake_synthetic_300.jsonl"
+    sample = Path(__file__).resolve().parents[1] / "examples/traces/mooncake_synthetic_500.jsonl"
     assert main([str(sample), "--limit", "60", "--host-size", "5%"]) == 0
     out = capsys.readouterr().out
     assert "requests 60," in out and "wrong bytes in loaded pages: 0" in out
