@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from hicache.eviction import DEFAULT_POLICY
 from hicache.native.books import slot_books
 from hicache.native.index import key_index
 
@@ -74,17 +75,26 @@ class Lease:
 
 
 class SlotPool:
-    """`capacity` slots indexed by 16-byte key, with pins and LRU eviction of unpinned slots."""
+    """`capacity` slots indexed by 16-byte key, with pins and eviction of unpinned slots by a
+    policy (LRU unless told otherwise)."""
 
     def __init__(
-        self, capacity: int, on_evict: EvictHook | None = None, *, compiled: bool = True
+        self,
+        capacity: int,
+        on_evict: EvictHook | None = None,
+        *,
+        compiled: bool = True,
+        policy: str = DEFAULT_POLICY,
     ) -> None:
-        """`compiled=False` keeps the books and the index in Python (tests compare the two)."""
+        """`compiled=False` keeps the books and the index in Python (tests compare the two).
+        `policy` names the eviction policy (`hicache.eviction`); LRU's books are compiled, the
+        others' are kept in Python over the same index."""
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
+        self.policy = policy
         self._index = key_index(capacity, compiled=compiled)
-        self._books = slot_books(capacity, self._index)
+        self._books = slot_books(capacity, self._index, policy)
         self._on_evict = on_evict
         self.evicted = 0
 

@@ -5,16 +5,22 @@ runs, and at the end no pin, slot or request may be left behind."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from fake_engine import FakeEngine, FakeStates, config, kv_bytes
+
+from hicache.eviction import policy_names
 
 P = 4
 
 
-def test_soak_keeps_books_exact_and_leaks_nothing():
+@pytest.mark.parametrize("policy", policy_names())
+def test_soak_keeps_books_exact_and_leaks_nothing(policy: str) -> None:
     rng = np.random.default_rng(2026)
     states = FakeStates(slots=64, state_bytes=16, history_tokens=12)
+    cfg = config(page_bytes=32, host_pages=48, state_bytes=16, state_slots=24)
+    cfg["tiers"][0]["policy"] = policy
     e = FakeEngine(
-        config(page_bytes=32, host_pages=48, state_bytes=16, state_slots=24),
+        cfg,
         num_blocks=512,
         states=states,
     )

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,8 +14,9 @@ import pytest
 from hicache import load_config
 from hicache.trace.cli import main, parse_host_size
 from hicache.trace.engine import ReplayEngine
+from hicache.trace.progress import Progress
 from hicache.trace.replay import ReplaySetup, Workload, replay, run_hicache, sweep
-from hicache.trace.simulate import LruSim, OracleSim, block_ceiling
+from hicache.trace.simulate import LruSim, OracleSim, PolicySim, block_ceiling
 from hicache.trace.workload import TraceRequest, page_ids, prompt_tokens, read_trace
 
 SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/synthetic_trace.jsonl"
@@ -88,12 +92,32 @@ def test_cap_counts_limited_tokens_the_same_way(trace: Path) -> None:
 def test_sweep_is_monotone_and_reaches_the_oracle(trace: Path) -> None:
     workload = Workload(read_trace(trace), 128)
     setup = ReplaySetup(page_tokens=128, kv_bytes=64)
-    points = sweep(workload, setup, (0.1, 0.25, 0.5, 0.75, 1.0), with_hicache=True)
-    shares = [p["lru_share"] for p in points]
-    assert shares == sorted(shares) and shares[0] < shares[-1]
-    assert [p["hicache_share"] for p in points] == shares
-    assert all(p["wrong_bytes"] == 0 for p in points)
-    assert shares[-1] == workload.simulate(OracleSim(128)).share  # everything fits
+    fractions = (0.1, 0.25, 0.5, 1.0)
+    rows = sweep(workload, setup, fractions)
+    assert [r["policy"] for r in rows[:4]] == ["lru", "arc", "s3fifo", "prefix"]
+    assert len(rows) == 4 * len(fractions)
+    lru = [r["lru_share"] for r in rows if r["policy"] == "lru"]
+    assert lru == [r["hit_share"] for r in rows if r["policy"] == "lru"]
+    assert lru == sorted(lru) and lru[0] < lru[-1]
+    for r in rows:  # the offline reference is the ceiling of every policy at its capacity
+        assert r["hit_share"] <= r["belady_share"]
+    oracle = workload.simulate(OracleSim(128)).share
+    assert {r["hit_share"] for r in rows if r["host_fraction"] == 1.0} == {oracle}
+    for frac, share in zip(fractions, lru):  # hicache's host tier is that exact LRU
+        run = run_hicache(workload, setup, max(1, round(frac * workload.unique_pages)))
+        assert run.wrong_bytes == 0 and run.share == share
+
+
+@pytest.mark.parametrize("policy", ["arc", "s3fifo", "prefix"])
+def test_hicache_evicts_exactly_as_the_policys_simulation(trace: Path, policy: str) -> None:
+    workload = Workload(read_trace(trace), 128)
+    setup = ReplaySetup(page_tokens=128, kv_bytes=64, policy=policy)
+    pages = workload.unique_pages // 10
+    run = run_hicache(workload, setup, pages)
+    sim = workload.simulate(PolicySim(pages, 128, 1, policy))
+    assert run.wrong_bytes == 0 and run.stats["pages_evicted"] == sim.evicted_pages > 0
+    assert run.hit_tokens["host"] == sim.hit_tokens > 0
+    assert sim.hit_tokens != workload.simulate(LruSim(pages, 128)).hit_tokens
 
 
 def test_wrong_bytes_are_caught(trace: Path) -> None:
@@ -117,9 +141,9 @@ def test_lru_sim_by_hand() -> None:
     sim = LruSim(capacity=3, page_tokens=1)
     assert sim.request([1, 2], 2) == 0  # held, oldest first: 2, 1
     assert sim.request([3, 4], 2) == 0  # evicts 2: 1, 4, 3
-    assert list(sim.held) == [1, 4, 3]
+    assert sim.policy.order() == [1, 4, 3]
     assert sim.request([1, 5], 2) == 1  # 1 is held (pinned); evicts 4; 5 then 1 most recent
-    assert list(sim.held) == [3, 5, 1]
+    assert sim.policy.order() == [3, 5, 1]
     assert (sim.result.evicted_pages, sim.result.hit_tokens, sim.result.prompt_tokens) == (2, 1, 6)
     assert sim.request([1, 5], 2) == 1  # the cap: one token of two recomputed
     assert sim.result.limited_tokens == 1
@@ -128,7 +152,7 @@ def test_lru_sim_by_hand() -> None:
 def test_lru_sim_keeps_the_head_of_a_prompt_longer_than_the_pool() -> None:
     sim = LruSim(capacity=2, page_tokens=1)
     sim.request([1, 2, 3, 4], 4)
-    assert list(sim.held) == [2, 1] and sim.result.dropped_pages == 2
+    assert sim.policy.order() == [2, 1] and sim.result.dropped_pages == 2
 
 
 def test_page_ids_name_prefixes() -> None:
@@ -190,6 +214,7 @@ def test_cli_writes_the_report(trace: Path, tmp_path: Path, capsys: pytest.Captu
             "40%",
             "--fractions",
             "0.2,1",
+            "--sweep",
         ]
     )
     assert rc == 0
@@ -197,7 +222,16 @@ def test_cli_writes_the_report(trace: Path, tmp_path: Path, capsys: pytest.Captu
     assert r["requests"] == 150 and r["wrong_bytes"] == 0
     assert r["hit_share"] == r["lru_share"] <= r["oracle_share"]
     assert r["match_us_per_page"] > 0 and r["store_us_per_page"] > 0
-    assert [p["fraction"] for p in r["sweep"]] == [0.2, 1.0]
+    assert r["default_policy"] == "lru" and r["policy"] == "lru"
+    assert [(p["policy"], p["host_fraction"]) for p in r["sweep"]][:5] == [
+        ("lru", 0.2),
+        ("arc", 0.2),
+        ("s3fifo", 0.2),
+        ("prefix", 0.2),
+        ("lru", 1.0),
+    ]
+    assert set(r["sweep"][0]) >= {"policy", "host_fraction", "hit_share", "lru_share"}
+    assert all(p["hit_share"] <= p["belady_share"] for p in r["sweep"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "exact LRU" in capsys.readouterr().out
 
@@ -206,6 +240,25 @@ def test_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) ->
     missing = tmp_path / "none.jsonl"
     assert main([str(missing)]) == 2
     assert "hicache trace:" in capsys.readouterr().err
+    huge = tmp_path / "huge.jsonl"
+    huge.write_text(f'{{"timestamp": 0, "input_length": 512, "hash_ids": [{2**70}]}}\n')
+    assert main([str(huge)]) == 2
+    assert "is too large (at most" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_fails_before_the_run(
+    trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A child process where matplotlib cannot be imported: exit 2 at once, one line."""
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from hicache.trace.cli import main\n"
+        f"sys.exit(main([{str(trace)!r}, '--plot', {str(tmp_path / 'x.png')!r}]))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "hicache trace: --plot needs matplotlib (pip install matplotlib)"
+    assert done.stdout == "" and not (tmp_path / "x.png").exists()
 
 
 @pytest.mark.skipif(not SHARED_TRACE.exists(), reason="the shared Mooncake trace is not here")
@@ -214,3 +267,24 @@ def test_first_requests_of_the_mooncake_trace() -> None:
     r = replay(workload, ReplaySetup(), workload.unique_pages // 3, fractions=(0.5,))
     assert r["wrong_bytes"] == 0
     assert r["hit_share"] == r["lru_share"] < r["oracle_share"]
+    assert r["lru_share"] <= r["belady_share"] <= r["oracle_share"]
+
+
+def test_the_sample_trace_in_the_repository_replays(capsys: pytest.CaptureFixture) -> None:
+    sample = Path(__file__).resolve().parents[1] / "examples/traces/mooncake_synthetic_500.jsonl"
+    assert main([str(sample), "--limit", "60", "--host-size", "5%"]) == 0
+    out = capsys.readouterr().out
+    assert "requests 60," in out and "wrong bytes in loaded pages: 0" in out
+
+
+def test_progress_bar_draws_and_clears_only_when_shown() -> None:
+    out = io.StringIO()
+    with Progress(4, show=True, stream=out) as bar:
+        for _ in range(4):
+            bar.advance()
+    text = out.getvalue()
+    assert "[" + "#" * Progress.WIDTH + "] 100%" in text and text.endswith("\r")
+    quiet = io.StringIO()
+    with Progress(4, show=False, stream=quiet) as bar:
+        bar.advance(4)
+    assert quiet.getvalue() == "" and bar.done == 4

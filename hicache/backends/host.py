@@ -15,11 +15,12 @@ from collections.abc import Callable
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from hicache.backends.base import PoolTier
 from hicache.backends.registry import register_tier
 from hicache.config import Bytes, ConfigError, Layout, TierConfig
+from hicache.eviction import DEFAULT_POLICY, make_policy
 from hicache.kernels import PagedBuffer
 from hicache.memory import HostMemory
 from hicache.slots import EvictHook, SlotPool
@@ -37,6 +38,14 @@ class HostTierConfig(TierConfig):
     """State slots, used only where the layout has states."""
     pin: Literal["auto", "yes", "no"] = "auto"
     """Page-lock the pools: auto pins where CUDA is available."""
+    policy: str = DEFAULT_POLICY
+    """Eviction policy of the page slots: lru, arc, s3fifo or prefix (docs/eviction.md)."""
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        make_policy(name, 0)  # ValueError naming the known policies
+        return name
 
 
 @register_tier("host", HostTierConfig)
@@ -63,7 +72,7 @@ class HostTier(PoolTier):
             raise ConfigError(
                 f"host tier size {config.size} is smaller than one page ({layout.page_size} bytes)"
             )
-        self.page_slots = SlotPool(slots, on_evict)
+        self.page_slots = SlotPool(slots, on_evict, policy=config.policy)
         self.state_slots = SlotPool(config.state_slots if layout.state_bytes else 0)
         self._pin = {"auto": torch.cuda.is_available(), "yes": True, "no": False}[config.pin]
         self._page_memory: HostMemory | None = None

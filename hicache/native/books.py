@@ -21,9 +21,10 @@ from itertools import compress, islice
 import numpy as np
 
 from hicache import native
+from hicache.eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
 from hicache.native.index import KEY_BYTES, KeyIndex, _packed, _TableIndex
 
-__all__ = ["Books", "CompiledBooks", "PythonBooks", "slot_books"]
+__all__ = ["Books", "CompiledBooks", "PolicyBooks", "PythonBooks", "slot_books"]
 
 _FREE, _RESERVED, _PUBLISHED = 0, 1, 2
 
@@ -267,12 +268,80 @@ class PythonBooks:
         return list(self._lru)
 
 
-Books = CompiledBooks | PythonBooks
+class PolicyBooks(PythonBooks):
+    """The Python books with the eviction order kept by a policy of `hicache.eviction` instead
+    of the LRU list. The compiled index still answers every lookup (a `match` costs the same);
+    only the stores and releases pay a few Python operations per page.
+
+    The policy sees page keys, not slots (a slot holds many keys over time, and a policy's
+    memory of pages it gave up must not carry over to the slot's next page). A published slot
+    enters the policy when it first becomes idle (its store's lease released), so the policy
+    sees a request's new pages inserted, then its held pages touched, from last to first: the
+    order the trace tool's simulations use. Until then it is pinned, so never a victim; `lru`
+    lists it after the policy's order.
+    """
+
+    def __init__(self, capacity: int, index: KeyIndex, policy: EvictionPolicy) -> None:
+        super().__init__(capacity, index)
+        self._policy = policy
+        self._fresh: set[int] = set()  # published, not yet idle
+        self._slot_of: dict[bytes, int] = {}  # the slot of each published key
+
+    def unpin(self, slots: Sequence[int]) -> None:
+        if not slots:
+            return
+        idx = np.asarray(slots, dtype=np.int64)
+        refs = self._refs
+        if refs[idx].min() <= 0:
+            raise _over_unpinned()
+        refs[idx] -= 1
+        policy, fresh, key_of = self._policy, self._fresh, self._key
+        for s in idx[refs[idx] == 0][::-1].tolist():
+            if not self._published[s]:
+                self._free.append(s)  # reserved, never published
+            elif s in fresh:
+                fresh.discard(s)
+                policy.insert(key_of[s])
+            else:
+                policy.touch(key_of[s])
+
+    def _evict(self, n: int) -> list[int]:
+        policy, refs, slot_of = self._policy, self._refs, self._slot_of
+
+        def busy(key: bytes) -> bool:
+            return refs[slot_of[key]] != 0
+
+        chosen: list[int] = []
+        while len(chosen) < n:
+            key = policy.victim(busy)
+            if key is None:
+                break
+            policy.remove(key)
+            chosen.append(slot_of.pop(key))  # type: ignore[call-overload]
+        return chosen
+
+    def publish(self, slots: Sequence[int], keys: Sequence[bytes]) -> list[int]:
+        fresh = super().publish(slots, keys)
+        key_of, slot_of = self._key, self._slot_of
+        for s in fresh:  # the parent put them in the LRU list; here they wait to be idle
+            del self._lru[s]
+            slot_of[key_of[s]] = s  # type: ignore[index]
+        self._fresh.update(fresh)
+        return fresh
+
+    def lru(self) -> list[int]:
+        slot_of = self._slot_of
+        return [*(slot_of[k] for k in self._policy.order()), *sorted(self._fresh)]  # type: ignore[index]
 
 
-def slot_books(capacity: int, index: KeyIndex) -> Books:
-    """Books for `capacity` slots over `index`: compiled where the index is (they share its
-    table), in Python otherwise."""
+Books = CompiledBooks | PythonBooks | PolicyBooks
+
+
+def slot_books(capacity: int, index: KeyIndex, policy: str = DEFAULT_POLICY) -> Books:
+    """Books for `capacity` slots over `index`, evicting by `policy`: LRU in compiled books
+    where the index is compiled (they share its table), any policy in Python otherwise."""
+    if policy != DEFAULT_POLICY:
+        return PolicyBooks(capacity, index, make_policy(policy, capacity))
     lib = native.library()
     if isinstance(index, _TableIndex) and lib is not None:
         return CompiledBooks(capacity, index, lib)

@@ -7,13 +7,16 @@ input error.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
 from pydantic import TypeAdapter, ValidationError
 
 from hicache.config import Bytes, ConfigError, HiCacheConfig, load_config
-from hicache.trace.replay import DEFAULT_FRACTIONS, ReplaySetup, Workload, replay
+from hicache.eviction import DEFAULT_POLICY, policy_names
+from hicache.trace.progress import Progress
+from hicache.trace.replay import DEFAULT_FRACTIONS, ReplaySetup, Workload, replay, sweep_steps
 from hicache.trace.report import plot, table, write_json
 from hicache.trace.workload import BLOCK_TOKENS, read_trace
 
@@ -87,15 +90,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, dest="json_out", help="write the report as JSON here")
     p.add_argument("--plot", type=Path, help="write the capacity sweep as a PNG here")
     p.add_argument(
-        "--sim-sweep",
+        "--policy",
+        choices=policy_names(),
+        help=f"the host tier's eviction policy (default: the config's, else {DEFAULT_POLICY})",
+    )
+    p.add_argument(
+        "--sweep",
         action="store_true",
-        help="sweep with the simulations only (hicache runs at --host-size alone)",
+        help="simulate every eviction policy and the offline reference at each capacity of "
+        "--fractions (without it the sweep runs only the host tier's policy)",
     )
     p.add_argument(
         "--fractions",
         type=_fractions,
         default=DEFAULT_FRACTIONS,
-        help="sweep capacities as fractions of the distinct pages, comma-separated",
+        help="sweep capacities as fractions of the distinct pages, comma-separated "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--progress",
+        action="store_true",
+        help="show a progress bar on stderr (shown anyway when stderr is a terminal)",
     )
     p.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS, help=argparse.SUPPRESS)
     return p
@@ -103,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print("hicache trace: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        return 2
     try:
         base: HiCacheConfig | None = load_config(args.config) if args.config else None
         layout = base.layout if base else None
@@ -112,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_bytes=args.kv_bytes,
             base=base,
             block_tokens=args.block_tokens,
+            policy=args.policy,
         )
         requests = read_trace(args.trace, args.limit, args.block_tokens)
         if not requests:
@@ -123,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
             host = base.tier("host") if base else None
             spec = str(host.size) if host is not None and model_page else DEFAULT_HOST_SIZE
         pages = parse_host_size(spec, workload.unique_pages, model_page)
-        result = replay(workload, setup, pages, args.fractions, not args.sim_sweep)
+        policies = policy_names() if args.sweep else [setup.eviction]
+        steps = len(requests) + sweep_steps(args.fractions, policies)
+        with Progress(steps, show=args.progress or sys.stderr.isatty()) as bar:
+            result = replay(workload, setup, pages, args.fractions, policies, bar.advance)
     except (ConfigError, ValueError, OSError) as err:
         print(f"hicache trace: {err}", file=sys.stderr)
         return 2
@@ -132,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         write_json(result, args.json_out)
     if args.plot:
-        plot(result, args.plot, title=f"{args.trace.name}: hit share vs host capacity")
+        plot(result, args.plot, title=f"{args.trace.name}: prefix hit share vs host capacity")
     return 1 if result["wrong_bytes"] else 0
 
 

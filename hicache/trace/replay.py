@@ -1,8 +1,9 @@
 """Replay a trace through hicache and the reference caches; sweep the host capacity.
 
-`replay` runs one capacity through a real `HiCache` (via `ReplayEngine`) and through the exact
-LRU simulation and the infinite cache; `sweep` runs the simulation (and, if asked, hicache) at
-several capacities. Shares are hit tokens over prompt tokens.
+`replay` runs one capacity through a real `HiCache` (via `ReplayEngine`, its host tier evicting
+by the chosen policy) and through the simulations of that policy, of LRU, of the offline
+reference and of the infinite cache; `sweep` runs the simulations of several policies at several
+capacities. Shares are hit tokens over prompt tokens.
 """
 
 from __future__ import annotations
@@ -15,11 +16,20 @@ from typing import Any
 
 from hicache import HiCacheConfig, Layout, load_config
 from hicache.backends.host import HostTierConfig
+from hicache.eviction import DEFAULT_POLICY, make_policy, policy_names
 from hicache.trace.engine import ReplayEngine, Timings
-from hicache.trace.simulate import LruSim, OracleSim, SimResult, block_ceiling
+from hicache.trace.simulate import (
+    FarthestNextUse,
+    LruSim,
+    OracleSim,
+    PolicySim,
+    SimResult,
+    block_ceiling,
+    next_uses,
+)
 from hicache.trace.workload import BLOCK_TOKENS, TraceRequest, page_ids, prompt_tokens
 
-DEFAULT_FRACTIONS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)
+DEFAULT_FRACTIONS = (0.02, 0.05, 0.1, 0.25, 1.0)
 """Host capacities of the sweep, as fractions of the trace's distinct pages."""
 
 
@@ -33,8 +43,11 @@ class ReplaySetup:
     base: HiCacheConfig | None = None
     """Tiers and policy to replay (the host tier's size is replaced); None: a host tier alone."""
     block_tokens: int = BLOCK_TOKENS
+    policy: str | None = None
+    """The host tier's eviction policy; None: the base config's, else the default."""
 
     def __post_init__(self) -> None:
+        make_policy(self.eviction, 0)  # a ValueError naming the known ones
         if self.page_tokens <= 0:
             raise ValueError(f"page_tokens must be positive, got {self.page_tokens}")
         if self.kv_bytes <= 0 or self.kv_bytes % 16:
@@ -50,6 +63,14 @@ class ReplaySetup:
         )
 
     @property
+    def eviction(self) -> str:
+        """The policy the replayed host tier evicts by."""
+        if self.policy is not None:
+            return self.policy
+        host = self.base.tier("host") if self.base else None
+        return host.policy if isinstance(host, HostTierConfig) else DEFAULT_POLICY
+
+    @property
     def min_recompute_tokens(self) -> int:
         return self.base.policy.min_recompute_tokens if self.base else 1
 
@@ -59,9 +80,12 @@ class ReplaySetup:
             raise ValueError(f"the host tier needs at least one page, got {host_pages}")
         size = host_pages * self.kv_bytes
         if self.base is None:
-            return load_config({"tiers": [{"type": "host", "size": size}]}, env={})
+            host = {"type": "host", "size": size, "policy": self.eviction}
+            return load_config({"tiers": [host]}, env={})
         tiers = [
-            t.model_copy(update={"size": size}) if isinstance(t, HostTierConfig) else t
+            t.model_copy(update={"size": size, "policy": self.eviction})
+            if isinstance(t, HostTierConfig)
+            else t
             for t in self.base.tiers
         ]
         return HiCacheConfig(tiers=tuple(tiers), policy=self.base.policy)
@@ -75,6 +99,7 @@ class Workload:
     page_tokens: int
     block_tokens: int = BLOCK_TOKENS
     pages: list[list[int]] = field(init=False)
+    _next_uses: list | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.pages = [page_ids(r, self.page_tokens, self.block_tokens) for r in self.requests]
@@ -91,8 +116,19 @@ class Workload:
     def max_blocks(self) -> int:
         return max((-(-r.input_length // self.page_tokens) for r in self.requests), default=1)
 
-    def simulate(self, sim: LruSim | OracleSim) -> SimResult:
+    def simulate(self, sim: PolicySim | OracleSim) -> SimResult:
         for req, ids in zip(self.requests, self.pages):
+            sim.request(ids, req.input_length)
+        return sim.result
+
+    def offline(self, capacity: int, min_recompute_tokens: int = 1) -> SimResult:
+        """The offline reference (farthest next use first) at `capacity` pages."""
+        if self._next_uses is None:
+            self._next_uses = next_uses(self.pages)
+        policy = FarthestNextUse(capacity)
+        sim = PolicySim(capacity, self.page_tokens, min_recompute_tokens, policy)
+        for req, ids, upcoming in zip(self.requests, self.pages, self._next_uses):
+            policy.upcoming = upcoming
             sim.request(ids, req.input_length)
         return sim.result
 
@@ -128,7 +164,7 @@ def run_hicache(
     run = HiCacheRun(host_pages=host_pages, hit_tokens={"host": 0})
     start = time.perf_counter()
     try:
-        for i, req in enumerate(workload.requests):
+        for req in workload.requests:
             out = engine.run(prompt_tokens(req, setup.block_tokens))
             run.prompt_tokens += out.prompt_tokens
             tiers = out.match.tier_tokens if out.hit_tokens else ()
@@ -137,7 +173,7 @@ def run_hicache(
             run.hit_tokens["host"] += out.hit_tokens - sum(tokens for _, tokens in tiers)
             run.limited_tokens += out.match.limited_tokens
             if progress is not None:
-                progress(i)
+                progress(1)
         run.stats = engine.cache.stats()
     finally:
         engine.close()
@@ -164,21 +200,42 @@ def sweep(
     workload: Workload,
     setup: ReplaySetup,
     fractions: Sequence[float] = DEFAULT_FRACTIONS,
-    with_hicache: bool = False,
+    policies: Sequence[str] | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Hit share at several host capacities (fractions of the distinct pages)."""
-    unique = workload.unique_pages
-    points = []
+    """Rows {policy, host_fraction, host_pages, hit_share, lru_share, belady_share}: each
+    policy's simulated hit share at each capacity (fractions of the distinct pages), beside
+    LRU's and the offline reference's at that capacity. `policies`: all registered ones."""
+    unique, P, floor = workload.unique_pages, setup.page_tokens, setup.min_recompute_tokens
+    names = list(policies) if policies is not None else policy_names()
+    rows = []
     for frac in fractions:
         pages = max(1, round(frac * unique))
-        lru = workload.simulate(LruSim(pages, setup.page_tokens, setup.min_recompute_tokens))
-        point: dict[str, Any] = {"fraction": frac, "host_pages": pages, "lru_share": lru.share}
-        if with_hicache:
-            run = run_hicache(workload, setup, pages)
-            point["hicache_share"] = run.share
-            point["wrong_bytes"] = run.wrong_bytes
-        points.append(point)
-    return points
+        shares = {}
+        for name in dict.fromkeys(["lru", *names]):
+            shares[name] = workload.simulate(PolicySim(pages, P, floor, name)).share
+            if progress is not None:
+                progress(1)
+        belady = workload.offline(pages, floor).share
+        if progress is not None:
+            progress(1)
+        for name in names:
+            rows.append(
+                {
+                    "policy": name,
+                    "host_fraction": frac,
+                    "host_pages": pages,
+                    "hit_share": shares[name],
+                    "lru_share": shares["lru"],
+                    "belady_share": belady,
+                }
+            )
+    return rows
+
+
+def sweep_steps(fractions: Sequence[float], policies: Sequence[str]) -> int:
+    """How many simulations `sweep` runs (for a progress bar)."""
+    return len(fractions) * (len(dict.fromkeys(["lru", *policies])) + 1)
 
 
 def replay(
@@ -186,13 +243,16 @@ def replay(
     setup: ReplaySetup,
     host_pages: int,
     fractions: Sequence[float] = DEFAULT_FRACTIONS,
-    sweep_hicache: bool = False,
+    policies: Sequence[str] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
-    """The whole report as a JSON-ready dict (the README on `hicache trace` lists the fields)."""
+    """The whole report as a JSON-ready dict (docs/eviction.md lists the fields). `policies`:
+    those the sweep runs (None: only the host tier's)."""
     P, floor = setup.page_tokens, setup.min_recompute_tokens
     run = run_hicache(workload, setup, host_pages, progress)
     lru = workload.simulate(LruSim(host_pages, P, floor))
+    same = workload.simulate(PolicySim(host_pages, P, floor, setup.eviction))
+    belady = workload.offline(host_pages, floor)
     oracle = workload.simulate(OracleSim(P, floor))
     total = workload.prompt_tokens
     t = run.timings
@@ -213,7 +273,11 @@ def replay(
         "host_fraction": host_pages / unique if unique else 0.0,
         "hit_share": run.share,
         "hit_share_by_tier": {k: v / total for k, v in run.hit_tokens.items()},
+        "policy": setup.eviction,
+        "policy_sim_share": same.share,
+        "default_policy": DEFAULT_POLICY,
         "lru_share": lru.share,
+        "belady_share": belady.share,
         "oracle_share": oracle.share,
         "block_ceiling": block_ceiling(workload.requests, setup.block_tokens),
         "limited_share": run.limited_tokens / total,
@@ -231,5 +295,11 @@ def replay(
         "calls": {"match": match, "store": store, "load": load},
         "replay_seconds": run.seconds,
         "stats": run.stats,
-        "sweep": sweep(workload, setup, fractions, sweep_hicache),
+        "sweep": sweep(
+            workload,
+            setup,
+            fractions,
+            [setup.eviction] if policies is None else policies,
+            progress=progress,
+        ),
     }

@@ -21,9 +21,11 @@ def table(result: dict[str, Any]) -> str:
     for tier, share in r["hit_share_by_tier"].items():
         lines.append(f"  hicache, {tier:<16} {pct(share)}")
     lines += [
-        f"  hicache, all tiers       {pct(r['hit_share'])}",
-        f"  exact LRU, same capacity {pct(r['lru_share'])}  "
-        f"(hicache - LRU: {_points(r['hit_share'] - r['lru_share'])} points)",
+        f"  hicache, all tiers       {pct(r['hit_share'])}  (host tier policy: {r['policy']})",
+        f"  {r['policy']} simulated{'':<{14 - len(r['policy'])}} {pct(r['policy_sim_share'])}  "
+        f"(hicache - simulation: {_points(r['hit_share'] - r['policy_sim_share'])} points)",
+        f"  exact LRU, same capacity {pct(r['lru_share'])}",
+        f"  offline farthest-next-use {pct(r['belady_share'])}",
         f"  infinite cache           {pct(r['oracle_share'])}",
         f"  trace ceiling per block  {pct(r['block_ceiling'])}  "
         "(512-token blocks, partial blocks counted, no cap)",
@@ -37,20 +39,22 @@ def table(result: dict[str, Any]) -> str:
             else ""
         ),
         "",
-        "CPU time per page       total   median of calls",
+        "engine-thread CPU time per page   total   median of calls",
     ]
     for name in ("match", "store", "load"):
         c = r["calls"][name]
         lines.append(
-            f"  {name:<8} {c['total']:9.3f} µs {c['median']:9.3f} µs   "
+            f"  {name:<18} {c['total']:9.3f} µs {c['median']:9.3f} µs   "
             f"({c['calls']:,} calls, {c['pages']:,} pages)"
         )
-    lines += ["", "capacity sweep (fraction of distinct pages: hit share)"]
-    for p in r["sweep"]:
-        row = f"  {p['fraction']:5.0%} {p['host_pages']:>9,} pages  LRU {pct(p['lru_share'])}"
-        if "hicache_share" in p:
-            row += f"  hicache {pct(p['hicache_share'])}"
-        lines.append(row)
+    lines += ["", "capacity sweep (fraction of distinct pages: simulated hit share)"]
+    names = list(dict.fromkeys(row["policy"] for row in r["sweep"]))
+    lines.append("  capacity " + "".join(f"{n:>9}" for n in names) + "  offline")
+    for frac in dict.fromkeys(row["host_fraction"] for row in r["sweep"]):
+        rows = {row["policy"]: row for row in r["sweep"] if row["host_fraction"] == frac}
+        cells = "".join(f"{pct(rows[n]['hit_share']):>9}" for n in names)
+        belady = next(iter(rows.values()))["belady_share"]
+        lines.append(f"  {frac:7.0%}  {cells}  {pct(belady)}")
     lines.append(f"  infinite cache: {pct(r['oracle_share'])}")
     return "\n".join(lines)
 
@@ -65,34 +69,46 @@ def write_json(result: dict[str, Any], path: str | Path) -> None:
 
 
 def plot(result: dict[str, Any], path: str | Path, title: str = "") -> None:
-    """Hit share against host capacity: LRU simulation, hicache points, the infinite cache.
+    """Hit share against host capacity: each simulated policy, the offline reference, the
+    replayed hicache point and the infinite cache. Needs matplotlib (the CLI checks first)."""
+    import matplotlib
 
-    Needs matplotlib (ImportError with a hint if it is missing).
-    """
-    try:
-        import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise ImportError("--plot needs matplotlib: pip install matplotlib") from err
-    pts = result["sweep"]
-    x = [p["fraction"] * 100 for p in pts]
+    rows = result["sweep"]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    ax.plot(x, [p["lru_share"] * 100 for p in pts], "o-", label="exact LRU (simulation)")
-    hx = [p["fraction"] * 100 for p in pts if "hicache_share" in p]
-    hy = [p["hicache_share"] * 100 for p in pts if "hicache_share" in p]
-    if result.get("host_fraction") is not None:
-        hx.append(result["host_fraction"] * 100)
-        hy.append(result["hit_share"] * 100)
-    ax.plot(hx, hy, "x", markersize=9, mew=2, label="hicache (replayed)")
-    ax.axhline(result["oracle_share"] * 100, color="gray", ls="--", label="infinite cache")
-    ax.set_xlabel("host capacity, % of the trace's distinct pages")
+    for name in dict.fromkeys(row["policy"] for row in rows):
+        mine = [row for row in rows if row["policy"] == name]
+        x = [row["host_fraction"] * 100 for row in mine]
+        ax.plot(x, [row["hit_share"] * 100 for row in mine], "o-", ms=4, label=name)
+    first = list(dict.fromkeys(row["host_fraction"] for row in rows))
+    offline = {row["host_fraction"]: row["belady_share"] for row in rows}
+    ax.plot(
+        [f * 100 for f in first],
+        [offline[f] * 100 for f in first],
+        "k^--",
+        ms=4,
+        label="offline (farthest next use)",
+    )
+    ax.plot(
+        [result["host_fraction"] * 100],
+        [result["hit_share"] * 100],
+        "x",
+        markersize=9,
+        mew=2,
+        label=f"hicache replayed ({result['policy']})",
+    )
+    ax.axhline(result["oracle_share"] * 100, color="gray", ls=":", label="infinite cache")
+    ax.set_xscale("log")
+    ticks = sorted({f * 100 for f in first} | {result["host_fraction"] * 100})
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("host capacity, % of the trace's distinct pages (log)")
     ax.set_ylabel("prompt tokens served from cache, %")
     ax.set_ylim(0, 100)
-    ax.set_xlim(0, max(x + hx + [100]) * 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(loc="upper left", fontsize=8)
     ax.set_title(title or f"{result['requests']} requests, page_tokens {result['page_tokens']}")
     fig.tight_layout()
     fig.savefig(path)

@@ -1,28 +1,34 @@
-"""Reference caches for the replay: an exact LRU at page granularity and an infinite cache.
+"""Reference caches for the replay: one per eviction policy, the offline reference, and an
+infinite cache.
 
-Both see the prompts as lists of page ids (`workload.page_ids`), never hicache's keys, and take
+They see the prompts as lists of page ids (`workload.page_ids`), never hicache's keys, and take
 hits the way hicache does: the longest run of leading pages held, capped so that at least
-`min_recompute_tokens` of the prompt are computed. They share nothing with hicache's code, so
-agreeing with them is evidence, not tautology.
+`min_recompute_tokens` of the prompt are computed. The LRU here shares nothing with the host
+tier's compiled books, so agreeing with them is evidence, not tautology.
 
-`LruSim` follows the rules of hicache's host slots (`hicache.slots.SlotPool` driven by
+`PolicySim` runs any policy of `hicache.eviction` (or `FarthestNextUse`, the offline reference)
+under the placement rules of hicache's host slots (`hicache.slots.SlotPool` driven by
 `HiCache.store`), stated here independently:
 
 - a prompt's pages that are held are pinned while its new pages are placed: they are never
   evicted to make room for the same prompt;
-- new pages take free slots first, then evict the least recently used pages; when even that is
-  not enough (the prompt is longer than the capacity), the leading new pages are kept and the
-  rest dropped;
-- afterwards the prompt's pages become the most recent: first its new pages, from last to
-  first, then its held pages, from last to first. So a prompt's first page is the most recent of
+- new pages take free slots first, then evict the policy's victims; when even that is not
+  enough (the prompt is longer than the capacity), the leading new pages are kept and the rest
+  dropped;
+- the pages of the hit are loaded, and touched (from last to first) when the load finishes,
+  before the store;
+- afterwards the policy sees the prompt's new pages inserted, from last to first, then its held
+  pages touched, from last to first. Under LRU a prompt's first page is then the most recent of
   all and its tail goes before its head.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from hicache.eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
 
 
 @dataclass
@@ -46,10 +52,17 @@ def capped_pages(found: int, prompt_tokens: int, page_tokens: int, min_recompute
     return min(found, max(0, prompt_tokens - min_recompute) // page_tokens)
 
 
-class LruSim:
-    """An LRU cache of `capacity` pages with hicache's placement rules (see the module doc)."""
+class PolicySim:
+    """A cache of `capacity` pages that evicts by `policy` (a name of `hicache.eviction`, or a
+    policy object), with hicache's placement rules (see the module doc)."""
 
-    def __init__(self, capacity: int, page_tokens: int, min_recompute_tokens: int = 1) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        page_tokens: int,
+        min_recompute_tokens: int = 1,
+        policy: str | EvictionPolicy = DEFAULT_POLICY,
+    ) -> None:
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0 pages, got {capacity}")
         if page_tokens <= 0 or min_recompute_tokens <= 0:
@@ -57,12 +70,14 @@ class LruSim:
         self.capacity = capacity
         self.page_tokens = page_tokens
         self.min_recompute = min_recompute_tokens
-        self.held: OrderedDict[int, None] = OrderedDict()  # least recent first
+        self.policy = make_policy(policy, capacity) if isinstance(policy, str) else policy
         self.result = SimResult()
+        self.evictions: list[int] = []
+        """Every page evicted, in order (tests read it)."""
 
     def request(self, pages: Sequence[int], prompt_tokens: int) -> int:
         """Serve one prompt (its full pages' ids and its length); returns the hit in tokens."""
-        held = self.held
+        held = self.policy
         found = 0
         for p in pages:
             if p not in held:
@@ -73,22 +88,101 @@ class LruSim:
         res.prompt_tokens += prompt_tokens
         res.hit_tokens += hit * self.page_tokens
         res.limited_tokens += (found - hit) * self.page_tokens
+        for p in reversed(pages[:hit]):  # loaded: touched when the load's pins are released
+            held.touch(p)
         present = [p for p in pages if p in held]
         missing = [p for p in pages if p not in held]
-        for p in present:  # pinned for the store: out of the eviction order
-            del held[p]
-        room = self.capacity - len(held) - len(present)
-        evict = min(max(0, len(missing) - room), len(held))
-        for _ in range(evict):
-            held.popitem(last=False)
-        res.evicted_pages += evict
-        placed = min(len(missing), room + evict)
+        pinned = set(present)  # pinned for the store: never evicted for the same prompt
+        room = self.capacity - len(held)
+        evicted = 0
+        while evicted < len(missing) - room:
+            victim = held.victim(pinned.__contains__)
+            if victim is None:
+                break
+            held.remove(victim)
+            self.evictions.append(victim)  # type: ignore[arg-type]
+            evicted += 1
+        res.evicted_pages += evicted
+        placed = min(len(missing), room + evicted)
         res.dropped_pages += len(missing) - placed
         for p in reversed(missing[:placed]):
-            held[p] = None
+            held.insert(p)
         for p in reversed(present):
-            held[p] = None
+            held.touch(p)
         return hit * self.page_tokens
+
+
+def LruSim(capacity: int, page_tokens: int, min_recompute_tokens: int = 1) -> PolicySim:
+    """The exact LRU simulation that hicache's host tier must equal."""
+    return PolicySim(capacity, page_tokens, min_recompute_tokens, "lru")
+
+
+class FarthestNextUse(EvictionPolicy):
+    """Offline reference (Belady): evicts the page whose next use is farthest away, deeper pages
+    first among equals (a page is never used without its parent). Needs the future: the
+    simulation tells it, before each request, when each of the request's pages is used next
+    (`upcoming`). Not registered: no tier can run it."""
+
+    NEVER = 1 << 62
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.upcoming: dict[int, tuple[int, int]] = {}
+        """page -> (index of the next request that uses it, depth in this prompt)."""
+        self._due: dict[int, tuple[int, int]] = {}
+        self._heap: list[tuple[int, int, int]] = []  # (-next use, -depth, page)
+
+    def _plan(self, key: int) -> None:
+        due = self.upcoming[key]
+        self._due[key] = due
+        heapq.heappush(self._heap, (-due[0], -due[1], key))
+
+    def insert(self, key: int, weight: float = 1.0) -> None:  # type: ignore[override]
+        self._plan(key)
+
+    def touch(self, key: int) -> None:  # type: ignore[override]
+        self._plan(key)
+
+    def remove(self, key: int) -> None:  # type: ignore[override]
+        del self._due[key]
+
+    def victim(self, busy=lambda _k: False):  # type: ignore[no-untyped-def]
+        heap, skipped, found = self._heap, [], None
+        while heap:
+            neg_next, neg_depth, key = heap[0]
+            if self._due.get(key) != (-neg_next, -neg_depth):
+                heapq.heappop(heap)  # stale: removed, or planned again since
+            elif busy(key):
+                skipped.append(heapq.heappop(heap))
+            else:
+                found = key
+                break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        return found
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._due
+
+    def __len__(self) -> int:
+        return len(self._due)
+
+    def order(self) -> list[int]:  # type: ignore[override]
+        return sorted(self._due, key=lambda k: (-self._due[k][0], -self._due[k][1]))
+
+
+def next_uses(prompts: Sequence[Sequence[int]]) -> list[dict[int, tuple[int, int]]]:
+    """For each prompt, page -> (index of the next prompt holding that page, its depth here);
+    FarthestNextUse.NEVER where no later prompt holds it."""
+    out: list[dict[int, tuple[int, int]]] = [{}] * len(prompts)
+    last: dict[int, int] = {}
+    never = FarthestNextUse.NEVER
+    for i in range(len(prompts) - 1, -1, -1):
+        pages = prompts[i]
+        out[i] = {p: (last.get(p, never), d) for d, p in enumerate(pages)}
+        for p in pages:
+            last[p] = i
+    return out
 
 
 class OracleSim:

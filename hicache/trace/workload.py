@@ -80,7 +80,15 @@ def _parse(line: str, where: str, block_tokens: int) -> TraceRequest:
         )
     if any(h < 0 for h in req.hash_ids):
         raise ValueError(f"{where}: hash ids must be >= 0")
+    top = max_hash_id(block_tokens)
+    if any(h > top for h in req.hash_ids):
+        raise ValueError(f"{where}: hash id {max(req.hash_ids)} is too large (at most {top})")
     return req
+
+
+def max_hash_id(block_tokens: int = BLOCK_TOKENS) -> int:
+    """The largest hash id a trace may use: `page_ids` must fit in a signed 64-bit integer."""
+    return (2**63 - 1 - block_tokens) // (block_tokens + 1)
 
 
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
