@@ -38,10 +38,12 @@ opens the store's breaker meanwhile (its watchdog), so no new work is offered.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +52,7 @@ from hicache import threads
 from hicache.backends.base import StoreTier, StoreUnavailable
 from hicache.backends.host import HostTier
 from hicache.config import Layout, Policy
+from hicache.errors import HiCacheError
 from hicache.events import EventSink, emit
 from hicache.keys import KeyChain
 from hicache.l3_worker import Job, Worker
@@ -205,6 +208,7 @@ class L3:
         self._put_jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._puts_out = 0  # put jobs queued or running (at most settings.queue_depth)
         cpus = settings.worker_cpus
+        _open.add(self)  # closed at interpreter exit if the embedder did not (see _close_all)
         store.start()
         self._threads = [
             *(
@@ -611,7 +615,10 @@ class L3:
     def _register(self) -> None:
         """Register the host pools with the store, off the engine thread (registering tens of
         GiB for RDMA takes seconds). L3 is not used until this is done."""
-        if not self.host.wait_ready():
+        try:
+            if not self.host.wait_ready():
+                return
+        except HiCacheError:  # the host tier could not be allocated: its wait_ready says so
             return
         try:
             for tensor in self.host.memory():
@@ -623,6 +630,7 @@ class L3:
 
     def close(self) -> None:
         """Stop the workers (after their current job) and close the store. Blocks."""
+        _open.discard(self)
         for jobs in self._fetch_jobs:
             jobs.put(None)
         self._put_jobs.put(None)
@@ -633,6 +641,18 @@ class L3:
             self._reserve.release()
             self._reserve = None
         self.store.close()
+
+
+_open: weakref.WeakSet[L3] = weakref.WeakSet()
+"""L3s not closed yet (their threads keep them alive)."""
+
+
+@atexit.register
+def _close_all() -> None:
+    """Close every L3 still open before the interpreter finalizes: a thread still inside a
+    Mooncake call then would be torn down mid-call, which aborts the process."""
+    for l3 in list(_open):
+        l3.close()
 
 
 class _Seen(OrderedDict[bytes, None]):
