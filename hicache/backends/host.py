@@ -46,6 +46,13 @@ class HostTierConfig(TierConfig):
     pin: Literal["auto", "yes", "no"] = "auto"
     """Page-lock the pools: auto pins where CUDA is available."""
 
+    def check_layout(self, layout: Layout) -> None:
+        if self.size < layout.page_size:
+            raise ValueError(
+                f"size: {describe(self.size)} is smaller than one page "
+                f"({describe(layout.page_size)}, the layout's page_bytes)"
+            )
+
 
 @register_tier("host", HostTierConfig)
 class HostTier(PoolTier):
