@@ -63,7 +63,7 @@ def build(
     With `release_gil` (ctypes' usual CDLL) every call drops the GIL while it runs; without it
     (a PyDLL over the same library) calls keep it.
     """
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+    if not enabled():
         return None
     target = _built(sources, flags)
     if target is None:
@@ -77,6 +77,11 @@ def build(
 
 DISABLE_ENV = "HICACHE_NO_NATIVE"
 """Set to 1 to take the Python paths without building or loading the C helpers."""
+
+
+def enabled() -> bool:
+    """False where $HICACHE_NO_NATIVE turns the C helpers off (any value but empty or 0)."""
+    return os.environ.get(DISABLE_ENV, "") in ("", "0")
 
 
 @cache
