@@ -46,6 +46,14 @@ class HostTierConfig(TierConfig):
     pin: Literal["auto", "yes", "no"] = "auto"
     """Page-lock the pools: auto pins where CUDA is available."""
 
+    def check_machine(self) -> None:
+        free = available_bytes()
+        if free is not None and self.size > free:
+            raise ValueError(
+                f"size: {describe(self.size)} is more than this machine has available "
+                f"({describe(free)})"
+            )
+
     def check_layout(self, layout: Layout) -> None:
         if self.size < layout.page_size:
             raise ValueError(
@@ -80,13 +88,10 @@ class HostTier(PoolTier):
             )
         self.page_slots = SlotPool(slots, on_evict)
         self.state_slots = SlotPool(config.state_slots if layout.state_bytes else 0)
-        wanted = slots * layout.page_size + self.state_slots.capacity * layout.state_bytes
-        free = available_bytes()
-        if free is not None and wanted > free:
-            raise ConfigError(
-                f"host tier size {describe(wanted)} is more than this machine has available "
-                f"({describe(free)}): give a smaller 'size'"
-            )
+        try:
+            config.check_machine()  # touching more would wake the OOM killer, not raise
+        except ValueError as err:
+            raise ConfigError(f"host tier {err}") from None
         self._pin = {"auto": torch.cuda.is_available(), "yes": True, "no": False}[config.pin]
         self._page_memory: HostMemory | None = None
         self._state_memory: HostMemory | None = None
