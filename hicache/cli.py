@@ -29,7 +29,7 @@ def _config_check(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     try:
         config = load_config(args.file)
-        config.check_machine()
+        config.check_machine(args.file)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

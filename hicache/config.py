@@ -242,14 +242,15 @@ class HiCacheConfig(_Strict):
                 _at(f"tiers.{i}", tier.check_layout, self.layout)
         return self
 
-    def check_machine(self) -> None:
-        """Raise ConfigError (one line, naming the field) for what cannot run on this machine
-        (CPUs it does not have, ...): what ``hicache config check`` adds to validation."""
+    def check_machine(self, where: str = "") -> None:
+        """Raise ConfigError (one line, naming `where` (the file) and the field) for what
+        cannot run on this machine (CPUs or memory it does not have): what ``hicache config
+        check`` adds to validation."""
         for i, tier in enumerate(self.tiers):
             try:
                 _at(f"tiers.{i}", tier.check_machine)
             except ValueError as err:
-                raise ConfigError(str(err)) from None
+                raise ConfigError(f"{where}: {err}" if where else str(err)) from None
 
     def tier(self, type_: str) -> TierConfig | None:
         """The section of the tier of this type, or None."""

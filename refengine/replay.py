@@ -119,7 +119,7 @@ def _problem(args: argparse.Namespace) -> str | None:
             return problem
     try:
         config = load_config(args.config or DEFAULT_CACHE)
-        config.check_machine()
+        config.check_machine(args.config or "")
     except ConfigError as err:
         return str(err)
     for tier in config.tiers:  # a store that does not answer fails now, not in 120 s

@@ -106,13 +106,15 @@ def test_environment_overrides(tmp_path: Path):
 
 
 def test_cli_config_check(tmp_path: Path):
+    fits = tmp_path / "fits.yaml"
+    fits.write_text((CONFIGS / "host.yaml").read_text().replace("size: 64GiB", "size: 64MiB"))
     good = subprocess.run(
-        [sys.executable, "-m", "hicache.cli", "config", "check", str(CONFIGS / "host.yaml")],
+        [sys.executable, "-m", "hicache.cli", "config", "check", str(fits)],
         capture_output=True,
         text=True,
     )
     assert good.returncode == 0, good.stderr
-    assert "size: 68719476736" in good.stdout
+    assert "size: 67108864" in good.stdout
     bad = write(tmp_path, "tiers: [{type: host, size: 0}]")
     done = subprocess.run(
         [sys.executable, "-m", "hicache.cli", "config", "check", str(bad)],
@@ -139,18 +141,21 @@ def test_config_check_refuses_cpus_this_machine_lacks(tmp_path: Path):
     assert done.returncode == 2
     allowed = f"{cpus[0]}-{cpus[-1]}" if len(cpus) > 1 else str(cpus[0])  # contiguous here
     assert done.stderr.splitlines() == [
-        f"error: tiers.1.worker_cpus: CPU {outside} is not one this process may run on "
+        f"error: {bad}: tiers.1.worker_cpus: CPU {outside} is not one this process may run on "
         f"(allowed: {allowed})"
     ]
 
 
-def test_version(tmp_path: Path):
-    import hicache
-
+def test_config_check_refuses_a_host_tier_larger_than_this_machine(tmp_path: Path):
+    bad = write(tmp_path, "tiers: [{type: host, size: 1PiB}]")
     done = subprocess.run(
-        [sys.executable, "-m", "hicache.cli", "--version"], capture_output=True, text=True
+        [sys.executable, "-m", "hicache.cli", "config", "check", str(bad)],
+        capture_output=True,
+        text=True,
     )
-    assert (done.returncode, done.stdout) == (0, f"hicache {hicache.__version__}\n")
+    assert done.returncode == 2
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"error: {bad}: tiers.0.size: 1.05e+06 GiB is more than this machine")
 
 
 def test_the_fetch_reserve_takes_a_byte_size(tmp_path: Path):
