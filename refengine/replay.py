@@ -195,6 +195,36 @@ def _run(engine: Engine, convs: list[Conversation], label: str, quiet: bool) -> 
     return out
 
 
+def _second_instance(
+    spec: EngineSpec,
+    model: tuple[Any, str],
+    cache_config: Any,
+    first: Engine,
+    done: list[list[Request]],
+) -> dict[str, Any]:
+    """What L3 buys a new instance (or a restarted one): a second engine, its host tier empty,
+    on the same store, serves each conversation's last turn again once the first engine's
+    write-behind has landed."""
+    deadline = time.monotonic() + 60
+    while not first.cache.l3_idle and time.monotonic() < deadline:
+        first.cache.poll()
+        time.sleep(0.01)
+    second = build_engine(spec, cache_config, model=model)
+    try:
+        _warmup(second)
+        last = [conv[-1] for conv in done]
+        again = [Request(f"again-{i}", r.prompt, r.max_new_tokens) for i, r in enumerate(last)]
+        second.run(again)
+    finally:
+        second.cache.close()
+    return {
+        "prompt_tokens": sum(len(r.prompt) for r in again),
+        "cached_tokens_l3": sum(r.l3_tokens for r in again),
+        "ttft_p50_s": _pct([float(r.ttft or 0.0) for r in again], 50),
+        "identical": all(a.output == r.output for a, r in zip(again, last)),
+    }
+
+
 def _floor(engine: Engine, done: list[list[Request]], gbps: float) -> list[dict[str, float]]:
     """For each conversation's last turn: bytes loaded / link + the suffix prefill, measured."""
     mem, rows = engine.memory, []
@@ -463,6 +493,9 @@ def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -
         },
     }
     done_on = on.pop("_done")
+    if res["l3"]:
+        with torch.cuda.stream(torch.cuda.Stream()) if cuda else contextlib.nullcontext():
+            res["second_instance"] = _second_instance(spec, model, cache_config, on_engine, done_on)
     if args.floor:
         with torch.cuda.stream(torch.cuda.Stream()) if cuda else contextlib.nullcontext():
             rows = _floor(on_engine, done_on, args.link_gbps)
@@ -474,6 +507,15 @@ def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -
         f"last turn: TTFT {off['ttft_per_turn_s'][-1] * 1e3:.1f} ms off, "
         f"{on['ttft_per_turn_s'][-1] * 1e3:.1f} ms on ({res['last_turn_speedup']:.1f}x)"
     )
+    second = res.get("second_instance")
+    if second is not None:
+        print(
+            f"second instance (empty host tier, same store), last turns again: "
+            f"{second['cached_tokens_l3']} of {second['prompt_tokens']} prompt tokens from L3, "
+            f"TTFT {second['ttft_p50_s'] * 1e3:.1f} ms (p50; cache off: "
+            f"{off['ttft_per_turn_s'][-1] * 1e3:.1f} ms), outputs identical: "
+            f"{'yes' if second['identical'] else 'NO'}"
+        )
     for row in res.get("floor", []):
         print(
             f"floor at {row['prompt_tokens']} tokens: {row['floor_s'] * 1e3:.1f} ms "

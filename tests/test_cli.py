@@ -13,7 +13,7 @@ import pytest
 from hicache.backends.mooncake_local import free_port
 
 TINY = [
-    "--model", "tiny-llama", "--conversations", "1", "--turns", "2", "--first-tokens", "64",
+    "--model", "tiny-llama", "--conversations", "1", "--turns", "2", "--first-tokens", "256",
     "--message-tokens", "8", "--answer-tokens", "2", "--plot", "", "--quiet",
 ]  # fmt: skip
 
@@ -85,6 +85,14 @@ def test_a_short_replay_with_a_local_store_keeps_mooncake_quiet(tmp_path: Path):
     assert ["from", "L3"] in rows and ["outputs", "identical"] in rows
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["identical"] and result["requests"] == 2
+    # the last prompt (256 + 2 + 9 tokens, seeded) holds 8 pages of 32 tokens: two groups of 4 in
+    # the store, and a second instance takes all of them from there
+    assert result["second_instance"] == {
+        **result["second_instance"],
+        "prompt_tokens": 267,
+        "cached_tokens_l3": 256,
+        "identical": True,
+    }
 
 
 @pytest.mark.parametrize("flag", ["--version", "-V"])
