@@ -78,9 +78,14 @@ class HostTier(PoolTier):
     ) -> None:
         """`on_ready` runs on the allocating thread once the pools exist, before the tier reads
         `ready` (the cache prepares its copies there); if it raises, the tier stays unready
-        with the error in `error`."""
+        with the error in `error`, which `wait_ready` raises. ConfigError for pools larger than
+        the memory this machine has available, or smaller than one page."""
         self.config = config
         self.layout = layout
+        try:
+            config.check_machine()  # touching more would wake the OOM killer, not raise
+        except ValueError as err:
+            raise ConfigError(f"host tier {err}") from None
         slots = config.size // layout.page_size
         if slots == 0:
             raise ConfigError(
@@ -88,10 +93,6 @@ class HostTier(PoolTier):
             )
         self.page_slots = SlotPool(slots, on_evict)
         self.state_slots = SlotPool(config.state_slots if layout.state_bytes else 0)
-        try:
-            config.check_machine()  # touching more would wake the OOM killer, not raise
-        except ValueError as err:
-            raise ConfigError(f"host tier {err}") from None
         self._pin = {"auto": torch.cuda.is_available(), "yes": True, "no": False}[config.pin]
         self._page_memory: HostMemory | None = None
         self._state_memory: HostMemory | None = None
