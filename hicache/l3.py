@@ -38,12 +38,10 @@ opens the store's breaker meanwhile (its watchdog), so no new work is offered.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import queue
 import threading
 import time
-import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -208,7 +206,6 @@ class L3:
         self._put_jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._puts_out = 0  # put jobs queued or running (at most settings.queue_depth)
         cpus = settings.worker_cpus
-        _open.add(self)  # closed at interpreter exit if the embedder did not (see _close_all)
         store.start()
         self._threads = [
             *(
@@ -630,7 +627,6 @@ class L3:
 
     def close(self) -> None:
         """Stop the workers (after their current job) and close the store. Blocks."""
-        _open.discard(self)
         for jobs in self._fetch_jobs:
             jobs.put(None)
         self._put_jobs.put(None)
@@ -641,18 +637,6 @@ class L3:
             self._reserve.release()
             self._reserve = None
         self.store.close()
-
-
-_open: weakref.WeakSet[L3] = weakref.WeakSet()
-"""L3s not closed yet (their threads keep them alive)."""
-
-
-@atexit.register
-def _close_all() -> None:
-    """Close every L3 still open before the interpreter finalizes: a thread still inside a
-    Mooncake call then would be torn down mid-call, which aborts the process."""
-    for l3 in list(_open):
-        l3.close()
 
 
 class _Seen(OrderedDict[bytes, None]):
