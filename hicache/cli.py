@@ -1,6 +1,6 @@
 """The `hicache` command.
 
-    hicache config check FILE     validate a configuration and print the effective one
+    hicache config check FILE     validate a configuration (and that it fits this machine)
     hicache trace FILE ...        replay a request trace through the cache (hicache.trace)
     hicache replay ...            multi-turn replay on the reference engine (refengine)
 
@@ -17,6 +17,7 @@ from importlib.metadata import entry_points
 
 import yaml
 
+from hicache import __version__
 from hicache.config import ConfigError, load_config
 
 
@@ -28,6 +29,7 @@ def _config_check(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     try:
         config = load_config(args.file)
+        config.check_machine(args.file)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -42,12 +44,19 @@ def _plugins() -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     plugins = _plugins()
-    usage = "usage: hicache config check FILE | hicache {" + ",".join(sorted(plugins)) + "} ..."
+    usage = (
+        "usage: hicache [--version] config check FILE | hicache {"
+        + ",".join(sorted(plugins))
+        + "} ..."
+    )
     if not argv or argv[0] in ("-h", "--help"):
         doc = (__doc__ or "").splitlines()
         commands = [line.strip() for line in doc if line.startswith("    ")]
         print(usage + "\n\n" + "\n".join(commands))
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"hicache {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "config":
         if not rest or rest[0] != "check":

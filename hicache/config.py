@@ -24,10 +24,11 @@ between path parts, list items by index, the value parsed as a YAML scalar. For 
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -52,6 +53,8 @@ _BYTES = TypeAdapter(ByteSize)
 def _to_bytes(value: Any) -> int:
     if isinstance(value, bool):
         raise ValueError("expected a byte size such as 4096, '512MiB' or '64GiB'")
+    if (isinstance(value, int | float) and value < 0) or str(value).strip().startswith("-"):
+        raise ValueError(f"a size cannot be negative, got {value}")
     return int(_BYTES.validate_python(value))
 
 
@@ -135,6 +138,13 @@ class TierConfig(_Strict):
     type: str
     """The backend that serves this tier (its registered name)."""
 
+    def check_layout(self, layout: Layout) -> None:
+        """Raise ValueError (naming the field) if this tier cannot hold pages of `layout`."""
+
+    def check_machine(self) -> None:
+        """Raise ValueError (naming the field) if this tier cannot run on this machine as
+        configured. Run by ``hicache config check`` and when the tier is built."""
+
 
 class StoreTierConfig(TierConfig):
     """Base of the sections of keyed stores below the host tier (see `hicache.chain`)."""
@@ -182,6 +192,11 @@ class StoreTierConfig(TierConfig):
     """CPUs for this tier's threads (its workers, and the store client's threads, which inherit
     them): give CPUs other than the engine thread's, so that a tier never takes its core. Empty:
     wherever the process may run."""
+
+    def check_machine(self) -> None:
+        from hicache.threads import check_cpus
+
+        check_cpus(self.worker_cpus, "worker_cpus")
 
 
 class Policy(_Strict):
@@ -249,9 +264,10 @@ class HiCacheConfig(_Strict):
             try:
                 out.append(model.model_validate(item))
             except ValidationError as err:
-                first = err.errors()[0]
-                loc = ".".join(str(p) for p in ("tiers", i, *first["loc"]))
-                raise ValueError(f"{loc}: {_message(first)}") from None
+                first = _first(err)
+                path = first["loc"][:-1] if first["type"] == "extra_forbidden" else first["loc"]
+                loc = ".".join(str(p) for p in ("tiers", i, *path))
+                raise ValueError(f"{loc}: {_message(first, model)}") from None
         return out
 
     @model_validator(mode="after")
@@ -265,7 +281,20 @@ class HiCacheConfig(_Strict):
         names = [tier_name(t) for t in self.tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"each tier needs its own name (give 'name:'), got {names}")
+        if self.layout is not None:
+            for i, tier in enumerate(self.tiers):
+                _at(f"tiers.{i}", tier.check_layout, self.layout)
         return self
+
+    def check_machine(self, where: str = "") -> None:
+        """Raise ConfigError (one line, naming `where` (the file) and the field) for what
+        cannot run on this machine (CPUs or memory it does not have): what ``hicache config
+        check`` adds to validation."""
+        for i, tier in enumerate(self.tiers):
+            try:
+                _at(f"tiers.{i}", tier.check_machine)
+            except ValueError as err:
+                raise ConfigError(f"{where}: {err}" if where else str(err)) from None
 
     def tier(self, name: str) -> TierConfig | None:
         """The section of the tier of this name (by default its type), or None."""
@@ -361,21 +390,60 @@ def _index(part: str, node: list, var: str) -> int:
     return int(part)
 
 
+def _at(where: str, check: Any, *args: Any) -> None:
+    """Run `check(*args)`; a ValueError it raises gets `where` (a field path) put in front."""
+    try:
+        check(*args)
+    except ValueError as err:
+        raise ValueError(f"{where}.{err}") from None
+
+
+def _first(err: ValidationError) -> Any:
+    """The error to report: an unknown key before anything else (a misspelt key also makes
+    the key it was meant to be missing, and that is not the mistake)."""
+    errors = err.errors()
+    return next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+
+
 def _describe(err: ValidationError, where: str) -> str:
-    first = err.errors()[0]
+    first = _first(err)
     loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
-    msg = _message(first)
-    if msg.startswith(loc + "."):  # a nested tier error already names its full path
-        loc, _, msg = msg.partition(": ")
+    msg = _message(first, HiCacheConfig)
+    if first["type"] == "extra_forbidden":  # name the section, and the key in the message
+        loc = ".".join(str(p) for p in first["loc"][:-1]) or "(top level)"
+    head, sep, rest = msg.partition(": ")
+    if sep and " " not in head and (head.startswith(loc + ".") or not first["loc"]):
+        loc, msg = head, rest  # a nested error already names its full path
     text = f"{loc}: {_one_line(msg)}"
     return f"{where}: {text}" if where else text
 
 
-def _message(error: Any) -> str:
+def _message(error: Any, model: type[BaseModel]) -> str:
     if error["type"] == "extra_forbidden":
-        return "unknown key"
+        key = str(error["loc"][-1])
+        known = _fields_at(model, error["loc"][:-1])
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        return f"unknown key '{key}'{hint}"
     msg = str(error["msg"])
     return msg[len("Value error, ") :] if msg.startswith("Value error, ") else msg
+
+
+def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the section at `loc` under `model` (empty where it is not a model)."""
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return []
+        inner = [t for t in (field.annotation, *get_args(field.annotation)) if _is_model(t)]
+        if not inner:
+            return []
+        model = inner[0]
+    return list(model.model_fields)
+
+
+def _is_model(t: Any) -> bool:
+    return isinstance(t, type) and issubclass(t, BaseModel)
 
 
 def _one_line(text: str) -> str:

@@ -55,6 +55,7 @@ from hicache.backends.breaker import CircuitBreaker
 from hicache.backends.host import HostTier
 from hicache.config import Layout, Policy
 from hicache.cost import Rate, Verdict
+from hicache.errors import HiCacheError
 from hicache.events import EventSink, emit
 from hicache.keys import KeyChain
 from hicache.slots import Lease
@@ -773,7 +774,10 @@ class StoreLink:
     def _register(self) -> None:
         """Register the host pools with the store, off the engine thread (registering tens of
         GiB for RDMA takes seconds). The tier is not used until this is done."""
-        if not self.host.wait_ready():
+        try:
+            if not self.host.wait_ready():
+                return
+        except HiCacheError:  # the host tier could not be allocated: its wait_ready says so
             return
         try:
             for tensor in self.host.memory():

@@ -128,9 +128,9 @@ class Transfers:
         self._side: torch.cuda.Stream | None = None  # the stream of layer-by-layer copies
         self._fork: CudaEvent | None = None  # orders it after the engine's stream
         if self.on_cuda:
-            from hicache.kernels.cuda import CudaEvent, current_stream_handle
+            from hicache.kernels.cuda import current_stream_handle, event_class
 
-            self._event, self._current = CudaEvent, current_stream_handle
+            self._event, self._current = event_class(), current_stream_handle
             self._index = device.index if device.index is not None else torch.cuda.current_device()
             if stream is not None and stream.device.index != self._index:
                 raise ValueError(f"the stream is on {stream.device}, the GPU pool on {device}")

@@ -13,16 +13,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hicache.backends.mooncake_local import LocalMaster, mooncake_missing
+from hicache.backends.mooncake_local import LocalMaster, master_problem, mooncake_missing
+from hicache.config import ConfigError, load_config
+from hicache.errors import HiCacheError
 from refengine.build import EngineSpec, build_engine, load_model
 from refengine.engine import Engine, Request
 from refengine.model import Item
@@ -35,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hicache replay",
         description="Replay a multi-turn agentic workload through refengine, cache off and on.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
         "--model",
@@ -43,25 +49,27 @@ def _parser() -> argparse.ArgumentParser:
         "weights (tiny-llama, small-llama, tiny-qwen3-swa, llama-1b, llama-8b)",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
+    p.add_argument("--dtype", help="None: float32 on the CPU, bfloat16 on CUDA")
     p.add_argument(
         "--l3",
-        choices=("auto", "off"),
-        default="auto",
-        help="without --config: 'auto' adds an L3 tier on a mooncake_master started for the "
-        "run when the mooncake extra is installed; 'off' uses the host tier alone",
+        choices=("off", "local"),
+        default="off",
+        help="without --config: 'off' uses a host tier alone; 'local' adds an L3 tier on a "
+        "mooncake_master started for the run (needs the mooncake extra)",
+    )
+    p.add_argument("--config", help="hicache YAML for the tiers, instead of a 2GiB host tier")
+    p.add_argument("--conversations", type=_positive, default=4, help="conversations at once")
+    p.add_argument("--turns", type=_positive, default=6, help="turns per conversation")
+    p.add_argument("--first-tokens", type=_positive, default=1536, help="first prompt length")
+    p.add_argument("--message-tokens", type=_positive, default=96, help="new tokens per turn")
+    p.add_argument("--answer-tokens", type=_positive, default=16, help="tokens generated per turn")
+    p.add_argument("--seed", type=int, default=0, help="weights and workload seed")
+    p.add_argument(
+        "--page-tokens", type=_positive, default=None, help="None: 32 (CPU), 128 (CUDA)"
     )
     p.add_argument(
-        "--config", default=None, help="hicache YAML for the tiers (default: a host tier of 2GiB)"
+        "--chunk-tokens", type=_positive, default=None, help="None: 512 (CPU), 8192 (CUDA)"
     )
-    p.add_argument("--conversations", type=int, default=4)
-    p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--first-tokens", type=int, default=1536, help="first prompt length")
-    p.add_argument("--message-tokens", type=int, default=96, help="new tokens per later turn")
-    p.add_argument("--answer-tokens", type=int, default=16, help="tokens generated per turn")
-    p.add_argument("--seed", type=int, default=0, help="weights and workload seed")
-    p.add_argument("--page-tokens", type=int, default=None, help="default 32 (CPU), 128 (CUDA)")
-    p.add_argument("--chunk-tokens", type=int, default=None, help="default 512 (CPU), 8192 (CUDA)")
     p.add_argument(
         "--floor",
         action="store_true",
@@ -69,9 +77,57 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--link-gbps", type=float, default=55.0, help="host->GPU GB/s for --floor")
     p.add_argument("--plot", default="replay_ttft.png", help="PNG of TTFT per turn ('' = none)")
-    p.add_argument("--json", default=None, help="write the results as JSON to this file")
+    p.add_argument("--json", help="write the results as JSON to this file")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--verbose", action="store_true", help="show Mooncake's own log lines (hidden otherwise)"
+    )
     return p
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _writable(path: str, what: str) -> str | None:
+    """Why `path` cannot be written (its folder missing or read-only), or None."""
+    folder = Path(path).resolve().parent
+    if not folder.is_dir():
+        return f"{what} {path}: the folder {folder} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"{what} {path}: the folder {folder} is not writable"
+    return None
+
+
+def _problem(args: argparse.Namespace) -> str | None:
+    """What makes the arguments unusable, found before anything runs; None if nothing does."""
+    for path, what in ((args.json, "--json"), (args.plot, "--plot")):
+        problem = path and _writable(path, what)
+        if problem:
+            return problem
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        return "--device cuda but CUDA is not available"
+    if args.config is None and args.l3 == "local":
+        problem = mooncake_missing()
+        if problem:
+            return problem
+    try:
+        config = load_config(args.config or DEFAULT_CACHE)
+        config.check_machine(args.config or "")
+    except ConfigError as err:
+        return str(err)
+    for tier in config.tiers:  # a store that does not answer fails now, not in 120 s
+        address = getattr(tier, "master_address", None)
+        problem = address and master_problem(address)
+        if problem:
+            return f"{args.config}: {problem}"
+    return None
 
 
 class Progress:
@@ -137,6 +193,36 @@ def _run(engine: Engine, convs: list[Conversation], label: str, quiet: bool) -> 
     if engine.cache is not None:
         out["cache_stats"] = engine.cache.stats()
     return out
+
+
+def _second_instance(
+    spec: EngineSpec,
+    model: tuple[Any, str],
+    cache_config: Any,
+    first: Engine,
+    done: list[list[Request]],
+) -> dict[str, Any]:
+    """What L3 buys a new instance (or a restarted one): a second engine, its host tier empty,
+    on the same store, serves each conversation's last turn again once the first engine's
+    write-behind has landed."""
+    deadline = time.monotonic() + 60
+    while not first.cache.tiers_idle and time.monotonic() < deadline:
+        first.cache.poll()
+        time.sleep(0.01)
+    second = build_engine(spec, cache_config, model=model)
+    try:
+        _warmup(second)
+        last = [conv[-1] for conv in done]
+        again = [Request(f"again-{i}", r.prompt, r.max_new_tokens) for i, r in enumerate(last)]
+        second.run(again)
+    finally:
+        second.cache.close()
+    return {
+        "prompt_tokens": sum(len(r.prompt) for r in again),
+        "cached_tokens_l3": sum(r.l3_tokens for r in again),
+        "ttft_p50_s": _pct([float(r.ttft or 0.0) for r in again], 50),
+        "identical": all(a.output == r.output for a, r in zip(again, last)),
+    }
 
 
 def _floor(engine: Engine, done: list[list[Request]], gbps: float) -> list[dict[str, float]]:
@@ -249,7 +335,7 @@ def _table(res: dict[str, Any]) -> str:
         ("requests/hour", f"{off['requests_per_hour']:.0f}", f"{on['requests_per_hour']:.0f}"),
         ("prompt tokens", f"{off['prompt_tokens']}", f"{on['prompt_tokens']}"),
         ("from host tier", "0", f"{on['cached_tokens_host']}"),
-        ("from L3", "0", f"{on['cached_tokens_l3']}"),
+        *([("from L3", "0", f"{on['cached_tokens_l3']}")] if res["l3"] else []),
         ("cached share", "0.0%", f"{share * 100:.1f}%"),
     ]
     lines = [f"{'':16}{'cache off':>16}{'cache on':>16}"]
@@ -259,10 +345,52 @@ def _table(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit status 0 after a run; 2, with one line on stderr, for arguments or a setup that
+    cannot work (checked before the run where that can be known)."""
     args = _parser().parse_args(argv)
-    if args.config or args.l3 == "off" or mooncake_missing() is not None:
+    problem = _problem(args)
+    if problem is not None:
+        print(f"hicache replay: {problem}", file=sys.stderr)
+        return 2
+    log = Path(tempfile.gettempdir()) / f"hicache-replay-{os.getpid()}.log"
+    quiet = contextlib.nullcontext() if args.verbose else _native_stderr_to(log)
+    try:
+        with quiet:
+            return _run_with_tiers(args, argv)
+    except (ConfigError, HiCacheError) as err:  # e.g. a host tier larger than this machine has
+        print(f"hicache replay: {err}", file=sys.stderr)
+        return 2
+
+
+@contextlib.contextmanager
+def _native_stderr_to(path: Path) -> Iterator[None]:
+    """Send what native libraries write to file descriptor 2 (Mooncake's log lines) to `path`,
+    while Python's own stderr (progress, warnings, errors) stays on the terminal. The file is
+    removed afterwards if it stayed empty, else named on stdout."""
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    python_stderr = sys.stderr
+    sys.stderr = os.fdopen(os.dup(terminal), "w", buffering=1)
+    with open(path, "ab") as log:
+        os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(terminal, 2)
+        os.close(terminal)
+        sys.stderr.close()
+        sys.stderr = python_stderr
+        if path.stat().st_size == 0:
+            path.unlink()
+        else:
+            print(f"native log lines (Mooncake's; --verbose shows them): {path}")
+
+
+def _run_with_tiers(args: argparse.Namespace, argv: list[str] | None) -> int:
+    if args.config or args.l3 == "off":
         return _main(args, argv, args.config or DEFAULT_CACHE)
-    with LocalMaster() as master:  # the embedded default: L3 on a master of this run's own
+    with LocalMaster() as master:  # --l3 local: L3 on a master of this run's own
         l3 = {
             "type": "mooncake",
             "master_address": master.address,
@@ -274,9 +402,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -> int:
     cuda = args.device.startswith("cuda")
-    if cuda and not torch.cuda.is_available():
-        print("hicache replay: --device cuda but CUDA is not available", file=sys.stderr)
-        return 2
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     page = args.page_tokens or (128 if cuda else 32)
     chunk = args.chunk_tokens or (8192 if cuda else 512)
@@ -342,6 +467,7 @@ def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -
     identical = all(a == b for a, b in pairs)
     cached = on["cached_tokens_host"] + on["cached_tokens_l3"]
     res: dict[str, Any] = {
+        "l3": len(on_engine.cache.config.tiers) > 1,
         "identical": identical,
         "identical_requests": sum(a == b for a, b in pairs),
         "requests": len(pairs),
@@ -367,6 +493,9 @@ def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -
         },
     }
     done_on = on.pop("_done")
+    if res["l3"]:
+        with torch.cuda.stream(torch.cuda.Stream()) if cuda else contextlib.nullcontext():
+            res["second_instance"] = _second_instance(spec, model, cache_config, on_engine, done_on)
     if args.floor:
         with torch.cuda.stream(torch.cuda.Stream()) if cuda else contextlib.nullcontext():
             rows = _floor(on_engine, done_on, args.link_gbps)
@@ -378,6 +507,15 @@ def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -
         f"last turn: TTFT {off['ttft_per_turn_s'][-1] * 1e3:.1f} ms off, "
         f"{on['ttft_per_turn_s'][-1] * 1e3:.1f} ms on ({res['last_turn_speedup']:.1f}x)"
     )
+    second = res.get("second_instance")
+    if second is not None:
+        print(
+            f"second instance (empty host tier, same store), last turns again: "
+            f"{second['cached_tokens_l3']} of {second['prompt_tokens']} prompt tokens from L3, "
+            f"TTFT {second['ttft_p50_s'] * 1e3:.1f} ms (p50; cache off: "
+            f"{off['ttft_per_turn_s'][-1] * 1e3:.1f} ms), outputs identical: "
+            f"{'yes' if second['identical'] else 'NO'}"
+        )
     for row in res.get("floor", []):
         print(
             f"floor at {row['prompt_tokens']} tokens: {row['floor_s'] * 1e3:.1f} ms "

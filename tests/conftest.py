@@ -1,3 +1,18 @@
 """Shared test fixtures. The real Mooncake master fixture lives in `mooncake_master.py`."""
 
+import pytest
+
+from hicache import native
+
 pytest_plugins = ["mooncake_master"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `native` check the compiled helpers themselves: skipped (not failed) where
+    HICACHE_NO_NATIVE=1 turns them off, and run everywhere else."""
+    if native.enabled():
+        return
+    skip = pytest.mark.skip(reason=f"{native.DISABLE_ENV}=1: the C helpers are off")
+    for item in items:
+        if "native" in item.keywords:
+            item.add_marker(skip)

@@ -40,7 +40,23 @@ LAYOUT = "layout: {model: m, kv_dtype: bf16, page_bytes: 64}\n"
     ("text", "message"),
     [
         ("tiers: [{type: host, size: 12XB}]", "tiers.0.size: could not interpret byte unit: XB"),
-        ("tiers: [{type: host, size: 1GiB, colour: red}]", "tiers.0.colour: unknown key"),
+        ("tiers: [{type: host, size: 1GiB, colour: red}]", "tiers.0: unknown key 'colour'"),
+        ("tierz: [{type: host, size: 1GiB}]", "(top level): unknown key 'tierz' (did you mean"),
+        ("tiers: [{type: host, sise: 1GiB}]", "tiers.0: unknown key 'sise' (did you mean 'size'?)"),
+        (
+            "tiers: [{type: host, size: 1GiB}, {type: mooncake, master: 'h:1'}]",
+            "tiers.1: unknown key 'master' (did you mean 'master_address'?)",
+        ),
+        (
+            LAYOUT.replace("page_bytes", "pagebytes") + "tiers: [{type: host, size: 1GiB}]",
+            "layout: unknown key 'pagebytes' (did you mean 'page_bytes'?)",
+        ),
+        ("tiers: [{type: host, size: -1GiB}]", "tiers.0.size: a size cannot be negative, got -1"),
+        ("tiers: [{type: host, size: -4096}]", "tiers.0.size: a size cannot be negative, got -4"),
+        (
+            LAYOUT.replace("64", "16777216") + "tiers: [{type: host, size: 1MiB}]",
+            "tiers.0.size: 1 MiB is smaller than one page (16 MiB, the layout's page_bytes)",
+        ),
         ("tiers: [{type: tape, size: 1GiB}]", "tiers.0.type: unknown tier type 'tape'"),
         ("tiers: [{type: host, size: 0}]", "tiers.0.size: Input should be greater than 0"),
         ("tiers: []", "tiers: Tuple should have at least 1 item"),
@@ -48,7 +64,7 @@ LAYOUT = "layout: {model: m, kv_dtype: bf16, page_bytes: 64}\n"
             "tiers: [{type: host, size: 1GiB}]\npolicy: {min_recompute_tokens: 0}",
             "policy.min_recompute_tokens: Input should be greater than or equal to 1",
         ),
-        ("tiers: [{type: host, size: 1GiB}]\nmystery: 1", "mystery: unknown key"),
+        ("tiers: [{type: host, size: 1GiB}]\nmystery: 1", "(top level): unknown key 'mystery'"),
         (
             "tiers: [{type: host, size: 1GiB}, {type: mooncake, fetch_reserve: 1XB}]",
             "tiers.1.fetch_reserve: could not interpret byte unit: XB",
@@ -90,13 +106,15 @@ def test_environment_overrides(tmp_path: Path):
 
 
 def test_cli_config_check(tmp_path: Path):
+    fits = tmp_path / "fits.yaml"
+    fits.write_text((CONFIGS / "host.yaml").read_text().replace("size: 64GiB", "size: 64MiB"))
     good = subprocess.run(
-        [sys.executable, "-m", "hicache.cli", "config", "check", str(CONFIGS / "host.yaml")],
+        [sys.executable, "-m", "hicache.cli", "config", "check", str(fits)],
         capture_output=True,
         text=True,
     )
     assert good.returncode == 0, good.stderr
-    assert "size: 68719476736" in good.stdout
+    assert "size: 67108864" in good.stdout
     bad = write(tmp_path, "tiers: [{type: host, size: 0}]")
     done = subprocess.run(
         [sys.executable, "-m", "hicache.cli", "config", "check", str(bad)],
@@ -107,6 +125,37 @@ def test_cli_config_check(tmp_path: Path):
     assert done.stderr.strip().splitlines() == [
         f"error: {bad}: tiers.0.size: Input should be greater than 0"
     ]
+
+
+def test_config_check_refuses_cpus_this_machine_lacks(tmp_path: Path):
+    cpus = sorted(os.sched_getaffinity(0))
+    outside = max(cpus) + 1
+    text = f"tiers: [{{type: host, size: 1GiB}}, {{type: mooncake, worker_cpus: [{outside}]}}]"
+    bad = write(tmp_path, text)
+    load_config(bad, env={})  # valid as a file: another machine may have that CPU
+    done = subprocess.run(
+        [sys.executable, "-m", "hicache.cli", "config", "check", str(bad)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    allowed = f"{cpus[0]}-{cpus[-1]}" if len(cpus) > 1 else str(cpus[0])  # contiguous here
+    assert done.stderr.splitlines() == [
+        f"error: {bad}: tiers.1.worker_cpus: CPU {outside} is not one this process may run on "
+        f"(allowed: {allowed})"
+    ]
+
+
+def test_config_check_refuses_a_host_tier_larger_than_this_machine(tmp_path: Path):
+    bad = write(tmp_path, "tiers: [{type: host, size: 1PiB}]")
+    done = subprocess.run(
+        [sys.executable, "-m", "hicache.cli", "config", "check", str(bad)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"error: {bad}: tiers.0.size: 1.05e+06 GiB is more than this machine")
 
 
 def test_the_fetch_reserve_takes_a_byte_size(tmp_path: Path):

@@ -10,8 +10,8 @@ import pytest
 from hicache.native.index import _DictIndex, _TableIndex, key_index
 
 
-def _kinds() -> list[str]:
-    return ["compiled", "dict"]
+def _kinds() -> list:
+    return [pytest.param("compiled", marks=pytest.mark.native), "dict"]
 
 
 def _new(kind: str, capacity: int):
@@ -84,6 +84,7 @@ def test_random_operations_agree_with_a_dict(kind: str, clash_bits: int) -> None
     assert index.lookup(pool) == [model.get(k) for k in pool]
 
 
+@pytest.mark.native
 def test_keys_of_the_wrong_size_are_refused() -> None:
     index = _new("compiled", 4)
     with pytest.raises(ValueError, match="16 bytes"):
@@ -92,6 +93,7 @@ def test_keys_of_the_wrong_size_are_refused() -> None:
         index.insert([b"a" * 16, b"b" * 16], [1])
 
 
+@pytest.mark.native
 def test_the_table_refuses_to_fill_up() -> None:
     rng = random.Random(5)
     index = _new("compiled", 4)  # 16 buckets
@@ -100,6 +102,7 @@ def test_the_table_refuses_to_fill_up() -> None:
         index.insert([_key(rng)], [15])
 
 
+@pytest.mark.native
 def test_the_walk_hashes_pairs_until_the_first_missing_key():
     from hicache.keys import page_keys
 

@@ -50,6 +50,7 @@ def test_keys_follow_the_documented_chain():
     assert len(keys) == 4 and all(len(k) == 16 for k in keys)
 
 
+@pytest.mark.native
 def test_known_answer():
     # key[i] = SHA-256(key[i-1] || SHA-256(page i))[:16], pages as int32 little-endian
     seed = bytes(range(16))
@@ -72,6 +73,7 @@ def sha_ni_restored():
     native.force_portable(False)
 
 
+@pytest.mark.native
 def test_compiled_and_python_chains_agree(sha_ni_restored):
     assert native.available(), "the C key chain should build here (gcc and OpenSSL are present)"
     tokens = np.random.default_rng(1).integers(0, 2**31 - 1, 4096, dtype=np.int32)

@@ -433,6 +433,7 @@ def test_a_killed_master_never_stalls_the_engine_and_l3_comes_back(start_mooncak
             engine.cache.close()
 
 
+@pytest.mark.native  # without the C helpers, numpy lets go of the GIL in long array calls
 def test_no_engine_thread_call_lets_go_of_the_gil(mooncake_master, engines):
     """The L3 workers wait for the GIL after every call they make; an engine-thread call that
     released it would wait for them. Prompts of 2,048 tokens: numpy releases the GIL for array
@@ -734,6 +735,7 @@ def _pieces(engine: FakeEngine, method: str) -> list[list[int]]:
     return seen
 
 
+@pytest.mark.native  # without the C helpers a store's slots keep the order they were given
 def test_a_group_in_consecutive_slots_travels_as_one_piece(mooncake_master, engines):
     """Mooncake moves fewer, larger pieces faster: a group whose pages lie in consecutive host
     slots, in order, is put and got as one piece, any other group as a piece per page. A store

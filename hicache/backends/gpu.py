@@ -72,8 +72,12 @@ class GpuTier(PoolTier):
                     f"{limit} blocks"
                 )
             return out
-        if needed and (int(ids.min()) < 0 or int(ids.max()) >= limit):
-            raise ValueError(f"{what}: block id outside the engine's pool of {limit} blocks")
+        outside = np.flatnonzero((ids < 0) | (ids >= limit))
+        if outside.size:
+            raise ValueError(
+                f"{what}: block id {int(ids[outside[0]])} is outside the engine's pool of "
+                f"{limit} blocks"
+            )
         return ids.astype(np.int32)
 
     @staticmethod

@@ -5,10 +5,17 @@ of GiB takes seconds, and the engine thread never waits): until then the tier is
 the cache neither stores nor fetches. They are pinned when CUDA is present, so that the copy
 kernel reaches them directly, and touched (zeroed) otherwise, so that no transfer pays page faults.
 `page_slots` and `state_slots` keep the books (index, pins, LRU); this class owns the memory.
+
+Pools larger than the memory the machine has available are refused at construction (touching
+them would wake the OOM killer, not raise). An allocation that fails later is kept in `error`
+and raised by `wait_ready`. `close` cancels an allocation still running and waits for it, and
+so does the interpreter's exit: a thread still inside torch or CUDA when the interpreter
+finalizes is torn down mid-call, which aborts the process.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from collections.abc import Callable
@@ -20,9 +27,10 @@ from pydantic import Field, field_validator
 from hicache.backends.base import PoolTier
 from hicache.backends.registry import register_tier
 from hicache.config import Bytes, ConfigError, Layout, TierConfig
+from hicache.errors import HiCacheError
 from hicache.eviction import DEFAULT_POLICY, make_policy
 from hicache.kernels import PagedBuffer
-from hicache.memory import HostMemory
+from hicache.memory import Cancelled, HostMemory, available_bytes, describe
 from hicache.slots import EvictHook, SlotPool
 
 log = logging.getLogger(__name__)
@@ -47,6 +55,21 @@ class HostTierConfig(TierConfig):
         make_policy(name, 0)  # ValueError naming the known policies
         return name
 
+    def check_machine(self) -> None:
+        free = available_bytes()
+        if free is not None and self.size > free:
+            raise ValueError(
+                f"size: {describe(self.size)} is more than this machine has available "
+                f"({describe(free)})"
+            )
+
+    def check_layout(self, layout: Layout) -> None:
+        if self.size < layout.page_size:
+            raise ValueError(
+                f"size: {describe(self.size)} is smaller than one page "
+                f"({describe(layout.page_size)}, the layout's page_bytes)"
+            )
+
 
 @register_tier("host", HostTierConfig)
 class HostTier(PoolTier):
@@ -64,9 +87,14 @@ class HostTier(PoolTier):
     ) -> None:
         """`on_ready` runs on the allocating thread once the pools exist, before the tier reads
         `ready` (the cache prepares its copies there); if it raises, the tier stays unready
-        with the error in `error`."""
+        with the error in `error`, which `wait_ready` raises. ConfigError for pools larger than
+        the memory this machine has available, or smaller than one page."""
         self.config = config
         self.layout = layout
+        try:
+            config.check_machine()  # touching more would wake the OOM killer, not raise
+        except ValueError as err:
+            raise ConfigError(f"host tier {err}") from None
         slots = config.size // layout.page_size
         if slots == 0:
             raise ConfigError(
@@ -82,25 +110,35 @@ class HostTier(PoolTier):
         self.error: BaseException | None = None
         self._on_ready = on_ready
         self._ready = threading.Event()
-        threading.Thread(target=self._allocate, name="hicache-host-alloc", daemon=True).start()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._allocate, name="hicache-host-alloc", daemon=True
+        )
+        _allocating.add(self)
+        self._thread.start()
 
     def _allocate(self) -> None:
         """Allocate (and pin, or touch) both pools off the engine thread: tens of GiB take
         seconds. Until this is done the tier is not `ready` and the cache stores nothing."""
         try:
             n, size = self.page_slots.capacity, self.layout.page_size
-            pages = HostMemory(n * size, self._pin)
+            pages = HostMemory(n * size, self._pin, self._stop)
             m, state_size = self.state_slots.capacity, self.layout.state_bytes
-            states = HostMemory(m * state_size, self._pin)
+            states = HostMemory(m * state_size, self._pin, self._stop)
             self._page_memory, self._state_memory = pages, states
             self._pages = PagedBuffer.page_first(pages.tensor.view(n, size))
             self._states = states.tensor.view(m, state_size)
             if self._on_ready is not None:
                 self._on_ready(self)
-        except BaseException as err:  # reported through `error`; the tier stays unready
+        except Cancelled:
+            self.error = HiCacheError("the host tier was closed before its pools were allocated")
+            return
+        except BaseException as err:  # raised by `wait_ready`; the tier stays unready
             self.error = err
             log.error("hicache: preparing the host tier failed: %r", err)
             return
+        finally:
+            _allocating.discard(self)
         self._ready.set()
 
     @property
@@ -109,8 +147,14 @@ class HostTier(PoolTier):
         return self._ready.is_set()
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
-        """Block until the pools are allocated (for tools and tests; the cache never waits)."""
-        return self._ready.wait(timeout_s)
+        """Block until the pools are allocated; False if `timeout_s` passed first. Raises
+        HiCacheError naming the cause if the allocation failed. (For tools, tests and
+        embedders that want every store to count; the cache itself never waits.)"""
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        if self.error is not None:
+            raise HiCacheError(f"the host tier could not be allocated: {self.error}")
+        return self._ready.is_set()
 
     @property
     def pinned(self) -> bool:
@@ -133,7 +177,25 @@ class HostTier(PoolTier):
         """The allocated pools, for registration with a store that reads and writes them."""
         return [m.tensor for m in (self._page_memory, self._state_memory) if m and m.tensor.numel()]
 
+    def cancel(self) -> None:
+        """Stop an allocation still running and wait for it (at most one zeroing step, or a
+        pinning call, which cannot be cut short)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
     def close(self) -> None:
+        self.cancel()
         for m in (self._page_memory, self._state_memory):
             if m is not None:
                 m.close()
+
+
+_allocating: set[HostTier] = set()
+"""Tiers whose allocating thread runs (each removes itself when done)."""
+
+
+@atexit.register
+def _cancel_allocations() -> None:
+    for tier in list(_allocating):
+        tier.cancel()

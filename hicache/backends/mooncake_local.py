@@ -49,6 +49,21 @@ def mooncake_missing() -> str | None:
     return None
 
 
+def master_problem(address: str, timeout_s: float = 3.0) -> str | None:
+    """Why the Mooncake master at `address` (``host:port``) cannot be reached, or None when it
+    accepts a connection within `timeout_s`. For tools that fail at once where the cache would
+    keep reconnecting in the background."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return f"master_address {address!r} is not host:port"
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return None
+    except OSError as err:
+        why = err.strerror or type(err).__name__
+        return f"the Mooncake master at {address} does not answer ({why})"
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -23,12 +23,13 @@ __all__ = ["ALIGNMENT", "CpuRoute", "PagedBuffer", "Route", "copy_pages", "prepa
 
 def prepare(device: torch.device) -> None:
     """Make the copies to and from `device` ready: on CUDA, build (the first time on a machine,
-    about 20 s, then cached on disk) and load the extension. Call it at start-up, so that no
-    copy on the engine thread pays for it; on the CPU it does nothing."""
+    about 20 s, then cached on disk) and load the extension, or settle on torch's copies where
+    it cannot be built (one warning). Call it at start-up, so that no copy on the engine thread
+    pays for it; on the CPU it does nothing."""
     if device.type == "cuda":
-        from hicache.kernels.cuda import load_extension
+        from hicache.kernels.cuda import extension
 
-        load_extension()
+        extension()
 
 
 def copy_pages(

@@ -21,6 +21,11 @@ extension that keeps the GIL (once a pair of pools has its tables, and on the st
 staging buffers): an engine-thread copy cannot be cut into by a hicache worker thread.
 `choose_path` says which one ``"auto"`` takes, and why; the measurements are in
 docs/decisions/page-copy-paths.md. Nothing here synchronizes the device.
+
+Where the extension cannot be built or loaded (no nvcc, no ninja, no C++ compiler, or
+``HICACHE_NO_NATIVE=1``), `extension()` logs one warning and the cache takes the ``"torch"``
+path: torch's index ops on the same stream and torch's events. It gives the same bytes, slower;
+its device-to-host copies wait for the stream, and its calls release the GIL.
 """
 
 from __future__ import annotations
@@ -121,6 +126,50 @@ def load_extension():
         extra_cuda_cflags=["-O3", "-std=c++17"],
         verbose=os.environ.get("HICACHE_KERNEL_VERBOSE") == "1",
     )
+
+
+@functools.cache
+def extension():
+    """The loaded extension, or None (one warning logged) where it cannot be had: the cache
+    then copies with torch (`CudaRoute`'s ``"torch"`` path, `TorchEvent`)."""
+    if not native.enabled():
+        return None
+    try:
+        return load_extension()
+    except Exception as err:  # a missing tool, a failed build or load: all end the same
+        log.warning(
+            "hicache: the CUDA page-copy extension is unavailable (%s); copying with torch "
+            "(slower)",
+            " ".join(str(err).split())[:300],
+        )
+        return None
+
+
+class TorchEvent:
+    """`CudaEvent`'s interface over ``torch.cuda.Event``, for when the extension is missing
+    (its `record` releases the GIL)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, device: int, timing: bool = False) -> None:
+        self.event = torch.cuda.Event(enable_timing=timing, blocking=True)
+
+    def record(self, stream: int, device: int) -> None:
+        self.event.record(torch.cuda.ExternalStream(stream, device=device))
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+    def elapsed_s(self, end: TorchEvent) -> float:
+        return self.event.elapsed_time(end.event) / 1e3
+
+
+def event_class() -> type[CudaEvent] | type[TorchEvent]:
+    """The events the cache records: the extension's, or torch's without it."""
+    return CudaEvent if extension() is not None else TorchEvent
 
 
 def _device(src: PagedBuffer, dst: PagedBuffer) -> torch.device:
@@ -363,8 +412,10 @@ class CudaRoute:
         if max(src.num_pages, dst.num_pages) > 2**31 - 1:
             raise ValueError("a CUDA page copy addresses at most 2**31 - 1 pages per buffer")
         self.src, self.dst = src, dst
-        self.path = choose_path(src, dst)
-        self._ext = load_extension()
+        self._ext = extension()
+        self.path = choose_path(src, dst) if self._ext is not None else "torch"
+        if self._ext is None:
+            return
         on = self.device if self.path == "kernel" else None
         self._table, self._chunks = _segment_table(src, dst, KERNEL_CHUNK_BYTES, on)
         self._table_ptr = self._table.data_ptr()
@@ -383,7 +434,9 @@ class CudaRoute:
         n = src_ids.shape[0]
         if n == 0:
             return
-        if self._staging is not None:
+        if self._ext is None:
+            self._copy_with_torch(src_ids, dst_ids, stream)
+        elif self._staging is not None:
             self._staging.copy(src_ids, dst_ids, stream)
         elif self.path == "copy_engine":
             self._ext.copy_batch(
@@ -409,6 +462,19 @@ class CudaRoute:
                 stream,
                 self._index,
             )
+
+
+    def _copy_with_torch(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: int) -> None:
+        """The path without the extension: per segment, a gather on the source's device, a
+        move to the destination's and a scatter there, on the stream. A copy to the host waits
+        for the stream (the rows must have arrived before the call returns)."""
+        index = self.device.index if self.device.index is not None else 0
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=index)):
+            for s_seg, d_seg in zip(self.src.segments, self.dst.segments, strict=True):
+                src_at = torch.from_numpy(src_ids).to(s_seg.device, torch.int64)
+                dst_at = torch.from_numpy(dst_ids).to(d_seg.device, torch.int64)
+                rows = s_seg.index_select(0, src_at).to(d_seg.device)
+                d_seg.index_copy_(0, dst_at, rows)
 
 
 class CudaEvent:

@@ -15,7 +15,10 @@ What is in it, and who uses it:
 `library()` loads it with its signatures declared; calls keep the GIL unless the caller asks for
 the variant that drops it (long calls from worker threads). Where it cannot be built or loaded
 (no compiler, no OpenSSL in the process), every user has a Python path that gives the same
-results, slower; `available()` says whether the chain is compiled.
+results, slower; `available()` says whether the chain is compiled. Any failure to build or
+load it (no compiler, ``CC`` pointing nowhere, an unwritable cache directory, sources missing
+from the installed package) is one warning and the Python paths; ``HICACHE_NO_NATIVE=1`` takes
+the Python paths without trying.
 """
 
 from __future__ import annotations
@@ -54,33 +57,75 @@ def build(
     """Compile `sources` (C files of this package) into one shared library and load it.
 
     The library is cached under `cache_dir()` by a digest of the sources, native.h, the flags
-    and the platform, so it is built once per machine. Returns None (and logs why) when no C
-    compiler is found or the build fails; callers then take their pure-Python path.
+    and the platform, so it is built once per machine. Returns None (and logs one warning that
+    says why) when it cannot be built or loaded; callers then take their pure-Python path.
 
     With `release_gil` (ctypes' usual CDLL) every call drops the GIL while it runs; without it
     (a PyDLL over the same library) calls keep it.
     """
+    if not enabled():
+        return None
+    target = _built(sources, flags)
+    if target is None:
+        return None
+    try:
+        return (ctypes.CDLL if release_gil else ctypes.PyDLL)(target)
+    except OSError as err:
+        log.warning("hicache: loading the C helpers failed (%s); using the Python paths", err)
+        return None
+
+
+DISABLE_ENV = "HICACHE_NO_NATIVE"
+"""Set to 1 to take the Python paths without building or loading the C helpers."""
+
+
+def enabled() -> bool:
+    """False where $HICACHE_NO_NATIVE turns the C helpers off (any value but empty or 0)."""
+    return os.environ.get(DISABLE_ENV, "") in ("", "0")
+
+
+@cache
+def _built(sources: tuple[str, ...], flags: tuple[str, ...]) -> str | None:
+    """The path of the compiled library, built now if it is not cached; None (logged once)
+    where it cannot be built."""
+    try:
+        return _build(sources, flags)
+    except OSError as err:  # unreadable sources, unwritable cache, a compiler that won't run
+        log.warning("hicache: C helpers unavailable (%s); using the Python paths (slower)", err)
+        return None
+
+
+def _build(sources: tuple[str, ...], flags: tuple[str, ...]) -> str | None:
     here = Path(__file__).parent
     digest = hashlib.sha256(" ".join(flags).encode() + sys.platform.encode())
     for name in (*sources, "native.h"):
         digest.update((here / name).read_bytes())
     target = cache_dir() / f"hicache-native-{digest.hexdigest()[:16]}.so"
-    if not target.exists():
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if compiler is None:
-            log.warning("hicache: no C compiler found; using the Python paths (slower)")
+    if target.exists():
+        return str(target)
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("hicache: no C compiler found; using the Python paths (slower)")
+        return None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        files = [str(here / name) for name in sources]
+        cmd = [compiler, "-O2", *flags, "-shared", "-fPIC", "-o", str(built), *files]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            log.warning(
+                "hicache: building the C helpers failed (%s); using the Python paths (slower)",
+                _one_line(done.stderr) or f"{compiler} exited {done.returncode}",
+            )
             return None
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            files = [str(here / name) for name in sources]
-            cmd = [compiler, "-O2", *flags, "-shared", "-fPIC", "-o", str(built), *files]
-            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                log.warning("hicache: building %s failed: %s", sources, done.stderr.strip())
-                return None
-            os.replace(built, target)  # atomic: concurrent builders all end with one good file
-    return (ctypes.CDLL if release_gil else ctypes.PyDLL)(str(target))
+        os.replace(built, target)  # atomic: concurrent builders all end with one good file
+    return str(target)
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def library(release_gil: bool = False) -> ctypes.CDLL | None:

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Set up everything the tests need on a fresh machine (or bring it up to date), then run the
+# linter and the whole test suite. The README's test command; CI runs it as it stands.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# Mooncake's transfer engine links libibverbs even for TCP transfers (Debian: libibverbs1).
+if ! ldconfig -p | grep -q 'libibverbs\.so\.1'; then
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq libibverbs1 >/dev/null
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q torch==2.13.0   # the CPU build (a bare "torch" pulls CUDA)
+.venv/bin/python -m pip install -q -e ".[test,mooncake,plot]"
+
+export HICACHE_REQUIRE_MOONCAKE=1   # the store tests must run here, never skip
+. .venv/bin/activate
+ruff check . && python -m pytest -q

@@ -1,0 +1,50 @@
+"""The README works as written: its two commands are there verbatim, every ```yaml block is a
+configuration that `hicache config check` accepts (as a file: CPUs and memory are the serving
+machine's business), and every ```python block runs as it stands."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hicache.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+COMMANDS = (
+    "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 . && .venv/bin/hicache replay",
+    "bash scripts/test.sh",
+)
+
+
+def blocks(language: str) -> list[tuple[int, str]]:
+    """(line number, text) of every fenced block of `language` in the README."""
+    text = README.read_text()
+    found = []
+    for m in re.finditer(rf"^```{language}\n(.*?)^```", text, flags=re.M | re.S):
+        found.append((text.count("\n", 0, m.start()) + 1, m.group(1)))
+    return found
+
+
+def test_the_two_commands_for_a_fresh_machine_are_there():
+    shell = [text.strip() for _, text in blocks("bash")]
+    assert [c for c in COMMANDS if c not in shell] == []
+
+
+@pytest.mark.parametrize(("line", "text"), blocks("yaml"), ids=lambda v: str(v)[:12])
+def test_yaml_blocks_are_valid_configurations(tmp_path, line, text):
+    path = tmp_path / f"README-line-{line}.yaml"
+    path.write_text(text)
+    load_config(path, env={})  # ConfigError names the line's file and the field
+
+
+@pytest.mark.parametrize(("line", "text"), blocks("python"), ids=lambda v: str(v)[:12])
+def test_python_blocks_run(tmp_path, line, text):
+    done = subprocess.run(
+        [sys.executable, "-c", text], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, f"README.md line {line}:\n{done.stderr[-2000:]}"
