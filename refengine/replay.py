@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--link-gbps", type=float, default=55.0, help="host->GPU GB/s for --floor")
     p.add_argument("--plot", default="replay_ttft.png", help="PNG of TTFT per turn ('' = none)")
     p.add_argument("--json", help="write the results as JSON to this file")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (none off a terminal)")
     p.add_argument(
         "--verbose", action="store_true", help="show Mooncake's own log lines (hidden otherwise)"
     )
@@ -165,7 +165,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 def _run(engine: Engine, convs: list[Conversation], label: str, quiet: bool) -> dict[str, Any]:
     total = sum(c.turns for c in convs)
-    bar = Progress(total, label, not quiet)
+    bar = Progress(total, label, not quiet and sys.stderr.isatty())
     t0 = time.perf_counter()
     done = drive(engine, convs, on_finish=bar.tick)
     e2e = time.perf_counter() - t0
