@@ -50,7 +50,8 @@ class HostMemory:
         self.tensor = raw[skip : skip + nbytes]
         self.pinned = False
         if pin and nbytes:
-            rc = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0))
+            # the whole allocation: torch asks whether a view is pinned at its storage's start
+            rc = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), raw.numel(), 0))
             if rc != 0:
                 raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with error {rc}")
             self.pinned = True
@@ -63,7 +64,7 @@ class HostMemory:
 
     def close(self) -> None:
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.untyped_storage().data_ptr())
             self.pinned = False
 
     def __del__(self) -> None:

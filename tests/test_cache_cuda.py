@@ -182,6 +182,7 @@ def _pool_for(path: str, pages: int) -> tuple[PagedBuffer, Layout]:
 
 
 @pytest.mark.mooncake
+@pytest.mark.native  # the extension's paths keep the GIL; torch's fallback does not
 @pytest.mark.parametrize("path", ["copy_engine", "kernel", "staged"])
 def test_no_engine_thread_call_lets_go_of_the_gil_on_any_path(mooncake_master, path):
     """As on the CPU (test_mooncake_tier.py), with CUDA copies on each path: the extension's copy

@@ -238,6 +238,7 @@ ROUTE_POOLS = {
 }
 
 
+@pytest.mark.native  # the paths of the compiled extension
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
 @pytest.mark.parametrize("path", list(ROUTE_POOLS))
 def test_a_route_copies_exact_bytes_on_its_path_call_after_call(direction, path):
