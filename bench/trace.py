@@ -52,6 +52,8 @@ from hicache.trace.replay import ReplaySetup, Workload, per_page, replay, run_hi
 from hicache.trace.report import plot
 from hicache.trace.workload import TraceRequest, read_trace
 
+# -- sweep: eviction policies, a replay through hicache and match's cost on a trace ---------
+
 FRACTIONS = (0.02, 0.05, 0.1, 0.25, 1.0)
 
 
