@@ -22,13 +22,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from common import command, commit, cpu_model
 
 from hicache.kernels import PagedBuffer, copy_pages
 from hicache.kernels.cuda import (
@@ -390,9 +390,10 @@ def run(args: argparse.Namespace) -> dict:
         sweep(bench)
     props = torch.cuda.get_device_properties(bench.device)
     return {
-        "commit": _commit(),
-        "machine": f"{props.name} ({props.multi_processor_count} SMs), {_cpu()}",
-        "command": "python bench/kernels.py " + " ".join(sys.argv[1:]),
+        "commit": commit(),
+        "machine": f"{props.name} ({props.multi_processor_count} SMs), "
+        f"{os.cpu_count()} x {cpu_model()}",
+        "command": command(),
         "gpu": props.name,
         "sms": props.multi_processor_count,
         "torch": torch.__version__,
@@ -465,25 +466,6 @@ def _line(r: dict) -> str:
         f"{r['case']:<22} {r['page_bytes']:>9} {r['direction']:<4} {r['gbps']:>7.2f} GB/s "
         f"{ratio:>6} host {r['host_ms']} ms {knobs}"
     )
-
-
-def _commit() -> str:
-    """The checked-out commit, with "+changes" if the tree differs from it."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
-
-    head = git("rev-parse", "HEAD") or "unknown"
-    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
-
-
-def _cpu() -> str:
-    """The host CPU's model and count, for the result's machine line."""
-    info = Path("/proc/cpuinfo")
-    lines = info.read_text().splitlines() if info.exists() else []
-    names = [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")]
-    model = names[0] if names else "CPU"
-    return f"{os.cpu_count()} x {model}"
 
 
 def main(argv: list[str] | None = None) -> None:

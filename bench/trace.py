@@ -1,8 +1,9 @@
 """Eviction policies against the offline reference, and what `match` costs, on request traces.
 
-    python bench/trace.py ../shared/traces/synthetic_trace.jsonl --machine cpu
+    python bench/trace.py sweep ../shared/traces/synthetic_trace.jsonl --machine cpu
+    python bench/trace.py match-latency [--tokens 131072] [--page-tokens 128] [--runs 200] [--out F]
 
-Writes bench/results/trace_<machine>.json and trace_<machine>.png:
+``sweep`` writes bench/results/trace_<machine>.json and trace_<machine>.png:
 
 - `sweep`: every policy's simulated prefix hit share at 2, 5, 10, 25 and 100 % of the trace's
   distinct pages, beside LRU and the offline farthest-next-use reference (`hicache trace
@@ -15,22 +16,43 @@ Writes bench/results/trace_<machine>.json and trace_<machine>.png:
   books) and `--policy`;
 - `second_trace`: the sweep on a generated trace of another shape (multi-turn conversations over
   a few popular system prompts, plus one-off prompts), so that no policy is judged on one trace.
+
+``match-latency``: how long `match` takes on a long prompt held in the host tier, hashing included.
+Every timed call is a new request, released outside the timed region. `match_*` rows run with the
+prefix memo off, so every call hashes the whole prompt; `match_next_turn_memo` runs with it on and a
+prompt that extends the previous request's by 512 tokens (a conversation's next turn), so only the
+new pages are hashed. Also times, in the same run, the straightforward design (blake2b per page in a
+Python loop plus a dict walk) and hicache's pure-Python key chain, so the ratios are measured on the
+same machine at the same time. Prints JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
 import random
-import subprocess
+import statistics
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import command, commit, cpu_model
+
+from hicache import HiCache, PagedBuffer, load_config, native
+from hicache.keys import _page_keys_python, chain_seed
 from hicache.trace.replay import ReplaySetup, Workload, per_page, replay, run_hicache, sweep
 from hicache.trace.report import plot
 from hicache.trace.workload import TraceRequest, read_trace
+
+# -- sweep: eviction policies, a replay through hicache and match's cost on a trace ---------
 
 FRACTIONS = (0.02, 0.05, 0.1, 0.25, 1.0)
 
@@ -93,30 +115,8 @@ def match_cost(requests: list[TraceRequest], policy: str, fraction: float) -> di
     return {"match": m["total"], "match_median": m["median"], "store": s["total"]}
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("trace", type=Path)
-    ap.add_argument("--machine", default="cpu", help="label of this machine in the file name")
-    ap.add_argument("--policy", default="prefix", help="the policy replayed through hicache")
-    ap.add_argument("--host-size", type=float, default=0.05, help="fraction of distinct pages")
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
-    args = ap.parse_args()
-
+def sweep_trace(args: argparse.Namespace) -> None:
+    """The policies' sweep, a replay through hicache and match's cost on one trace."""
     requests = read_trace(args.trace)
     workload = Workload(requests, 128)
     setup = ReplaySetup(page_tokens=128, kv_bytes=64, policy=args.policy)
@@ -128,7 +128,7 @@ def main() -> None:
     result = {
         "commit": commit(),
         "machine": f"{args.machine}: {os.cpu_count()} CPUs ({platform.machine()}), {cpu_model()}",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": command(),
         "trace": args.trace.name,
         "requests": report["requests"],
         "unique_pages": report["unique_pages"],
@@ -168,6 +168,162 @@ def main() -> None:
     plot(report, args.out / f"trace_{args.machine}.png", f"{args.trace.name}: prefix hit share")
     print(json.dumps({k: result[k] for k in ("replay", "match_us_per_page")}, indent=2))
     print(f"wrote {path}")
+
+
+# -- match-latency --------------------------------------------------------------------------
+
+
+def _median_us(fn, runs: int, after=None) -> tuple[float, float]:
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+        if after is not None:
+            after()
+    times.sort()
+    return statistics.median(times), times[int(0.9 * (len(times) - 1))]
+
+
+def match_latency(args: argparse.Namespace) -> None:
+    """How long `match` takes on a long prompt held in the host tier, hashing included."""
+    P, n_pages = args.page_tokens, args.tokens // args.page_tokens
+    page_bytes = 64  # match never touches page bytes; keep the pool small
+    cfg = load_config(
+        {
+            "layout": {
+                "model": "bench",
+                "kv_dtype": "bfloat16",
+                "page_tokens": P,
+                "page_bytes": page_bytes,
+            },
+            "tiers": [{"type": "host", "size": (n_pages + 8) * page_bytes}],
+            "policy": {"prefix_memo": 0},
+        },
+        env={},
+    )
+    pool = torch.zeros(n_pages + 8, page_bytes, dtype=torch.uint8)
+    cache = HiCache(cfg, PagedBuffer.page_first(pool))
+    cache.wait_ready()
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 150_000, size=args.tokens + 1, dtype=np.int32)
+    cache.store("warm", tokens, list(range(n_pages)))
+    cache.release("warm")
+    as_list = tokens.tolist()
+
+    def one(toks) -> None:
+        m = cache.match("timed", toks)
+        if m.load_pages != n_pages:
+            raise SystemExit(f"expected a full hit of {n_pages} pages, got {m.load_pages}")
+
+    def release() -> None:  # outside the timed region: the next call is a new request again
+        cache.release("timed")
+
+    memo_cfg = cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"prefix_memo": 256})})
+    memo_cache = HiCache(memo_cfg, PagedBuffer.page_first(pool))
+    memo_cache.wait_ready()
+    half = args.tokens // 2
+    turn: list[np.ndarray] = []
+
+    def new_conversation() -> None:  # a fresh random half-length prompt, stored (not timed)
+        first = rng.integers(0, 150_000, size=half + 1, dtype=np.int32)
+        memo_cache.store("first", first, list(range(half // P)))
+        memo_cache.release("first")
+        turn[:] = [first]
+
+    def next_turn() -> None:  # the previous prompt and 512 new tokens, stored
+        grown = np.concatenate([turn[0], rng.integers(0, 150_000, 512, dtype=np.int32)])
+        m = memo_cache.match("turn", grown)
+        if m.load_pages != len(turn[0]) // P:
+            raise SystemExit(f"expected the previous turn's pages to hit, got {m.load_pages}")
+        turn[0] = grown
+
+    def end_turn() -> None:  # not timed: store the turn, release, maybe start over
+        memo_cache.store("turn", turn[0], list(range(len(turn[0]) // P)))
+        memo_cache.release("turn")
+        if len(turn[0]) + 512 > args.tokens:
+            new_conversation()
+
+    new_conversation()
+
+    seed = chain_seed(cache.fingerprint)
+    pages = tokens[: n_pages * P].reshape(n_pages, P)
+    index = dict.fromkeys(_page_keys_python(seed, pages), 0)
+
+    def straightforward() -> None:
+        prev, data = seed, tokens.tobytes()
+        for i in range(n_pages):
+            prev = hashlib.blake2b(
+                prev + data[i * P * 4 : (i + 1) * P * 4], digest_size=16
+            ).digest()
+            if prev not in index:
+                index.get(prev)
+
+    rows = {}
+    for name, fn, after in (
+        ("match_int32_array", lambda: one(tokens), release),
+        ("match_python_list", lambda: one(as_list), release),
+        ("release", lambda: cache.release("timed"), lambda: one(tokens)),
+        ("match_next_turn_memo", next_turn, end_turn),
+        ("hash_only_native", lambda: native.chain_keys(seed, pages), None),
+        ("hash_only_python", lambda: _page_keys_python(seed, pages), None),
+        ("straightforward_blake2b_loop", straightforward, None),
+    ):
+        fn()
+        if after is not None:
+            after()
+        med, p90 = _median_us(fn, args.runs, after)
+        rows[name] = {
+            "median_us": round(med, 1),
+            "p90_us": round(p90, 1),
+            "us_per_page": round(med / n_pages, 3),
+        }
+    text = json.dumps(
+        {
+            "bench": "match_latency",
+            "commit": commit(),
+            "command": command(),
+            "machine": f"{platform.machine()} {platform.processor() or ''} "
+            f"({torch.get_num_threads()} threads), CPU only",
+            "tokens": args.tokens,
+            "page_tokens": P,
+            "pages": n_pages,
+            "runs": args.runs,
+            "native_hash": native.available(),
+            "target_us": 500,
+            "results": rows,
+            "ratio_straightforward_over_match": round(
+                rows["straightforward_blake2b_loop"]["median_us"]
+                / rows["match_int32_array"]["median_us"],
+                2,
+            ),
+        },
+        indent=2,
+    )
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="run", required=True)
+    sw = sub.add_parser("sweep", help="policy sweep, replay and match cost on a trace")
+    sw.add_argument("trace", type=Path)
+    sw.add_argument("--machine", default="cpu", help="label of this machine in the file name")
+    sw.add_argument("--policy", default="prefix", help="the policy replayed through hicache")
+    sw.add_argument("--host-size", type=float, default=0.05, help="fraction of distinct pages")
+    sw.add_argument("--out", type=Path, default=Path("bench/results"))
+    sw.set_defaults(func=sweep_trace)
+    ml = sub.add_parser("match-latency", help="match of one long prompt held in the host tier")
+    ml.add_argument("--tokens", type=int, default=131072)
+    ml.add_argument("--page-tokens", type=int, default=128)
+    ml.add_argument("--runs", type=int, default=200)
+    ml.add_argument("--out")
+    ml.set_defaults(func=match_latency)
+    args = ap.parse_args()
+    args.func(args)
 
 
 if __name__ == "__main__":

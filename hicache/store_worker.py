@@ -162,7 +162,7 @@ def group_pieces(rows: tuple[int, int, int], G: int, slots: list[int]) -> Buffer
     Where rows lie back to back, a group whose pages are in consecutive slots, in order, is one
     piece; any other group is a piece per page. Mooncake moves fewer, larger pieces faster: a
     batch of 32 objects of 512 KiB as one piece each took 4-11 % less time than as 4 pieces each
-    in five runs on H200 hosts (`bench/results/l3_*_h200*.json`, raw gets). The span of every
+    in five runs on H200 hosts (raw gets; those L3 results are in git history). The span of every
     piece comes with them (None for no slots)."""
     base, stride, size = rows
     n = len(slots)

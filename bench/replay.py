@@ -14,8 +14,8 @@ fetch all (k = 0), recompute all (k = hit), and the plan of `hicache.plan.plan_f
 prefill speed measured here. B spans tiers whose time for the whole hit is ``--tier-ratios``
 times its recompute time.
 
-    python bench/ttft.py                 # GPU if there is one: llama-8b shape, 32K context
-    python bench/ttft.py --cpu           # a tiny model on the CPU (a check that it runs)
+    python bench/replay.py               # GPU if there is one: llama-8b shape, 32K context
+    python bench/replay.py --cpu         # a tiny model on the CPU (a check that it runs)
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,10 +32,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import command, commit
+
 from hicache.plan import PrefillSpeed, plan_fetch
 from refengine.build import DTYPES, EngineSpec, build_engine, load_model
 from refengine.engine import Engine, Request
-from refengine.replay import _time_prefill  # the suffix prefill, timed as replay's floor
+from refengine.replay import _time_prefill  # the suffix prefill, as replay's floor
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -87,9 +88,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     engine.idle_sleep_s = 0.0002  # a throttled tail is waited for in steps this short
     _warmup(engine)
     out: dict[str, Any] = {
-        "commit": _commit(),
+        "commit": commit(),
         "machine": machine,
-        "command": " ".join(["python", *sys.argv]),
+        "command": command(),
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "model": spec.model,
         "dtype": spec.dtype,
@@ -247,15 +248,6 @@ def _page_bytes(engine: Engine) -> int:
 def _gpu_name() -> str:
     name = torch.cuda.get_device_name().lower()
     return next((g for g in ("h200", "h100", "a100", "l40s") if g in name), "gpu")
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _print(out: dict[str, Any]) -> None:

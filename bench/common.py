@@ -1,0 +1,44 @@
+"""What every result file under bench/results/ records about its run: commit, machine, command."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def commit() -> str:
+    """The checked-out commit, with "+changes" if the tracked files differ from it; "unknown"
+    outside a git checkout."""
+
+    def git(*args: str) -> str:
+        try:
+            run = subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT)
+        except OSError:
+            return ""
+        return run.stdout.strip()
+
+    head = git("rev-parse", "HEAD") or "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def cpu_model() -> str:
+    """The host CPU's model name, for a result's machine line."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def command() -> str:
+    """This run's command line, as run from the repository root."""
+    script = Path(sys.argv[0]).resolve()
+    if script.is_relative_to(ROOT):
+        script = script.relative_to(ROOT)
+    return " ".join(["python", str(script), *sys.argv[1:]])
