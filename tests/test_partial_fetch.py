@@ -157,3 +157,27 @@ def test_without_the_plan_a_store_hit_is_fetched_whole(model, convs, off, space,
     _clean(eng)
     gets = [n for op, n in MemoryTier.calls[space] if op == "get"]
     assert gets[: len(on)] == (whole if eng.memory.rings is None else [g + 1 for g in whole])
+
+
+def test_a_planned_hit_cannot_be_loaded_from_below_its_head(model, convs, space, monkeypatch):
+    """The pages before k were never fetched: a load from below k is refused and leaves the
+    match loadable; loaded from k, its pins go once the copies are done."""
+    eng, _ = _reader(model, space, 1.0, monkeypatch, partial=True)
+    cache, prompt = eng.cache, convs[0].first
+    m = cache.match("r", prompt, partial=True)
+    k = m.head_tokens
+    assert m.pending and k > 0
+    deadline = time.monotonic() + 15
+    while m.pending:
+        assert time.monotonic() < deadline, "the tier did not answer in time"
+        time.sleep(0.005)
+        m = cache.match("r", prompt, partial=True)
+    assert m.head_tokens == k < m.hit_tokens
+    blocks = eng.memory.alloc_blocks(m.load_pages)
+    with pytest.raises(ValueError, match=f"from_token >= head_tokens={k}"):
+        cache.load(m, blocks, state_slot=0, from_token=k - PAGE * 2)
+    with pytest.raises(ValueError, match="head_tokens"):
+        cache.load(m, blocks, state_slot=0)
+    cache.load(m, blocks, state_slot=0, from_token=k)
+    cache.release("r")
+    _clean(eng)
