@@ -64,23 +64,24 @@ def space(model, convs):
     return name
 
 
-def _config(space: str, read_gbps: float) -> dict:
+def _config(space: str, read_gbps: float, tier: dict | None = None) -> dict:
+    tier = tier or {"type": "memory", "space": space}
     return {
         "tiers": [
             {"type": "host", "size": "32MiB"},
-            {"type": "memory", "space": space, "group_pages": GROUP, "read_gbps": read_gbps},
+            {**tier, "group_pages": GROUP, "read_gbps": read_gbps},
         ],
         "policy": {"prefill_tokens_per_s": PREFILL, "fetch_max_wait_ms": 5000},
     }
 
 
-def _reader(model, space: str, x: float, monkeypatch, **spec: bool):
+def _reader(model, space: str, x: float, monkeypatch, tier: dict | None = None, **spec: bool):
     """A fresh cache on the tier whose read takes `x` times the prefill per token."""
     monkeypatch.setattr(cost, "WEIGHT", 0.0)  # the rates stay at their configured figures
     probe = build_engine(_spec(), model=model)
     page_bytes = probe.memory.pool[0].numel() * probe.memory.pool.element_size()
     read_gbps = PREFILL * page_bytes / PAGE / x / 1e9
-    eng = build_engine(_spec(**spec), _config(space, read_gbps), model=model)
+    eng = build_engine(_spec(**spec), _config(space, read_gbps, tier), model=model)
     asked: dict[str, list] = {}
     real_match = eng.cache.match
 
@@ -90,7 +91,7 @@ def _reader(model, space: str, x: float, monkeypatch, **spec: bool):
         return m
 
     eng.cache.match = match
-    MemoryTier.calls[space].clear()
+    MemoryTier.calls.setdefault(space, []).clear()
     eng.cache.poll()  # fills the fetch reserve: a fetch that fits is one get
     return eng, asked
 
@@ -104,7 +105,8 @@ def _clean(eng) -> dict:
     eng.cache.poll()
     stats = eng.cache.stats()
     # nothing pinned but the free slots the tier keeps for its fetches
-    assert stats["requests"] == 0 and stats["host_pinned"] == stats["fetch_reserve_memory"]
+    reserve = sum(v for key, v in stats.items() if key.startswith("fetch_reserve_"))
+    assert stats["requests"] == 0 and stats["host_pinned"] == reserve
     assert stats["copies_in_flight"] == 0
     return stats
 
@@ -180,4 +182,23 @@ def test_a_planned_hit_cannot_be_loaded_from_below_its_head(model, convs, space,
         cache.load(m, blocks, state_slot=0)
     cache.load(m, blocks, state_slot=0, from_token=k)
     cache.release("r")
+    _clean(eng)
+
+
+def test_a_planned_fetch_from_the_disk_tier_answers_exactly(
+    model, convs, off, monkeypatch, tmp_path
+):
+    """The same over real files: a fresh cache on the directory a first one wrote."""
+    disk = {"type": "disk", "path": str(tmp_path), "size": "64MiB"}
+    writer = build_engine(_spec(), _config("", 1.0, disk), model=model)
+    drive(writer, convs)
+    writer.cache.close()  # a persistent tier: its writes are drained
+    eng, asked = _reader(model, "", 1.0, monkeypatch, disk, partial=True)
+    on = drive(eng, convs)
+    assert _outputs(on) == off
+    for conv in on:
+        final = asked[conv[0].rid][-1]
+        k = (len(conv[0].prompt) - 1) // PAGE * PAGE // 2 // (PAGE * GROUP) * (PAGE * GROUP)
+        assert (final.pending, final.head_tokens) == (False, k)
+        assert final.tier_tokens == (("disk", final.hit_tokens - k),) and final.hit_tokens > k
     _clean(eng)
