@@ -174,6 +174,7 @@ class HiCache:
         *,
         salt: str | bytes | None = None,
         computed_tokens: int = 0,
+        partial: bool = False,
     ) -> Match:
         """How many leading tokens of `tokens` the engine may skip, and what `load` will copy.
 
@@ -185,6 +186,15 @@ class HiCache:
         is, not copied: the caller must not change it in place while the request lives. The
         pages (and state) of the hit are pinned in the host tier until `load` has copied them or
         `release` is called.
+
+        `partial=True` lets hicache plan a partial fetch when the hit would come from the store
+        tiers (policy `fetch_pending: wait` only): where the cost model finds that the engine's
+        prefill of the hit's head and the first store tier's read of its tail end together
+        past the host hit, the answer (pending while the tiers send the tail) has
+        `head_tokens` = k, and only the pages from k on are asked of the tiers. The engine
+        computes [computed_tokens, k) meanwhile, asks again until the answer is not pending
+        and loads with ``from_token=k`` (the final answer keeps k; its hit_tokens >= k). Where
+        the host tier holds more than k tokens, nothing is planned: the host part is fast.
         """
         started = time.perf_counter()
         tokens = as_tokens(tokens)
@@ -209,14 +219,20 @@ class HiCache:
         if done is not None:
             for part in done.parts():
                 adopt_keys(req.chain, part)
-            if again is not None and (grown := self._fetched(req, again, done, cap)) is not None:
+            grown = None
+            if again is not None and not req.head_pages:
+                grown = self._fetched(req, again, done, cap)
+            if grown is not None:
                 return self._answer(req, grown, n, started)
         req.drop_pins()
         slots = self._host_prefix(req.chain, first)
         keys = req.chain.hashed
         found = first + len(slots)
         hit = min(found, cap)
-        pending = self._look_ahead(req, found, cap)
+        pending = self._look_ahead(req, first, found, cap, partial)
+        if req.head_pages:
+            m = self._tail(req, request_id, computed_tokens, cap, pending, done)
+            return self._answer(req, m, n, started)
         state_slot = None
         if self._hooks is not None and hit > first:
             hit, state_slot = self._snap_to_state(keys, first, hit)
@@ -280,15 +296,66 @@ class HiCache:
             begin, step = end, 2 * step
         return slots
 
-    def _look_ahead(self, req: Request, found: int, cap: int) -> bool:
+    def _look_ahead(self, req: Request, first: int, found: int, cap: int, partial: bool) -> bool:
         """Start the walk down the store tiers for the pages after the host hit (the first
-        tier's `start_fetch` hashes the first of them, its worker the rest); True while the
-        request waits."""
-        if self._chain is None:
+        tier's `start_fetch` hashes the first of them, its worker the rest), or, for a
+        `partial` match that the chain plans, after the head; True while the request waits."""
+        chain = self._chain
+        if chain is None:
             return False
         if req.fetch is None and found < cap:
-            req.fetch = self._chain.start(req.chain, found, cap)
-        return req.fetch is not None and self._chain.waiting(req.fetch)
+            head, fetch_s, deadline = 0, 0.0, None
+            if partial and self.policy.fetch_pending == "wait":
+                head, fetch_s = chain.plan(first, found, cap)
+            if head:  # the walk may take as long as the plan expects, and the usual wait on top
+                deadline = chain.clock() + fetch_s + self.policy.fetch_max_wait_ms / 1e3
+            req.fetch = chain.start(
+                req.chain, max(found, head), cap, deadline=deadline, planned=head > 0
+            )
+            req.head_pages = head if req.fetch is not None else 0
+        return req.fetch is not None and chain.waiting(req.fetch)
+
+    def _tail(
+        self,
+        req: Request,
+        request_id: str,
+        computed_tokens: int,
+        cap: int,
+        pending: bool,
+        walk: Fetch | None,
+    ) -> Match:
+        """The answer of a partial fetch from page k = `req.head_pages`: while `pending`, the
+        head alone (nothing pinned); then the pages from k on that the host tier holds now (up
+        to the cap, snapped to a state), pinned for `load`, whatever the walk brought."""
+        P, k = self.layout.page_tokens, req.head_pages
+        first = computed_tokens // P
+        hit, state_slot, tier_tokens = k, None, ()
+        if not pending:
+            keys = req.chain.hashed
+            slots = self.host.page_slots.prefix(keys[k:cap]) if len(keys) > k else []
+            hit = k + len(slots)
+            if self._hooks is not None and hit > k:
+                hit, state_slot = self._snap_to_state(keys, k, hit)
+            if hit > k:
+                req.pages = self.host.page_slots.lease(slots[: hit - k])
+                if state_slot is not None:
+                    req.state = self.host.state_slots.lease([state_slot])
+                if walk is not None:
+                    tier_tokens = _tier_tokens(walk, k, hit, P)
+            if walk is not None:
+                for part in walk.parts():
+                    part.release()  # its pages are pinned by this match now, or not needed
+        return Match(
+            request_id=request_id,
+            hit_tokens=hit * P,
+            computed_tokens=computed_tokens,
+            first_page=first,
+            load_pages=hit - first if hit > k else 0,
+            tier_tokens=tier_tokens,
+            needs_state=state_slot is not None,
+            pending=pending,
+            head_tokens=k * P,
+        )
 
     def _fetched(self, req: Request, pending: Match, walk: Fetch, cap: int) -> Match | None:
         """The `pending` answer grown by its finished walk, when one tier's fetch reached the
@@ -384,8 +451,9 @@ class HiCache:
         `from_token` (a page boundary in [computed_tokens, hit_tokens]) copies only the pages
         from there on: the engine computes the tokens before it itself (a partial fetch, see
         `hicache.plan`), and must have enqueued that computation before this call when the hit
-        has a state (the state at `hit_tokens` then overwrites what it left). The pins of the hit
-        are released, all at once, when its last copy has completed.
+        has a state (the state at `hit_tokens` then overwrites what it left). A match with
+        `head_tokens` needs from_token >= head_tokens. The pins of the hit are released, all at
+        once, when its last copy has completed.
         """
         req = self._requests.get(match.request_id)
         if req is None or req.match is not match:
@@ -402,6 +470,12 @@ class HiCache:
         if by_layer and not self.layers:
             raise ValueError(f"{what}: by_layer needs layers= at construction")
         skip = self._skipped_pages(match, from_token, what)
+        P = self.layout.page_tokens
+        head = (match.head_tokens - match.computed_tokens) // P if match.head_tokens else 0
+        if skip < head:  # the pages before the head were never fetched
+            raise ValueError(
+                f"{what}: a partial fetch, give from_token >= head_tokens={match.head_tokens}"
+            )
         if match.load_pages == 0:
             req.drop_pins()
             return DONE
@@ -413,7 +487,7 @@ class HiCache:
             if state is not None:
                 self._call_hook("load_state", state_slot, match.hit_tokens, state.slots[0])
             latency = self._stats.latency["hicache_load_copy_seconds"]
-            slots, ids = _int32(pages.slots[skip:]), ids[skip:]
+            slots, ids = _int32(pages.slots[skip - head :]), ids[skip:]
             if by_layer:
                 done = self._transfers.copy_layers(
                     self._layer_routes, slots, ids, lambda: _release(leases), latency

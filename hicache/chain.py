@@ -32,6 +32,7 @@ from hicache.config import Layout, Policy, StoreTierConfig, tier_name
 from hicache.cost import Rate
 from hicache.events import EventSink
 from hicache.keys import KeyChain
+from hicache.plan import PrefillSpeed, plan_fetch
 from hicache.stats import Stats
 from hicache.store_link import Fetch, LinkSettings, StoreLink
 from hicache.transfers import DONE, Completion
@@ -53,6 +54,7 @@ class TierChain:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.policy = policy
+        self.layout = layout
         self.clock = clock
         self.prefill = Rate(policy.prefill_tokens_per_s)
         """The engine's prefill speed (tokens/s), shared by every tier's cost model."""
@@ -103,14 +105,38 @@ class TierChain:
         max_pages: int,
         after: int = 0,
         deadline: float | None = None,
+        planned: bool = False,
     ) -> Fetch | None:
         """Begin the walk at tier `after`: the first tier from there that takes the fetch of
-        the groups after `host_pages` (up to `max_pages`). None when none does."""
+        the groups after `host_pages` (up to `max_pages`). None when none does. `planned`: a
+        partial fetch (see `plan`), asked of a tier however its speed compares to recompute."""
         for link in self.links[after:]:
-            fetch = link.start_fetch(chain, host_pages, max_pages, deadline)
+            fetch = link.start_fetch(chain, host_pages, max_pages, deadline, planned)
             if fetch is not None:
                 return fetch
         return None
+
+    def plan(self, first: int, host_pages: int, max_pages: int) -> tuple[int, float]:
+        """A partial fetch of a hit capped at `max_pages` pages, of which the engine holds
+        `first` and the host tier the pages up to `host_pages`: the page k (a group start of
+        the first tier) from which the tiers are asked, so that the engine's prefill of
+        [first, k) and the first tier's read of [k, max_pages) end together (`plan_fetch`, with
+        the learned read rate and prefill speed), and the seconds the read is expected to take.
+        (0, 0.0) where k would not pass the host hit (the host part is fast: fetch as usual) or
+        would leave nothing to fetch."""
+        link, P = self.links[0], self.layout.page_tokens
+        plan = plan_fetch(
+            max_pages * P,
+            page_tokens=P,
+            page_bytes=self.layout.page_size,
+            read_bytes_per_s=link.read.per_s,
+            prefill=PrefillSpeed(self.prefill.per_s),
+            computed_tokens=first * P,
+        )
+        k = plan.head_tokens // P // link.G * link.G
+        if not host_pages < k < max_pages:
+            return 0, 0.0
+        return k, (max_pages - k) * self.layout.page_size / link.read.per_s
 
     def _walk_on(self, fetch: Fetch) -> None:
         """A tier's part of a walk is done: put what it brought behind to the tiers above it,

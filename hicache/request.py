@@ -36,6 +36,10 @@ class Match:
     limited_tokens: int = 0
     """Tokens found in the tiers that the cap (min_recompute_tokens) or the snap to a stored state
     kept the hit from using."""
+    head_tokens: int = 0
+    """A partial fetch (``match(..., partial=True)``): the engine computes [computed_tokens,
+    head_tokens) itself while the store tiers send the pages from head_tokens on, then loads
+    them with ``load(..., from_token=head_tokens)``; hit_tokens >= head_tokens. 0: no plan."""
 
     @property
     def fetched_tokens(self) -> int:
@@ -62,6 +66,8 @@ class Request:
     """The host state slot pinned by `match` for `load`."""
     fetch: Fetch | None = None
     """The first part of the request's walk down the store tiers, if one was started."""
+    head_pages: int = 0
+    """The walk is a partial fetch from this page on (`Match.head_tokens`); 0: none."""
 
     def drop_pins(self) -> None:
         """Release what `match` pinned and forget the match (it can no longer be loaded)."""

@@ -291,14 +291,20 @@ class StoreLink:
         return self.breaker.closed or (self._own_breaker and self.breaker.allow())
 
     def start_fetch(
-        self, chain: KeyChain, host_pages: int, max_pages: int, deadline: float | None = None
+        self,
+        chain: KeyChain,
+        host_pages: int,
+        max_pages: int,
+        deadline: float | None = None,
+        planned: bool = False,
     ) -> Fetch | None:
         """Begin a fetch of the groups after `host_pages` of `chain`, up to `max_pages` pages.
 
         `chain` has hashed at least `host_pages` pages; the worker hashes the rest it needs.
         `deadline`: when a waiting request gives up (default: `policy.fetch_max_wait_ms` from
         now). Returns None when no whole group lies in that range, the tier is not available or
-        busy, or fetching is slower than recomputing (see `hicache.cost`).
+        busy, or fetching is slower than recomputing (see `hicache.cost`; not asked for a
+        `planned` partial fetch, whose plan weighed the tier's speed already).
         """
         G, P = self.G, chain.page_tokens
         first = host_pages // G
@@ -313,7 +319,7 @@ class StoreLink:
         if sum(self._fetch_load) >= self.settings.fetch_depth:
             self.stats.skipped_busy += 1
             return None
-        if not self._verdict.worth():
+        if not planned and not self._verdict.worth():
             self.stats.skipped_slow += 1
             return None
         if self._trusted_books:

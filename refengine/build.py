@@ -36,6 +36,7 @@ class EngineSpec:
     chunk_tokens: int = 512
     state_boundaries: int = 2
     by_layer: bool = False  # load hits layer by layer under the prefill (needs a cache)
+    partial: bool = False  # let the cache plan partial fetches from its store tiers
 
 
 def load_model(spec: EngineSpec) -> tuple[Transformer, str]:
@@ -107,5 +108,10 @@ def build_engine(
     )
     cache = make_cache(cache_config, memory, model_id) if cache_config is not None else None
     return Engine(
-        model_obj, memory, chunk_tokens=spec.chunk_tokens, cache=cache, by_layer=spec.by_layer
+        model_obj,
+        memory,
+        chunk_tokens=spec.chunk_tokens,
+        cache=cache,
+        by_layer=spec.by_layer,
+        partial=spec.partial,
     )

@@ -8,7 +8,10 @@ One `Engine.step()`:
    request the cache defers (``pending``) is skipped this step without holding up the ones behind
    it; when blocks run out, admission stops until some are freed. With a `planner`, a hit is
    split: the engine prefills its head [0, k) itself and loads [k, hit) once the head is done
-   and ``fetch_ready(request)`` holds (a partial fetch, see ``hicache.plan``);
+   and ``fetch_ready(request)`` holds (a partial fetch, see ``hicache.plan``). With `partial`,
+   the cache plans k itself (``match(..., partial=True)``, ``Match.head_tokens``): the request
+   is admitted on its pending answer, prefills the head while the cache's tiers send the tail,
+   and asks again, once the head is done, until the answer is in;
 3. build the batch: one token for every decoding request, then prefill chunks of prefilling
    requests in arrival order up to ``chunk_tokens`` prompt tokens in all (a head stops at k);
 4. run the model, take the argmax of each finished prompt's or decoded token's logits; with
@@ -87,13 +90,16 @@ class Engine:
         by_layer: bool = False,
         planner: Callable[[Request, Any], int] | None = None,
         fetch_ready: Callable[[Request], bool] | None = None,
+        partial: bool = False,
     ) -> None:
         """`by_layer`: load hits layer by layer (the cache's ``load(..., by_layer=True)``).
         `planner(request, match)` returns k, a page boundary in [computed_tokens, hit_tokens]:
         the engine prefills [computed_tokens, k) and loads the hit's pages from k on (k =
         computed_tokens: all of them; without a planner, all of them at admission).
         `fetch_ready(request)` says whether the pages from k on may be loaded now (a slow
-        tier's transfer done); default: always."""
+        tier's transfer done); default: always. `partial`: ask the cache for its own plan
+        (``match(..., partial=True)``); a hit it plans (``head_tokens``) is split at its k, not
+        the planner's."""
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be at least 1")
         self.model = model
@@ -105,6 +111,7 @@ class Engine:
         self.by_layer = by_layer
         self.planner = planner
         self.fetch_ready = fetch_ready
+        self.partial = partial
         self.needs_slot = memory.rings is not None
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -172,8 +179,8 @@ class Engine:
     def _admit(self) -> None:
         for req in list(self.waiting):
             if self.cache is not None and req.match is None:
-                m = self.cache.match(req.rid, req.prompt, salt=req.salt)
-                if getattr(m, "pending", False):
+                m = self._match(req)
+                if getattr(m, "pending", False) and not getattr(m, "head_tokens", 0):
                     continue  # the cache asks us to come back; others may go ahead
                 req.match = m
             pages = -(-(len(req.prompt) + req.max_new_tokens) // self.memory.page_tokens)
@@ -191,17 +198,29 @@ class Engine:
             self.waiting.remove(req)
             self.running.append(req)
             m = req.match
-            if m is not None and m.hit_tokens > 0:
+            if m is not None and getattr(m, "head_tokens", 0):  # the cache's plan
+                req.computed, req.head_end = m.computed_tokens, m.head_tokens
+            elif m is not None and m.hit_tokens > 0:
                 if self.planner is None:
                     self._load(req, m)
                 else:  # loaded by `_load_tails` once the head is computed and the tier ready
                     req.computed, req.head_end = m.computed_tokens, self.planner(req, m)
 
+    def _match(self, req: Request) -> Any:
+        if self.partial:
+            return self.cache.match(req.rid, req.prompt, salt=req.salt, partial=True)
+        return self.cache.match(req.rid, req.prompt, salt=req.salt)
+
     def _load_tails(self) -> None:
-        """Load the tail of every split hit whose head is computed, once its tier is ready."""
+        """Load the tail of every split hit whose head is computed, once its tier is ready (for
+        the cache's own plan: once its answer is no longer pending)."""
         for req in self.running:
             if req.head_end is None or req.computed < req.head_end:
                 continue
+            if getattr(req.match, "pending", False):
+                req.match = self._match(req)
+                if req.match.pending:
+                    continue
             if self.fetch_ready is None or self.fetch_ready(req):
                 self._load(req, req.match, from_token=req.head_end)
                 req.head_end = None

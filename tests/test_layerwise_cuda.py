@@ -92,41 +92,6 @@ def test_a_load_by_layer_gives_exact_bytes_once_the_stream_waited_for_each_layer
     cache.close()
 
 
-def test_the_engine_stream_runs_layer_0_while_the_last_layers_are_still_copied():
-    """4 GiB in 32 layers (~75 ms at the link's speed): once the engine's stream has waited for
-    layer 0 (and read it), the host sees that work done while the load as a whole is not; the
-    bytes it read are layer 0's."""
-    layers, layer_bytes, n = 32, 2 << 20, 64
-    cache, pages = build("page_first", layers, layer_bytes, blocks=2 * n)
-    prompt = np.arange(n * P + 1, dtype=np.int32)
-    fill(pages, list(range(n)), seed=3)
-    layer_rows(pages, layers, 0, [0])  # the gather's kernels loaded now, not while timing
-    assert cache.store("a", prompt, list(range(n))) == n
-    torch.cuda.synchronize()
-    cache.poll()
-    m = cache.match("b", prompt)
-    assert m.load_pages == n
-    target = list(range(n, 2 * n))
-    loading = cache.load(m, target, by_layer=True)
-    assert not loading.done()  # the call returned with the copies in flight
-    loading.wait_layer(0)
-    first = layer_rows(pages, layers, 0, target)
-    read = torch.cuda.Event()
-    read.record()
-    read.synchronize()  # the host waits for the engine's stream up to layer 0's read
-    assert not loading.done()  # ... while the last layers are still being copied
-    assert torch.equal(first, layer_rows(pages, layers, 0, list(range(n))))
-    loading.wait_layer(layers - 1)
-    torch.cuda.current_stream().synchronize()
-    assert loading.done()
-    assert torch.equal(rows(pages, target), rows(pages, list(range(n))))
-    cache.poll()
-    cache.release("a")
-    cache.release("b")
-    assert cache.stats()["host_pinned"] == 0
-    cache.close()
-
-
 def test_a_partial_load_by_layer_copies_the_tail_only():
     layers = 4
     cache, pages = build("layer_first", layers, 64 << 10)

@@ -111,6 +111,6 @@ def tier_class(type_: str) -> type:
 
 
 def tier_types() -> dict[str, type[TierConfig]]:
-    """Every registered tier type and its config model, the built-in backends loaded."""
+    """The built-in tier types and their config models (what this package documents)."""
     _load_builtins()
-    return dict(_CONFIGS)
+    return {t: m for t, m in _CONFIGS.items() if _CLASSES[t].__module__ in _BUILTIN}

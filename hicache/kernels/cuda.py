@@ -157,6 +157,9 @@ class TorchEvent:
     def record(self, stream: int, device: int) -> None:
         self.event.record(torch.cuda.ExternalStream(stream, device=device))
 
+    def block(self, stream: int, device: int) -> None:
+        torch.cuda.ExternalStream(stream, device=device).wait_event(self.event)
+
     def query(self) -> bool:
         return self.event.query()
 
