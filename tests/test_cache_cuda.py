@@ -77,6 +77,7 @@ def test_store_then_load_gives_exact_bytes_on_the_engine_stream(stream_kind, sha
     cache.close()
 
 
+@pytest.mark.native  # torch's fallback copies to the host wait for the stream
 def test_calls_return_while_the_stream_is_busy():
     pool = torch.zeros(64, 1 << 20, dtype=torch.uint8, device="cuda")  # 1 MiB pages
     pages = PagedBuffer.page_first(pool)
@@ -96,6 +97,7 @@ def test_calls_return_while_the_stream_is_busy():
     cache.close()
 
 
+@pytest.mark.native  # the extension's events are reused; torch's are not
 def test_a_retired_copy_hands_its_event_to_the_next_and_stays_done():
     from hicache.kernels import route
     from hicache.transfers import Transfers
