@@ -30,6 +30,7 @@ Mooncake is imported in `start()`, so this module (and its config) loads without
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import enum
 import logging
@@ -37,6 +38,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -51,6 +53,18 @@ from hicache.backends.registry import register_tier
 from hicache.config import Bytes, Layout, StoreTierConfig
 
 log = logging.getLogger(__name__)
+
+_open: weakref.WeakSet[MooncakeStore] = weakref.WeakSet()
+"""Stores started and not closed (see `_close_at_exit`)."""
+
+
+@atexit.register
+def _close_at_exit(timeout_s: float = 5.0) -> None:
+    """At interpreter exit, close the stores the process left open (each bounded by
+    `timeout_s`): a Mooncake client torn down with its threads still running aborts the
+    process (std::terminate)."""
+    for store in list(_open):
+        store.close(timeout_s)
 
 T = TypeVar("T")
 
@@ -325,6 +339,7 @@ class MooncakeStore(StoreTier):
             if self._started:
                 return
             self._started = True
+            _open.add(self)
             # Mooncake's own threads, made by its client's setup on this thread, inherit its CPUs
             self._thread = threads.start(self._run, "hicache-mooncake-connect", self._cpus)
 
@@ -372,6 +387,7 @@ class MooncakeStore(StoreTier):
             if self._closing:
                 return True
             self._closing = True
+            _open.discard(self)
             client, self._client = self._client, None
             regions = self._memory.all()
             self._wake.notify_all()
