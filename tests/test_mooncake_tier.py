@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 from fake_engine import FakeEngine, FakeStates, config, kv_bytes
 
+from hicache import native
+
 pytestmark = pytest.mark.mooncake
 
 P = 4
@@ -405,7 +407,8 @@ def test_a_killed_master_never_stalls_the_engine_and_l3_comes_back(start_mooncak
         # return, which the scenario does not fix; that some do, and nothing reaches the engine
         assert s["call_errors_mooncake"] + s["skipped_down_mooncake"] + s["timeouts_mooncake"] > 0
         assert s["puts_skipped_mooncake"] > 0  # once the breaker opened, nothing is offered to it
-        assert released == []
+        if native.enabled():  # the Python fallback's host copies (numpy) let go of the GIL
+            assert released == []
         watch.close()  # restores the switch interval for the rest
         for name, fn in real.items():
             setattr(e.cache, name, fn)
