@@ -137,12 +137,14 @@ def test_a_tier_that_is_down_or_fails_is_passed_over_and_the_walk_goes_on_below(
     writer.run("w", p)
     writer.run("w2", q)
     settle(writer)
+    writes = len(MemoryTier.calls[space])
 
     reader = engines(chain_config(memory(space), mooncake(mooncake_master)))
     store = link(reader, "memory").store
     store.down = True  # not available: not asked
     m = reader.run("r", p)
     assert (m.hit_tokens, m.tier_tokens) == (40, (("mooncake", 40),))
+    settle(reader)  # the promotion of r's groups is offered while the tier is still down
     assert reader.cache.stats()["skipped_down_memory"] == 1
     assert reader.cache.stats()["call_errors_memory"] == 0
 
@@ -151,8 +153,16 @@ def test_a_tier_that_is_down_or_fails_is_passed_over_and_the_walk_goes_on_below(
     assert (m.hit_tokens, m.tier_tokens) == (40, (("mooncake", 40),))
     settle(reader)
     s = reader.cache.stats()
-    # the get failed, and so did the put of the store that followed: never a hit
-    assert (s["call_errors_memory"], s["get_failed_memory"], s["hit_tokens_memory"]) == (2, 0, 0)
+    # the fetch's call failed, and so did the put of the groups promoted from Mooncake: never a
+    # hit. A failed put leaves its groups unheld, so the request's own store may offer them
+    # again (a third failed call) if that failure was applied before the store.
+    calls = [op for op, _ in MemoryTier.calls[space][writes:]]
+    assert calls[0] in ("exists", "get") and set(calls[1:]) == {"put"} and len(calls) in (2, 3)
+    assert (s["call_errors_memory"], s["get_failed_memory"], s["hit_tokens_memory"]) == (
+        len(calls),
+        0,
+        0,
+    )
 
 
 def test_on_evict_writes_a_group_only_when_the_host_runs_short(engines):
