@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from hicache import native, threads
+from hicache.backends.base import StoreTier
 from hicache.backends.gpu import GpuTier
 from hicache.backends.host import HostTier, HostTierConfig
 from hicache.chain import TierChain, adopt_keys
@@ -714,6 +715,12 @@ class HiCache:
                 return False
             time.sleep(0.01)
         return True
+
+    @property
+    def store_tiers(self) -> dict[str, StoreTier]:
+        """The store tiers below the host tier by name, in walk order (empty without any): what
+        an integration reads their capabilities from (`shared`, `persistent`)."""
+        return {} if self._chain is None else {link.name: link.store for link in self._chain.links}
 
     @property
     def tiers_idle(self) -> bool:

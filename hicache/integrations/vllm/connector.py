@@ -1,0 +1,167 @@
+"""`HiCacheConnector`: hicache as a vLLM KV connector (vLLM's `KVConnectorBase_V1`).
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "HiCacheConnector",
+        "kv_connector_module_path": "hicache.integrations.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"config": "configs/vllm.yaml"}}'
+
+vLLM makes one connector per role: in the scheduler (`SchedulerBooks`: questions, grants,
+stores to ask for) and in each worker (`WorkerCache`: the HiCache, its pools and tiers). The
+two talk only through vLLM's per-step metadata (`hicache.integrations.vllm.meta`), so the same
+code runs with the multiprocess executor and the uniprocess one. Why the books live with the
+worker: docs/vllm.md.
+
+Extra config keys: `config` (a hicache YAML file) or `hicache` (the same, inline); `model_id`
+(optional: names the weights in the page keys, instead of vLLM's model name and a digest of
+its config). The config has no `layout` section: the layout comes from vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from hicache.config import ConfigError, HiCacheConfig, load_config
+from hicache.integrations.vllm.meta import StepMeta
+from hicache.integrations.vllm.scheduler import SchedulerBooks
+from hicache.integrations.vllm.worker import WorkerCache, layout_fields
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+def hicache_config(extra: dict[str, Any]) -> HiCacheConfig:
+    """The hicache config named by the connector's extra config (`config` or `hicache`)."""
+    if ("config" in extra) == ("hicache" in extra):
+        raise ConfigError(
+            "hicache: kv_connector_extra_config needs exactly one of 'config' (a YAML file) "
+            "and 'hicache' (the config inline)"
+        )
+    config = load_config(extra["config"] if "config" in extra else extra["hicache"])
+    if config.layout is not None:
+        raise ConfigError(
+            "hicache: under vLLM the config has no 'layout' section: the layout comes from "
+            "vLLM's model, block size, KV dtype and TP rank"
+        )
+    return config
+
+
+def _for_rank(config: HiCacheConfig, rank: int) -> HiCacheConfig:
+    """Each TP rank serves its metrics on its own port: the configured one plus the rank."""
+    port = config.metrics.port
+    if not port or not rank:
+        return config
+    return config.model_copy(
+        update={"metrics": config.metrics.model_copy(update={"port": port + rank})}
+    )
+
+
+class HiCacheConnector(KVConnectorBase_V1):
+    """hicache under vLLM. Loads are synchronous, on the model's stream before the forward;
+    stores are enqueued after it. A best-effort cache: a lost save is a future miss
+    (`requires_kv_delivery` is false), a failed load is recomputed by vLLM."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        config = hicache_config(extra)  # in both roles: a bad config stops vLLM at start
+        self._books: SchedulerBooks | None = None
+        self._worker: WorkerCache | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            block = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+            ranks = vllm_config.parallel_config.tensor_parallel_size
+            self._books = SchedulerBooks(block, ranks)
+        else:
+            fields = layout_fields(vllm_config, kv_cache_config, extra)
+            self._worker = WorkerCache(_for_rank(config, fields["tp_rank"]), fields)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # -- worker role ----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_side().register(kv_caches, self._kv_cache_config.num_blocks)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker_side().start(self._step())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are enqueued whole before the forward, on its stream
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # stores are enqueued after the forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._worker_side().after(self._step())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_side().load_errors()
+
+    def build_connector_worker_meta(self):
+        return self._worker_side().answers()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    def _worker_side(self) -> WorkerCache:
+        if self._worker is None:
+            raise RuntimeError("hicache: a worker-side call on the scheduler's connector")
+        return self._worker
+
+    def _step(self) -> StepMeta:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, StepMeta):
+            raise TypeError(f"hicache: expected StepMeta from the scheduler, got {type(meta)}")
+        return meta
+
+    # -- scheduler role -------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler_side().matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._scheduler_side().allocated(request, num_external_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        return self._scheduler_side().hit_sources(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler_side().build(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler_side().answered(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler_side().finished(request)
+        return False, None  # stores are enqueued on the stream before the blocks can be reused
+
+    def _scheduler_side(self) -> SchedulerBooks:
+        if self._books is None:
+            raise RuntimeError("hicache: a scheduler-side call on a worker's connector")
+        return self._books

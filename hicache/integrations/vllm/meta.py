@@ -1,0 +1,88 @@
+"""What the two halves of the connector tell each other, once per engine step.
+
+The scheduler half knows requests and blocks; the worker half owns the HiCache. Everything
+crosses vLLM's own channels: `StepMeta` rides in the scheduler's output to every worker, and
+`Answers` ride back in each worker's output (vLLM merges the ranks' with `aggregate`). Both are
+plain data, pickled by vLLM's executor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """Ask hicache how much of `tokens` it holds beyond vLLM's `computed` tokens."""
+
+    request_id: str
+    tokens: list[int]
+    computed: int
+    salt: str | None = None
+
+
+@dataclass(frozen=True)
+class Load:
+    """Copy the granted hit into the request's blocks: tokens [computed, hit) of the prompt
+    asked about, into ``block_ids[computed // page : hit // page]``."""
+
+    request_id: str
+    computed: int
+    hit: int
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Store:
+    """The request's KV is now in its blocks for its first `upto` tokens. `new_tokens` extends
+    the tokens the worker was sent for this request before (from `sent_before` on)."""
+
+    request_id: str
+    sent_before: int
+    new_tokens: list[int]
+    upto: int
+    block_ids: list[int]
+    salt: str | None = None
+
+
+@dataclass
+class StepMeta(KVConnectorMetadata):
+    """Scheduler -> every worker, for one step: new questions, granted loads, answers not taken
+    (their pins can go), stores, and requests the scheduler has forgotten."""
+
+    lookups: list[Lookup] = field(default_factory=list)
+    loads: list[Load] = field(default_factory=list)
+    unused: list[str] = field(default_factory=list)
+    stores: list[Store] = field(default_factory=list)
+    forget: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One rank's answer to a `Lookup`: `hit` tokens (page-aligned, >= computed) of which
+    `sources` says how many came from each kind of tier ("host", "disk", "p2p")."""
+
+    request_id: str
+    computed: int
+    hit: int
+    sources: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass
+class Answers(KVConnectorWorkerMetadata):
+    """Worker(s) -> scheduler, for one step: the answers of each TP rank, by rank."""
+
+    by_rank: dict[int, list[Answer]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, Answers):
+            return self
+        merged = {rank: list(answers) for rank, answers in self.by_rank.items()}
+        for rank, answers in other.by_rank.items():
+            merged.setdefault(rank, []).extend(answers)
+        return Answers(merged)

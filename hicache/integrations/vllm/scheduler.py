@@ -1,0 +1,144 @@
+"""The scheduler half: questions and answers, no cache.
+
+The scheduler process holds no pages and no index. For each waiting request it asks the
+workers (a `Lookup` in the next step's metadata) and answers "not yet" (None) until every TP
+rank has answered; vLLM asks again on a later step, so the scheduler never waits. The hit it
+grants is the smallest of the ranks' answers. After vLLM has allocated blocks, a granted hit
+becomes a `Load`; each step that completes a page of a running request becomes a `Store`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from hicache.integrations.vllm.meta import Answer, Answers, Load, Lookup, StepMeta, Store
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+@dataclass
+class _Tracked:
+    """A request the scheduler half has seen: how many of its tokens the worker was sent and
+    how many pages of it were stored."""
+
+    request: Request
+    sent: int = 0
+    stored_pages: int = 0
+
+
+class SchedulerBooks:
+    """The connector's scheduler role. `page_tokens` is vLLM's block size; `ranks` the number of
+    TP ranks whose answers are awaited."""
+
+    def __init__(self, page_tokens: int, ranks: int) -> None:
+        self._page = page_tokens
+        self._ranks = ranks
+        self._tracked: dict[str, _Tracked] = {}
+        self._asked: dict[str, int] = {}  # request -> the computed tokens of its open question
+        self._answers: dict[str, dict[int, Answer]] = {}  # open question -> answers by rank
+        self._granted: dict[str, Answer] = {}  # every rank answered: the smallest answer
+        self._loads: dict[str, Answer] = {}  # granted and allocated: a Load in the next step
+        self._sources: dict[str, Answer] = {}  # for get_external_cache_hit_sources
+        self._step = StepMeta()
+
+    def matched_tokens(self, request: Request, computed: int) -> tuple[int | None, bool]:
+        """vLLM's `get_num_new_matched_tokens`: tokens hicache can load beyond `computed`, or
+        None while the ranks have not all answered. Loads are synchronous (False)."""
+        rid = request.request_id
+        self._tracked.setdefault(rid, _Tracked(request))
+        # vLLM computes at least the prompt's last token: a hit ends a page before it
+        if (request.num_tokens - 1) // self._page * self._page <= computed:
+            return 0, False
+        granted = self._granted.get(rid)
+        if granted is not None and granted.computed == computed:
+            return granted.hit - computed, False
+        if self._asked.get(rid) != computed:  # a new question (or vLLM's own hit changed)
+            self._granted.pop(rid, None)
+            self._answers.pop(rid, None)
+            self._asked[rid] = computed
+            tokens = list(request.all_token_ids)
+            self._step.lookups.append(Lookup(rid, tokens, computed, request.cache_salt))
+        return None, False
+
+    def allocated(self, request: Request, external_tokens: int) -> None:
+        """vLLM's `update_state_after_alloc`: load the granted hit, or let its pins go."""
+        rid = request.request_id
+        granted = self._granted.pop(rid, None)
+        self._asked.pop(rid, None)
+        if external_tokens and granted is not None:
+            self._loads[rid] = self._sources[rid] = granted
+        elif granted is not None:
+            self._step.unused.append(rid)
+
+    def hit_sources(self, request: Request, external_tokens: int) -> dict[CacheHitSource, int]:
+        """vLLM's `get_external_cache_hit_sources`: the granted hit split by kind of tier."""
+        answer = self._sources.pop(request.request_id, None)
+        if answer is None or not external_tokens:
+            return {}
+        return {CacheHitSource(kind): n for kind, n in answer.sources if n}
+
+    def build(self, out: SchedulerOutput) -> StepMeta:
+        """vLLM's `build_connector_meta`: this step's loads and stores, and what was asked."""
+        step, self._step = self._step, StepMeta()
+        blocks = out.kv_connector_block_state
+        for rid, answer in self._loads.items():
+            table = blocks.get_block_ids(rid) if blocks is not None else None
+            if table is None:  # allocated but not scheduled this step: keep it for the next
+                continue
+            step.loads.append(Load(rid, answer.computed, answer.hit, list(table[0])))
+        for load in step.loads:
+            del self._loads[load.request_id]
+        for rid, scheduled in out.num_scheduled_tokens.items():
+            store = self._store(rid, scheduled, out, blocks)
+            if store is not None:
+                step.stores.append(store)
+        return step
+
+    def _store(self, rid: str, scheduled: int, out: SchedulerOutput, blocks) -> Store | None:
+        """A Store when this step completes a page of `rid` that was not stored yet."""
+        tracked = self._tracked.get(rid)
+        if tracked is None or blocks is None:
+            return None
+        req = tracked.request
+        speculative = len(out.scheduled_spec_decode_tokens.get(rid, ()))
+        # the KV written this step, capped at the tokens known (async scheduling samples later)
+        upto = min(req.num_computed_tokens + scheduled - speculative, len(req.all_token_ids))
+        if upto // self._page <= tracked.stored_pages:
+            return None
+        table = blocks.get_block_ids(rid)
+        if table is None:
+            return None
+        sent = tracked.sent
+        new = list(req.all_token_ids[sent:upto]) if upto > sent else []
+        tracked.sent, tracked.stored_pages = max(sent, upto), upto // self._page
+        return Store(rid, sent, new, upto, list(table[0]), req.cache_salt)
+
+    def answered(self, output: KVConnectorOutput) -> None:
+        """vLLM's `update_connector_output`: take the ranks' answers to open questions."""
+        answers = output.kv_connector_worker_meta
+        if not isinstance(answers, Answers):
+            return
+        for rank, items in answers.by_rank.items():
+            for answer in items:
+                rid = answer.request_id
+                if self._asked.get(rid) != answer.computed:
+                    continue  # an answer to a question that is no longer open
+                got = self._answers.setdefault(rid, {})
+                got[rank] = answer
+                if len(got) == self._ranks:
+                    self._granted[rid] = min(got.values(), key=lambda a: a.hit)
+                    del self._answers[rid]
+
+    def finished(self, request: Request) -> None:
+        """vLLM's `request_finished` (finished or aborted): forget it here and on the workers."""
+        rid = request.request_id
+        for books in (self._tracked, self._asked, self._answers, self._granted, self._loads,
+                      self._sources):  # fmt: skip
+            books.pop(rid, None)
+        self._step.forget.append(rid)

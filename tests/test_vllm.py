@@ -1,0 +1,184 @@
+"""hicache inside a real vLLM (CPU build): greedy answers identical with the connector and
+without it, hits exactly where the workload has them, shared across vLLM instances through
+the disk tier and Mooncake, and still serving with the Mooncake master killed.
+
+Each scenario runs vLLM in a process of its own (`tests/vllm_run.py`) on a tiny random model,
+multi-turn: 8 conversations of 3 turns (a 120-token first message, 40-token user turns,
+48-token greedy answers), 32-token blocks. Skipped without vLLM; failed instead under
+HICACHE_REQUIRE_VLLM=1 (CI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hicache.backends.mooncake_local import free_port
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+RUNNER = Path(__file__).with_name("vllm_run.py")
+BLOCK = 32
+WORKLOAD = {"conversations": 8, "turns": 3, "first": 120, "user": 40, "output": 48}
+SMALL_KV = 24 * BLOCK * 2 * 2 * 2 * 64 * 4  # 24 blocks of this model: 8 answers cannot all fit
+
+
+def _require_vllm() -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError as err:
+        if os.environ.get("HICACHE_REQUIRE_VLLM") == "1":
+            pytest.fail(f"HICACHE_REQUIRE_VLLM=1 but vLLM does not import: {err}", pytrace=False)
+        pytest.skip(f"vLLM is not installed: {err}")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    _require_vllm()
+    root = Path(os.environ.get("HICACHE_CACHE_DIR") or tmp_path_factory.mktemp("c")) / "vllm-models"
+    out = {}
+    for arch in ("llama", "qwen3"):
+        out[arch] = root / arch
+        subprocess.run(
+            [sys.executable, RUNNER, "--model", out[arch], "--make-model", arch],
+            check=True, capture_output=True,
+        )  # fmt: skip
+    return out
+
+
+def run_vllm(model: Path, out: Path, hicache: dict | None = None, **options: Any) -> dict:
+    """One vLLM process through the workload; its result (answers, metrics, hicache's)."""
+    args = [sys.executable, RUNNER, "--model", model, "--out", out, "--block", str(BLOCK)]
+    port = None
+    if hicache is not None:
+        port = free_port()
+        config = {**hicache, "metrics": {"port": port}}
+        args += ["--hicache", json.dumps(config), "--metrics-port", str(port)]
+    for key, value in {**WORKLOAD, **options}.items():
+        flag = "--" + key.replace("_", "-")
+        args += [flag] if value is True else [flag, str(value)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        pytest.fail(f"vLLM run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def cacheable_tokens(every_turn: bool = False) -> int:
+    """Prompt tokens whose pages an earlier turn of the same conversation stored: its prompt
+    and answer but the answer's last token (which has no KV), in whole blocks, up to the block
+    before the new prompt's last token. `every_turn`: also the first turns (stored by another
+    instance that ran the same workload)."""
+    w, total = WORKLOAD, 0
+    prompt = w["first"]
+    for turn in range(w["turns"]):
+        if turn:
+            stored = (prompt + w["output"] - 1) // BLOCK
+            prompt += w["output"] + w["user"]
+        cap = (prompt - 1) // BLOCK
+        if turn or every_turn:
+            total += min(cap, cap if every_turn else stored) * BLOCK
+    return total * w["conversations"]
+
+
+def hits(result: dict) -> dict[str, float]:
+    """hicache's hit tokens by tier."""
+    out = {}
+    for name, value in result["hicache"].items():
+        if name.startswith("hicache_hit_tokens_total{"):
+            out[name.split('tier="')[1].split('"')[0]] = value
+    return out
+
+
+def assert_books_clean(result: dict) -> None:
+    """Once the store tiers have settled (see `vllm_run.settle`): nothing pinned but their
+    fetch reserve, no request, no copy in flight."""
+    m = result["hicache"]
+    reserve = sum(v for k, v in m.items() if k.startswith("hicache_tier_fetch_reserve_slots"))
+    assert m['hicache_pool_pinned_slots{pool="page",tier="host"}'] == reserve
+    assert m["hicache_requests"] == 0
+    assert m["hicache_copies_in_flight"] == 0
+
+
+@pytest.fixture(scope="module")
+def baseline(models, tmp_path_factory) -> dict:
+    return run_vllm(models["llama"], tmp_path_factory.mktemp("base") / "r.json")
+
+
+HOST = {"tiers": [{"type": "host", "size": "64MiB"}]}
+
+
+def test_identical_answers_and_exact_host_hits_multiprocess(models, baseline, tmp_path):
+    """Prefix caching off, vLLM's default multiprocess executor: every hit is hicache's."""
+    r = run_vllm(models["llama"], tmp_path / "r.json", HOST, executor="mp")
+    assert r["answers"] == baseline["answers"]
+    assert hits(r) == {"host": cacheable_tokens()}
+    assert r["vllm_metrics"]["vllm:external_prefix_cache_hits"] == cacheable_tokens()
+    assert r["vllm_metrics"]["vllm:prompt_tokens_cached_by_source{source=host}"] == (
+        cacheable_tokens()
+    )
+    assert_books_clean(r)
+
+
+def test_small_gpu_budget_with_prefix_caching_preempts_and_stays_identical(
+    models, baseline, tmp_path
+):
+    """vLLM's own prefix cache on, too few blocks for the batch: vLLM evicts its cached blocks
+    and preempts requests; hicache serves what vLLM dropped, and the answers do not change."""
+    r = run_vllm(models["llama"], tmp_path / "r.json", HOST, prefix_caching=True, kv_bytes=SMALL_KV)
+    assert r["answers"] == baseline["answers"]
+    assert r["preemptions"] > 0
+    assert hits(r)["host"] > 0
+    assert_books_clean(r)
+
+
+def test_qwen3_identical_with_exact_hits(models, tmp_path):
+    base = run_vllm(models["qwen3"], tmp_path / "base.json")
+    r = run_vllm(models["qwen3"], tmp_path / "r.json", HOST)
+    assert r["answers"] == base["answers"]
+    assert hits(r) == {"host": cacheable_tokens()}
+    assert_books_clean(r)
+
+
+@pytest.mark.mooncake
+def test_second_instance_hits_through_disk_and_mooncake(
+    models, baseline, mooncake_master, tmp_path
+):
+    """A first vLLM writes through to a disk directory and to Mooncake; a second vLLM process
+    with only the disk tier, then a third with only Mooncake, serve every turn (first turns
+    too) from what the first stored: every request hits its whole cacheable prefix."""
+    # one page an object: a first turn's prompt (3 whole blocks) holds no group of 4
+    disk = {"type": "disk", "path": str(tmp_path / "disk"), "size": "256MiB", "group_pages": 1}
+    moon = {"type": "mooncake", **mooncake_master.tier_config, "group_pages": 1}
+    host = {"type": "host", "size": "64MiB"}
+    first = run_vllm(models["llama"], tmp_path / "a.json", {"tiers": [host, disk, moon]})
+    assert first["answers"] == baseline["answers"]
+    for name, tier in (("disk", disk), ("mooncake", moon)):
+        r = run_vllm(models["llama"], tmp_path / f"{name}.json", {"tiers": [host, tier]})
+        assert r["answers"] == baseline["answers"]
+        got = hits(r)
+        assert got[name] > 0
+        assert got["host"] + got[name] == cacheable_tokens(every_turn=True)
+        assert_books_clean(r)
+
+
+@pytest.mark.mooncake
+def test_mooncake_master_killed_mid_run_still_serves(
+    models, baseline, start_mooncake_master, tmp_path
+):
+    """The master is killed after the first turn: vLLM recomputes what Mooncake would have
+    served, finishes, and answers as without the cache."""
+    master = start_mooncake_master()
+    tiers = [{"type": "host", "size": "64MiB"}, {"type": "mooncake", **master.tier_config}]
+    r = run_vllm(
+        models["llama"], tmp_path / "r.json", {"tiers": tiers},
+        kill_pid=master.proc.pid, kill_after_turn=1,
+    )  # fmt: skip
+    assert r["answers"] == baseline["answers"]
+    assert hits(r)["host"] == cacheable_tokens()  # the host tier still serves every later turn
+    assert_books_clean(r)

@@ -1,0 +1,204 @@
+"""One vLLM instance through a multi-turn workload, for the vLLM tests and `bench/vllm.py`.
+
+    python tests/vllm_run.py --model DIR --out result.json [--hicache CONFIG_JSON] ...
+
+Runs in its own process (vLLM keeps global state), with a tiny random-weight checkpoint that
+`--make-model` writes once (a Llama or a Qwen3 saved by transformers) and token-id prompts (no
+tokenizer). Each turn of each conversation is its prompt so far, the previous answer and a new
+user message; turns go to vLLM one round at a time, greedy. The result holds every answer,
+each request's time to first token, vLLM's preemptions and, where hicache runs with a metrics
+port, its counters scraped from the worker's endpoint at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+VOCAB = 512
+
+
+def make_model(path: Path, arch: str) -> None:
+    """A 2-layer random model that vLLM's CPU backend runs (head_dim 64), saved in fp32."""
+    import torch
+    import transformers
+
+    shape = dict(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+        tie_word_embeddings=False, initializer_range=0.1, torch_dtype="float32",
+    )  # fmt: skip
+    if arch == "llama":
+        config = transformers.LlamaConfig(**shape)
+        model_cls = transformers.LlamaForCausalLM
+    elif arch == "qwen3":
+        config = transformers.Qwen3Config(**shape)
+        model_cls = transformers.Qwen3ForCausalLM
+    else:
+        raise SystemExit(f"unknown --arch {arch!r}: llama or qwen3")
+    torch.manual_seed(0)
+    model = model_cls(config)  # weights 5x the usual spread: answers depend on the whole prompt
+    model.save_pretrained(path, safe_serialization=True)
+
+
+def conversations(args: argparse.Namespace) -> list[list[int]]:
+    """The first prompt of each conversation (a shared system head, then its own message)."""
+    rng = random.Random(args.seed)
+    head = [rng.randrange(VOCAB) for _ in range(args.shared)]
+    return [
+        head + [rng.randrange(VOCAB) for _ in range(args.first)] for _ in range(args.conversations)
+    ]
+
+
+def scrape(port: int) -> dict[str, float]:
+    """hicache's counters and gauges from its metrics endpoint, as ``name{labels}: value``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("hicache_") and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def settle(llm, port: int, timeout_s: float = 60.0) -> dict[str, float]:
+    """hicache's metrics once its store tiers have nothing queued or running. A tier's results
+    are applied on the engine thread, which runs only when vLLM steps: meanwhile, one-token
+    requests too short to look up or store make it step."""
+    from vllm import SamplingParams
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = scrape(port)
+        busy = sum(
+            v for k, v in m.items()
+            if k.startswith(("hicache_tier_queue_depth", "hicache_tier_jobs_in_flight"))
+        )  # fmt: skip
+        if not busy or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+        llm.generate([{"prompt_token_ids": [1]}], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    transfer = None
+    if args.hicache:
+        transfer = KVTransferConfig(
+            kv_connector="HiCacheConnector",
+            kv_connector_module_path="hicache.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"hicache": json.loads(args.hicache), **_model_id(args)},
+        )
+    elif args.disk_connector:
+        transfer = KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": args.disk_connector},
+        )
+    llm = LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        block_size=args.block,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.prefix_caching,
+        kv_cache_memory_bytes=args.kv_bytes,
+        kv_transfer_config=transfer,
+        distributed_executor_backend=args.executor,
+        disable_log_stats=False,
+        max_num_seqs=args.max_num_seqs,
+        enforce_eager=True,
+        seed=0,
+    )
+    rng = random.Random(args.seed + 1)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output, ignore_eos=True)
+    prompts = conversations(args)
+    answers: list[list[list[int]]] = [[] for _ in prompts]
+    ttft: list[float] = []
+    started = time.perf_counter()
+    for turn in range(args.turns):
+        if turn:
+            prompts = [
+                p + answers[i][-1] + [rng.randrange(VOCAB) for _ in range(args.user)]
+                for i, p in enumerate(prompts)
+            ]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        if args.kill_pid and turn + 1 == args.kill_after_turn:
+            os.kill(args.kill_pid, signal.SIGKILL)
+        for i, out in enumerate(outs):
+            answers[i].append(list(out.outputs[0].token_ids))
+            m = out.metrics
+            if m is not None and getattr(m, "first_token_latency", None) is not None:
+                ttft.append(float(m.first_token_latency))
+    elapsed = time.perf_counter() - started
+    metrics = {}
+    for m in llm.get_metrics():
+        value = getattr(m, "value", None)
+        labels = ",".join(
+            f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("engine", "model_name")
+        )
+        if isinstance(value, int | float):
+            metrics[f"{m.name}{{{labels}}}" if labels else m.name] = value
+    result = {
+        "answers": answers,
+        "ttft_s": ttft,
+        "elapsed_s": elapsed,
+        "preemptions": metrics.get("vllm:num_preemptions"),
+        "vllm_metrics": metrics,
+    }
+    if args.metrics_port:
+        result["hicache"] = settle(llm, args.metrics_port)
+    return result
+
+
+def _model_id(args: argparse.Namespace) -> dict:
+    return {"model_id": args.model_id} if args.model_id else {}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--make-model", choices=["llama", "qwen3"])
+    p.add_argument("--out")
+    p.add_argument("--hicache", help="the hicache config, as JSON")
+    p.add_argument("--model-id")
+    p.add_argument("--disk-connector", help="run vLLM's ExampleConnector on this directory")
+    p.add_argument("--metrics-port", type=int)
+    p.add_argument("--prefix-caching", action="store_true")
+    p.add_argument("--executor", default="uni", choices=["uni", "mp"])
+    p.add_argument("--block", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--kv-bytes", type=int, default=64 << 20)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--conversations", type=int, default=4)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--shared", type=int, default=0, help="tokens of a head all conversations share")
+    p.add_argument("--first", type=int, default=120)
+    p.add_argument("--user", type=int, default=40)
+    p.add_argument("--output", type=int, default=24)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kill-pid", type=int, help="SIGKILL this process (a Mooncake master)...")
+    p.add_argument("--kill-after-turn", type=int, default=0, help="...after this turn")
+    args = p.parse_args()
+    if args.make_model:
+        if not Path(args.model, "config.json").exists():
+            make_model(Path(args.model), args.make_model)
+        if not args.out:
+            return
+    result = run(args)
+    Path(args.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    main()
