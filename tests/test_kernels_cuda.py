@@ -313,6 +313,33 @@ def test_vllm_kv_caches_copy_exact_bytes_both_ways(path, kv_dim):
         assert torch.equal(f.view(torch.int16), want.view(torch.int16))
 
 
+def test_staged_load_and_store_at_once_give_exact_bytes():
+    """A load (host -> GPU) and a store (GPU -> host) on the staged path on two streams at once:
+    each Stager has its own side stream, and neither waits for the other."""
+    gpu_in = PagedBuffer.from_kv_tensors(_vllm_layers(2, 10, seed=64, kv_dim=0))
+    gpu_out = PagedBuffer.from_kv_tensors(_vllm_layers(2, 10, seed=65, kv_dim=0))
+    host_in = _pool(14, gpu_in.seg_bytes, "host", seed=66, layer_first=False)
+    host_out = _pool(14, gpu_in.seg_bytes, "host", seed=67, layer_first=False)
+    load_ids, store_ids = _ids(8, 14, 10, seed=68), _ids(8, 10, 14, seed=69)
+    want_in = _expect(_snapshot(host_in), load_ids[0], _snapshot(gpu_in), load_ids[1])
+    want_out = _expect(_snapshot(gpu_out), store_ids[0], _snapshot(host_out), store_ids[1])
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    staging = 2 * gpu_in.page_bytes  # a page a part: eight parts each way
+    load_extension()
+    for s in streams:
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(10_000_000)  # both enqueued before either starts
+    for src, ids, dst, s in (
+        (host_in, load_ids, gpu_in, streams[0]),
+        (gpu_out, store_ids, host_out, streams[1]),
+    ):
+        path = copy_pages_cuda(src, ids[0], dst, ids[1], s, path="staged", staging_bytes=staging)
+        assert path == "staged"
+    torch.cuda.synchronize()
+    for got, want in zip(_snapshot(gpu_in) + _snapshot(host_out), want_in + want_out, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_unpinned_host_memory_is_rejected():
     src = _pool(4, (64,), "cpu", seed=13, layer_first=False)
     dst = _pool(4, (64,), "cuda", seed=14, layer_first=False)
