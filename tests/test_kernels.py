@@ -178,6 +178,67 @@ def test_layer_first_needs_equal_page_counts():
         PagedBuffer.layer_first([torch.zeros(4, 16), torch.zeros(3, 16)])
 
 
+def _kv_layers(layers: int, blocks: int, seed: int) -> list[torch.Tensor]:
+    """vLLM FlashAttention-style caches: one (2, blocks, block_size, heads, dim) bf16 tensor per
+    layer, each its own allocation."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, blocks, 4, 2, 8, generator=g).to(torch.bfloat16) for _ in range(layers)]
+
+
+def _kv_page(layers: list[torch.Tensor], block: int, kv_dim: int = 0) -> torch.Tensor:
+    """Block `block`'s page: per layer its K bytes, then its V bytes."""
+    parts = [t.select(kv_dim, kv)[block] for t in layers for kv in (0, 1)]
+    return torch.cat([p.contiguous().reshape(-1).view(torch.uint8) for p in parts])
+
+
+@pytest.mark.parametrize("kv_dim", [0, 1])
+def test_vllm_kv_caches_round_trip_through_a_page_first_pool(kv_dim):
+    layers = _kv_layers(3, 10, seed=30)
+    if kv_dim == 1:  # (blocks, 2, ...): K and V of a block side by side
+        layers = [t.transpose(0, 1).contiguous() for t in layers]
+    engine = PagedBuffer.from_kv_tensors(layers, kv_dim=kv_dim)
+    assert engine.seg_bytes == (128,) * 6 and engine.num_pages == 10
+    assert [len(b.segments) for b in engine.by_layer(3)] == [2, 2, 2]
+    host_pool = _random_bytes(16, engine.page_bytes, seed=31)
+    host = PagedBuffer.page_first(host_pool).resegment(engine.seg_bytes)
+    src_ids, dst_ids = _pairs(6, 10, 16, seed=32)
+
+    copy_pages(engine, src_ids, host, dst_ids)
+    for s, d in zip(src_ids.tolist(), dst_ids.tolist(), strict=True):
+        assert torch.equal(host_pool[d], _kv_page(layers, s, kv_dim))
+
+    fresh = [torch.zeros_like(t) for t in layers]
+    copy_pages(host, dst_ids, PagedBuffer.from_kv_tensors(fresh, kv_dim=kv_dim), src_ids)
+    for s in src_ids.tolist():
+        assert torch.equal(_kv_page(fresh, s, kv_dim), _kv_page(layers, s, kv_dim))
+
+
+def test_vllm_kv_caches_in_another_stride_order_copy_their_bytes_as_they_lie():
+    """vLLM's HND order: memory (2, blocks, heads, block_size, dim) seen as (2, blocks,
+    block_size, heads, dim). A block's K is still one dense run; the page holds it as it lies."""
+    g = torch.Generator().manual_seed(33)
+    memory = [torch.randn(2, 6, 2, 4, 8, generator=g).to(torch.bfloat16) for _ in range(2)]
+    views = [m.permute(0, 1, 3, 2, 4) for m in memory]
+    engine = PagedBuffer.from_kv_tensors(views)
+    host_pool = torch.zeros(6, engine.page_bytes, dtype=torch.uint8)
+    host = PagedBuffer.page_first(host_pool).resegment(engine.seg_bytes)
+    ids = torch.arange(6)
+    copy_pages(engine, ids, host, ids)
+    assert torch.equal(host_pool[4], _kv_page(memory, 4))
+
+
+def test_vllm_kv_caches_that_do_not_fit_are_rejected():
+    layers = _kv_layers(2, 5, seed=34)
+    with pytest.raises(ValueError, match=r"layer 0: expected K and V at dim 1 \(size 2\)"):
+        PagedBuffer.from_kv_tensors(layers, kv_dim=1)
+    with pytest.raises(ValueError, match="kv_dim must be 0 or 1"):
+        PagedBuffer.from_kv_tensors(layers, kv_dim=2)
+    with pytest.raises(ValueError, match="layer 1, K: a block is not one dense run of memory"):
+        PagedBuffer.from_kv_tensors([layers[0], layers[1][:, :, :, :1]])  # one head of two
+    with pytest.raises(ValueError, match="segment 2 has 4 pages, segment 0 has 5"):
+        PagedBuffer.from_kv_tensors([layers[0], layers[1][:, :4]])
+
+
 # -- path choice (pure function of the layout) -----------------------------------------------
 
 

@@ -265,6 +265,81 @@ def test_a_route_copies_exact_bytes_on_its_path_call_after_call(direction, path)
             assert torch.equal(got, want)
 
 
+def _vllm_layers(layers: int, blocks: int, seed: int, kv_dim: int) -> list[torch.Tensor]:
+    """vLLM's GPU KV caches for an 8B model's shapes: per layer its own (2, blocks, 16, 8, 128)
+    bf16 tensor (kv_dim 0, FlashAttention) or (blocks, 2, 16, 8, 128) (kv_dim 1)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, blocks, 16, 8, 128) if kv_dim == 0 else (blocks, 2, 16, 8, 128)
+    return [torch.randn(shape, generator=g).to(torch.bfloat16).cuda() for _ in range(layers)]
+
+
+@pytest.mark.parametrize("kv_dim", [0, 1])
+@pytest.mark.parametrize("path", ["auto", "kernel", "copy_engine", "staged"])
+def test_vllm_kv_caches_copy_exact_bytes_both_ways(path, kv_dim):
+    """Separately allocated per-layer caches (32 KiB of K and of V per block) to a page-first
+    pinned host pool of whole pages and back into fresh caches, random ids on both sides; "auto"
+    stages (rows of 32 KiB, pages of 256 KiB)."""
+    layers = _vllm_layers(4, 12, seed=60, kv_dim=kv_dim)
+    gpu = PagedBuffer.from_kv_tensors(layers, kv_dim=kv_dim)
+    assert gpu.seg_bytes == (32 * KiB,) * 8
+    pool = torch.zeros(20, gpu.page_bytes, dtype=torch.uint8).pin_memory()
+    host = PagedBuffer.page_first(pool).resegment(gpu.seg_bytes)
+    assert choose_path(gpu, host) == choose_path(host, gpu) == "staged"
+    src_ids, host_ids = _ids(9, 12, 20, seed=61)
+    stream = torch.cuda.Stream()
+
+    def copy(a, a_ids, b, b_ids):
+        if path == "auto":
+            copy_pages(a, a_ids, b, b_ids, stream)
+        else:  # staged: two pages a part, five parts
+            staging = 4 * gpu.page_bytes
+            copy_pages_cuda(a, a_ids, b, b_ids, stream, path=path, staging_bytes=staging)
+
+    copy(gpu, src_ids, host, host_ids)  # GPU -> host
+    stream.synchronize()
+    for s, h in zip(src_ids.tolist(), host_ids.tolist(), strict=True):
+        page = [t.select(kv_dim, kv)[s].cpu().reshape(-1) for t in layers for kv in (0, 1)]
+        assert torch.equal(pool[h], torch.cat(page).view(torch.uint8))
+
+    fresh = [torch.zeros_like(t) for t in layers]
+    back = torch.randperm(12, generator=torch.Generator().manual_seed(62))[:9].to(torch.int32)
+    copy(host, host_ids, PagedBuffer.from_kv_tensors(fresh, kv_dim=kv_dim), back)  # and back
+    stream.synchronize()
+    for t, f in zip(layers, fresh, strict=True):
+        want = torch.zeros_like(t)
+        for s, b in zip(src_ids.tolist(), back.tolist(), strict=True):
+            want.select(kv_dim, 0)[b] = t.select(kv_dim, 0)[s]
+            want.select(kv_dim, 1)[b] = t.select(kv_dim, 1)[s]
+        assert torch.equal(f.view(torch.int16), want.view(torch.int16))
+
+
+def test_staged_load_and_store_at_once_give_exact_bytes():
+    """A load (host -> GPU) and a store (GPU -> host) on the staged path on two streams at once:
+    each Stager has its own side stream, and neither waits for the other."""
+    gpu_in = PagedBuffer.from_kv_tensors(_vllm_layers(2, 10, seed=64, kv_dim=0))
+    gpu_out = PagedBuffer.from_kv_tensors(_vllm_layers(2, 10, seed=65, kv_dim=0))
+    host_in = _pool(14, gpu_in.seg_bytes, "host", seed=66, layer_first=False)
+    host_out = _pool(14, gpu_in.seg_bytes, "host", seed=67, layer_first=False)
+    load_ids, store_ids = _ids(8, 14, 10, seed=68), _ids(8, 10, 14, seed=69)
+    want_in = _expect(_snapshot(host_in), load_ids[0], _snapshot(gpu_in), load_ids[1])
+    want_out = _expect(_snapshot(gpu_out), store_ids[0], _snapshot(host_out), store_ids[1])
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    staging = 2 * gpu_in.page_bytes  # a page a part: eight parts each way
+    load_extension()
+    for s in streams:
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(10_000_000)  # both enqueued before either starts
+    for src, ids, dst, s in (
+        (host_in, load_ids, gpu_in, streams[0]),
+        (gpu_out, store_ids, host_out, streams[1]),
+    ):
+        path = copy_pages_cuda(src, ids[0], dst, ids[1], s, path="staged", staging_bytes=staging)
+        assert path == "staged"
+    torch.cuda.synchronize()
+    for got, want in zip(_snapshot(gpu_in) + _snapshot(host_out), want_in + want_out, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_unpinned_host_memory_is_rejected():
     src = _pool(4, (64,), "cpu", seed=13, layer_first=False)
     dst = _pool(4, (64,), "cuda", seed=14, layer_first=False)

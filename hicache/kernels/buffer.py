@@ -77,6 +77,44 @@ class PagedBuffer:
             raise ValueError("layer_first needs at least one tensor")
         return cls(tuple(cls.page_first(t).segments[0] for t in tensors))
 
+    @classmethod
+    def from_kv_tensors(cls, tensors: Sequence[torch.Tensor], *, kv_dim: int = 0) -> PagedBuffer:
+        """vLLM's per-layer KV caches: one tensor per layer, in layer order, each holding the K
+        and the V of every block, with K at index 0 and V at index 1 of dim `kv_dim`.
+
+        - ``kv_dim=0``: ``(2, num_blocks, ...)``, as vLLM's FlashAttention backend
+          (``(2, num_blocks, block_size, num_kv_heads, head_size)``) and its CPU backend;
+        - ``kv_dim=1``: ``(num_blocks, 2, ...)``, K and V of a block side by side (FlashInfer).
+
+        Page ``i`` is block ``i``: for each layer in order, its K bytes, then its V bytes. Two
+        segments per layer whatever `kv_dim`, so the segment sizes (``Layout.segments``: pass
+        `seg_bytes`) do not depend on it. The tensors stay where they are (separate allocations,
+        any dtype, GPU or CPU); no bytes move. The dims after the block (and K/V) dim may be
+        permuted views, as vLLM's stride orders make them, if one block's K (and V) still fills
+        one dense run of memory: a page holds those bytes as they lie in memory. Raises
+        ValueError naming the tensor otherwise, or when the layers' block counts differ.
+        """
+        if kv_dim not in (0, 1):
+            raise ValueError(f"kv_dim must be 0 or 1, got {kv_dim}")
+        if not tensors:
+            raise ValueError("from_kv_tensors needs at least one tensor")
+        segments = []
+        for layer, t in enumerate(tensors):
+            if t.dim() < 3 or t.shape[kv_dim] != 2:
+                raise ValueError(
+                    f"layer {layer}: expected K and V at dim {kv_dim} (size 2) and a block dim, "
+                    f"got shape {tuple(t.shape)}"
+                )
+            for kv in (0, 1):
+                half = t.select(kv_dim, kv)  # dim 0 is the block now
+                if not _rows_contiguous(_in_memory_order(half)):
+                    raise ValueError(
+                        f"layer {layer}, {'KV'[kv]}: a block is not one dense run of memory "
+                        f"(shape {tuple(half.shape)}, strides {half.stride()})"
+                    )
+                segments.append(cls.page_first(_in_memory_order(half)).segments[0])
+        return cls(tuple(segments))
+
     # -- properties ---------------------------------------------------------------------------
 
     @property
@@ -168,6 +206,12 @@ class PagedBuffer:
         """The same pages as one segment of whole, contiguous pages, where they are (a page-first
         buffer, or one re-segmented from it); None for a layer-first buffer."""
         return self if len(self.segments) == 1 else self.parent
+
+
+def _in_memory_order(t: torch.Tensor) -> torch.Tensor:
+    """`t` with the dims after dim 0 permuted into memory order (largest stride first)."""
+    rest = sorted(range(1, t.dim()), key=lambda d: t.stride(d), reverse=True)
+    return t.permute(0, *rest)
 
 
 def _rows_contiguous(t: torch.Tensor) -> bool:

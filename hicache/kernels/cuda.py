@@ -13,8 +13,8 @@ pinned host buffer, or between two CUDA buffers of one device, enqueued on the c
   kernel's parameters (480 pages per launch for a few pages, 4,064 for many with CUDA 12.1+).
 - ``"staged"``: whole pages between the host and two GPU staging buffers on the copy engines,
   rows between those and the GPU pool with the kernel on a side stream, the two taking turns
-  (`Staging`). For small rows of a page-first host pool: the link's rate without the copy
-  engines' cost per row.
+  (`Staging`; each has its own side stream, so that a load and a store run at once). For small
+  rows of a page-first host pool: the link's rate without the copy engines' cost per row.
 
 On every path the ids are read on the host during the call, and the call is one call into the
 extension that keeps the GIL (once a pair of pools has its tables, and on the staged path its

@@ -240,16 +240,13 @@ Rows collect_rows(int64_t table, int64_t num_segs, int64_t src_ids, int64_t dst_
   return rows;
 }
 
-// The streams of a device that hicache keeps beside the caller's, created once and kept for
-// the life of the process: one stands in for the legacy default stream, which
-// cudaMemcpyBatchAsync refuses; the other runs the staged path's kernel.
-enum class Side { kLegacyStandIn = 0, kStagedKernel = 1 };
-
-cudaStream_t side_stream(int device, Side which) {
+// The stream of a device that stands in for the legacy default stream, which
+// cudaMemcpyBatchAsync refuses: created once and kept for the life of the process.
+cudaStream_t legacy_stand_in(int device) {
   static std::mutex mutex;
-  static std::map<std::pair<int, int>, cudaStream_t> streams;
+  static std::map<int, cudaStream_t> streams;
   std::lock_guard<std::mutex> lock(mutex);
-  cudaStream_t& s = streams[{device, static_cast<int>(which)}];
+  cudaStream_t& s = streams[device];
   if (s == nullptr) check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
   return s;
 }
@@ -271,7 +268,7 @@ void enqueue_batch(int64_t table, int64_t num_segs, int64_t src_ids, int64_t dst
                    int64_t num_pages, int64_t rows_per_call, cudaStream_t caller, int device) {
   Rows rows = collect_rows(table, num_segs, src_ids, dst_ids, num_pages);
   const bool legacy = caller == nullptr || caller == cudaStreamLegacy;
-  cudaStream_t target = legacy ? side_stream(device, Side::kLegacyStandIn) : caller;
+  cudaStream_t target = legacy ? legacy_stand_in(device) : caller;
   if (legacy) order(caller, target);
   cudaMemcpyAttributes attr = {};
   attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
@@ -299,8 +296,10 @@ void copy_batch(int64_t table, int64_t num_segs, int64_t src_ids, int64_t dst_id
 //
 // Two GPU staging buffers of `per_part` whole pages each take turns: the copy engines move whole
 // pages between the host and one buffer (one row per page, on the caller's stream) while the
-// kernel moves rows between the other and the GPU pool (on a side stream). The caller owns the
-// buffers and the four segment tables, and keeps them alive as long as the Stager:
+// kernel moves rows between the other and the GPU pool (on a side stream of the Stager's own: a
+// stream shared by all Stagers would queue a store's kernels behind a load's, and the two
+// directions would run one after the other). The caller owns the buffers and the four segment
+// tables, and keeps them alive as long as the Stager:
 // `whole_tables[b]` (host memory) maps host pages to buffer b's whole pages (to the GPU) or
 // back, `row_tables[b]` (device memory) maps buffer b's rows to the pool's or back.
 //
@@ -329,9 +328,11 @@ class Stager {
     for (cudaEvent_t& e : free_) {
       check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
     }
+    check(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "cudaStreamCreate");
   }
-  ~Stager() {
-    for (cudaEvent_t e : free_) cudaEventDestroy(e);  // released once they have completed
+  ~Stager() {  // both are released once the work enqueued on them has completed
+    for (cudaEvent_t e : free_) cudaEventDestroy(e);
+    cudaStreamDestroy(side_);
   }
   Stager(const Stager&) = delete;
   Stager& operator=(const Stager&) = delete;
@@ -342,7 +343,7 @@ class Stager {
     if (num_pages == 0) return;
     DeviceGuard guard(device_);
     cudaStream_t main = reinterpret_cast<cudaStream_t>(stream);
-    cudaStream_t side = side_stream(device_, Side::kStagedKernel);
+    cudaStream_t side = side_;
     const int32_t* host = reinterpret_cast<const int32_t*>(host_ids);
     const int32_t* pool = reinterpret_cast<const int32_t*>(pool_ids);
     const int64_t staging = reinterpret_cast<int64_t>(order_.data());
@@ -382,6 +383,7 @@ class Stager {
   const int device_;
   std::vector<int32_t> order_;  // 0, 1, ..., per_part - 1: a staging buffer's page ids
   cudaEvent_t free_[2] = {nullptr, nullptr};
+  cudaStream_t side_ = nullptr;  // the kernel's stream, this Stager's own
 };
 
 // One cudaMemcpyAsync per row: the baseline that the benchmark compares with.
