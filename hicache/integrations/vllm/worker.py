@@ -27,22 +27,26 @@ READY_TIMEOUT_S = 10.0
 """How long vLLM's start waits for the host pools and the store tiers (see `register`)."""
 
 
-def kv_pool(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> PagedBuffer:
-    """vLLM's per-layer KV tensors as one segmented pool, in the model's layer order: a tensor
-    whose dim 0 is the block id is one segment (K and V of a block side by side, as vLLM's CPU
-    backend keeps them); one shaped ``(2, num_blocks, ...)`` is two, K then V."""
-    segments = []
-    for name, t in kv_caches.items():
-        if t.dim() >= 2 and t.shape[0] == num_blocks:
-            segments.append(t)
-        elif t.dim() >= 3 and t.shape[0] == 2 and t.shape[1] == num_blocks:
-            segments.extend((t[0], t[1]))
-        else:
-            raise ValueError(
-                f"hicache: layer {name}: a KV tensor of shape {tuple(t.shape)} has no block "
-                f"dimension of {num_blocks} first or after a K/V dimension of 2"
-            )
-    return PagedBuffer.layer_first(segments)
+def kv_pool(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> tuple[PagedBuffer, str]:
+    """vLLM's per-layer KV tensors (in the model's layer order) as one segmented pool, and a
+    note of how a block's bytes lie in them (shape and stride order), which goes into the
+    page keys: two attention backends may give blocks of one size in different byte orders.
+    ``(2, num_blocks, ...)`` and ``(num_blocks, 2, ...)`` are K and V tensors (see
+    `PagedBuffer.from_kv_tensors`); ``(num_blocks, ...)`` holds one latent per block (MLA)."""
+    tensors = list(kv_caches.values())
+    t = tensors[0]
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    note = f"{list(t.shape)}@{order}".replace(str(num_blocks), "N", 1).replace(" ", "")
+    if t.dim() >= 3 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+        return PagedBuffer.from_kv_tensors(tensors, kv_dim=0), note
+    if t.dim() >= 3 and t.shape[0] == num_blocks and t.shape[1] == 2:
+        return PagedBuffer.from_kv_tensors(tensors, kv_dim=1), note
+    if t.dim() >= 2 and t.shape[0] == num_blocks:
+        return PagedBuffer.layer_first(tensors), note
+    raise ValueError(
+        f"hicache: a KV tensor of shape {tuple(t.shape)} has no block dimension of {num_blocks} "
+        "first or next to a K/V dimension of 2"
+    )
 
 
 class WorkerCache:
@@ -69,8 +73,10 @@ class WorkerCache:
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         """Build the layout and the HiCache over vLLM's KV tensors (`num_blocks` blocks each),
         and wait (at most READY_TIMEOUT_S) until its pools are allocated and its tiers answer."""
-        pool = kv_pool(kv_caches, num_blocks)
-        self.layout = Layout(**self._layout, segments=pool.seg_bytes)
+        pool, note = kv_pool(kv_caches, num_blocks)
+        fields = {**self._layout, "model": f"{self._layout['model']}|kv{note}"}
+        self.layout = Layout(**fields, segments=pool.seg_bytes)
+        log.info("hicache: %d segments a page, %s", len(pool.segments), self.layout.model)
         self.cache = HiCache(self.config, pool, layout=self.layout)
         # vLLM is still starting: let the first requests find the pools and the tiers ready
         if not self.cache.wait_ready(READY_TIMEOUT_S):
