@@ -15,8 +15,11 @@ fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q torch==2.13.0   # the CPU build (a bare "torch" pulls CUDA)
-.venv/bin/python -m pip install -q -e ".[test,mooncake,plot]"
+.venv/bin/python -m pip install -q -e ".[test,mooncake,plot,vllm]"
+# vLLM pulls torchvision, torchaudio and torchcodec built for another torch; hicache's tests
+# need none of them, and torchvision fails to import beside the CPU torch.
+.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 
-export HICACHE_REQUIRE_MOONCAKE=1   # the store tests must run here, never skip
+export HICACHE_REQUIRE_MOONCAKE=1 HICACHE_REQUIRE_VLLM=1   # never skip these tests here
 . .venv/bin/activate
 ruff check . && python -m pytest -q

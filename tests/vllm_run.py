@@ -24,15 +24,25 @@ from pathlib import Path
 VOCAB = 512
 
 
-def make_model(path: Path, arch: str) -> None:
-    """A 2-layer random model that vLLM's CPU backend runs (head_dim 64), saved in fp32."""
+SIZES = {
+    # 2 layers for the tests; 4 wider ones for the benchmark, whose prefill must cost something
+    "tiny": dict(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4
+    ),
+    "small": dict(
+        hidden_size=768, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=12
+    ),
+}
+
+
+def make_model(path: Path, arch: str, size: str = "tiny") -> None:
+    """A random model that vLLM's CPU backend runs (head_dim 64), saved in fp32."""
     import torch
     import transformers
 
     shape = dict(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
-        tie_word_embeddings=False, initializer_range=0.1, torch_dtype="float32",
+        vocab_size=VOCAB, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
+        tie_word_embeddings=False, initializer_range=0.1, torch_dtype="float32", **SIZES[size],
     )  # fmt: skip
     if arch == "llama":
         config = transformers.LlamaConfig(**shape)
@@ -169,6 +179,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
     p.add_argument("--make-model", choices=["llama", "qwen3"])
+    p.add_argument("--size", choices=sorted(SIZES), default="tiny", help="with --make-model")
     p.add_argument("--out")
     p.add_argument("--hicache", help="the hicache config, as JSON")
     p.add_argument("--model-id")
@@ -192,7 +203,7 @@ def main() -> None:
     args = p.parse_args()
     if args.make_model:
         if not Path(args.model, "config.json").exists():
-            make_model(Path(args.model), args.make_model)
+            make_model(Path(args.model), args.make_model, args.size)
         if not args.out:
             return
     result = run(args)
