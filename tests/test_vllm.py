@@ -29,7 +29,8 @@ WORKLOAD = {"conversations": 8, "turns": 3, "first": 120, "user": 40, "output": 
 SMALL_KV = 24 * BLOCK * 2 * 2 * 2 * 64 * 4  # 24 blocks of this model: 8 answers cannot all fit
 
 
-def _require_vllm() -> None:
+def require_vllm() -> None:
+    """Skip without vLLM; fail instead under HICACHE_REQUIRE_VLLM=1."""
     try:
         import vllm  # noqa: F401
     except ImportError as err:
@@ -40,7 +41,7 @@ def _require_vllm() -> None:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    _require_vllm()
+    require_vllm()
     root = Path(os.environ.get("HICACHE_CACHE_DIR") or tmp_path_factory.mktemp("c")) / "vllm-models"
     out = {}
     for arch in ("llama", "qwen3"):
