@@ -126,6 +126,17 @@ def test_identical_answers_and_exact_host_hits_multiprocess(models, baseline, tm
     assert_books_clean(r)
 
 
+def test_tensor_parallel_ranks_each_hit_their_own_shard(models, tmp_path):
+    """TP=2: each rank's worker keeps its own host tier (its KV heads: the rank is in the
+    keys) and serves exactly the cacheable tokens; answers as TP=2 without the cache."""
+    base = run_vllm(models["llama"], tmp_path / "base.json", tp=2, executor="mp")
+    r = run_vllm(models["llama"], tmp_path / "r.json", HOST, tp=2, executor="mp")
+    assert r["answers"] == base["answers"]
+    for rank in r["hicache_by_rank"]:
+        assert hits({"hicache": rank}) == {"host": cacheable_tokens()}
+        assert_books_clean({"hicache": rank})
+
+
 def test_small_gpu_budget_with_prefix_caching_preempts_and_stays_identical(
     models, baseline, tmp_path
 ):

@@ -98,6 +98,11 @@ def settle(llm, port: int, timeout_s: float = 60.0) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.tp > 1:  # vLLM's CPU workers each bind to a NUMA node unless given CPUs
+        cpus = os.cpu_count() or 1
+        os.environ.setdefault(
+            "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % cpus) for r in range(args.tp))
+        )
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -127,6 +132,7 @@ def run(args: argparse.Namespace) -> dict:
         distributed_executor_backend=args.executor,
         disable_log_stats=False,
         max_num_seqs=args.max_num_seqs,
+        tensor_parallel_size=args.tp,
         enforce_eager=True,
         seed=0,
     )
@@ -166,8 +172,9 @@ def run(args: argparse.Namespace) -> dict:
         "preemptions": metrics.get("vllm:num_preemptions"),
         "vllm_metrics": metrics,
     }
-    if args.metrics_port:
-        result["hicache"] = settle(llm, args.metrics_port)
+    if args.metrics_port:  # each TP rank serves its own metrics, on the port plus its rank
+        ranks = [settle(llm, args.metrics_port + rank) for rank in range(args.tp)]
+        result["hicache"], result["hicache_by_rank"] = ranks[0], ranks
     return result
 
 
@@ -187,6 +194,7 @@ def main() -> None:
     p.add_argument("--metrics-port", type=int)
     p.add_argument("--prefix-caching", action="store_true")
     p.add_argument("--executor", default="uni", choices=["uni", "mp"])
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (needs --executor mp)")
     p.add_argument("--block", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--kv-bytes", type=int, default=64 << 20)
