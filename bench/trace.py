@@ -12,8 +12,8 @@
   `--host-size`, every loaded byte checked (`wrong_bytes`), and its hit share beside the same
   policy's simulation;
 - `match_us_per_page`: engine-thread CPU time of `match` per page (time.thread_time_ns) on the
-  trace, and on a generated workload whose prompts all share one long head, for LRU (compiled
-  books) and `--policy`;
+  trace, and on a generated workload whose prompts all share one long head, for every policy
+  (LRU in compiled books, the others in Python);
 - `second_trace`: the sweep on a generated trace of another shape (multi-turn conversations over
   a few popular system prompts, plus one-off prompts), so that no policy is judged on one trace.
 
@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import command, commit, cpu_model
 
 from hicache import HiCache, PagedBuffer, load_config, native
+from hicache.eviction import policy_names
 from hicache.keys import _page_keys_python, chain_seed
 from hicache.trace.replay import ReplaySetup, Workload, per_page, replay, run_hicache, sweep
 from hicache.trace.report import plot
@@ -151,10 +152,8 @@ def sweep_trace(args: argparse.Namespace) -> None:
             )
         },
         "match_us_per_page": {
-            "trace": {p: match_cost(requests, p, args.host_size) for p in ("lru", args.policy)},
-            "shared_head": {
-                p: match_cost(shared_head_requests(), p, 0.5) for p in ("lru", args.policy)
-            },
+            "trace": {p: match_cost(requests, p, args.host_size) for p in policy_names()},
+            "shared_head": {p: match_cost(shared_head_requests(), p, 0.5) for p in policy_names()},
         },
         "second_trace": {
             "shape": conversation_requests.__doc__.split("\n")[0],
