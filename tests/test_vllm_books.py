@@ -126,9 +126,9 @@ def test_stores_follow_completed_pages_with_only_the_new_tokens():
 def test_a_finished_request_is_forgotten_on_both_sides():
     books, r = SchedulerBooks(P, ranks=1), Req("f", list(range(14)))
     books.matched_tokens(r, 0)
-    books.finished(r)
+    books.finished(r)  # aborted in the step it was asked about: the question is withdrawn
     step = books.build(sched({"f": 4}, {"f": [1]}))
-    assert (step.forget, step.stores) == (["f"], [])
+    assert (step.lookups, step.forget, step.stores) == ([], ["f"], [])
     answered(books, 0, Answer("f", 0, 12))
     assert books.matched_tokens(r, 0) == (None, False)  # asked anew, as a new request
 
@@ -181,3 +181,15 @@ def test_worker_reports_a_load_it_cannot_make_and_copies_nothing():
     assert w.load_errors() == set()
     assert all(not t.any() for t in kv.values())
     assert w.cache.stats()["requests"] == 0
+
+
+def test_worker_lets_pins_go_for_an_answer_not_taken_and_a_forgotten_request():
+    w, kv = worker()
+    prompt = list(range(13))
+    w.start(StepMeta())
+    w.after(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2])]))
+    w.start(StepMeta(lookups=[Lookup("u", prompt, 0), Lookup("f", prompt, 0)]))
+    assert w.cache.stats()["host_pinned"] == 3  # both hits pin the same three slots
+    w.start(StepMeta(unused=["u"], forget=["f"]))
+    stats = w.cache.stats()
+    assert (stats["host_pinned"], stats["requests"], stats["host_used"]) == (0, 0, 3)

@@ -141,4 +141,6 @@ class SchedulerBooks:
         for books in (self._tracked, self._asked, self._answers, self._granted, self._loads,
                       self._sources):  # fmt: skip
             books.pop(rid, None)
-        self._step.forget.append(rid)
+        step = self._step  # a question asked this step must not outlive the request
+        step.lookups = [q for q in step.lookups if q.request_id != rid]
+        step.forget.append(rid)

@@ -35,18 +35,20 @@ def kv_pool(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> tuple[PagedB
     `PagedBuffer.from_kv_tensors`); ``(num_blocks, ...)`` holds one latent per block (MLA)."""
     tensors = list(kv_caches.values())
     t = tensors[0]
-    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
-    note = f"{list(t.shape)}@{order}".replace(str(num_blocks), "N", 1).replace(" ", "")
     if t.dim() >= 3 and t.shape[0] == 2 and t.shape[1] == num_blocks:
-        return PagedBuffer.from_kv_tensors(tensors, kv_dim=0), note
-    if t.dim() >= 3 and t.shape[0] == num_blocks and t.shape[1] == 2:
-        return PagedBuffer.from_kv_tensors(tensors, kv_dim=1), note
-    if t.dim() >= 2 and t.shape[0] == num_blocks:
-        return PagedBuffer.layer_first(tensors), note
-    raise ValueError(
-        f"hicache: a KV tensor of shape {tuple(t.shape)} has no block dimension of {num_blocks} "
-        "first or next to a K/V dimension of 2"
-    )
+        pool, block_dim = PagedBuffer.from_kv_tensors(tensors, kv_dim=0), 1
+    elif t.dim() >= 3 and t.shape[0] == num_blocks and t.shape[1] == 2:
+        pool, block_dim = PagedBuffer.from_kv_tensors(tensors, kv_dim=1), 0
+    elif t.dim() >= 2 and t.shape[0] == num_blocks:
+        pool, block_dim = PagedBuffer.layer_first(tensors), 0
+    else:
+        raise ValueError(
+            f"hicache: a KV tensor of shape {tuple(t.shape)} has no block dimension of "
+            f"{num_blocks} first or next to a K/V dimension of 2"
+        )
+    shape = ["N" if d == block_dim else str(n) for d, n in enumerate(t.shape)]
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    return pool, f"[{','.join(shape)}]@{order}".replace(" ", "")
 
 
 class WorkerCache:
