@@ -114,9 +114,10 @@ def baseline(models, tmp_path_factory) -> dict:
 HOST = {"tiers": [{"type": "host", "size": "64MiB"}]}
 
 
-def test_identical_answers_and_exact_host_hits_multiprocess(models, baseline, tmp_path):
-    """Prefix caching off, vLLM's default multiprocess executor: every hit is hicache's."""
-    r = run_vllm(models["llama"], tmp_path / "r.json", HOST, executor="mp")
+def test_identical_answers_and_exact_host_hits(models, baseline, tmp_path):
+    """Prefix caching off, the uniprocess executor: every hit is hicache's, and vLLM counts
+    them as the host's."""
+    r = run_vllm(models["llama"], tmp_path / "r.json", HOST)
     assert r["answers"] == baseline["answers"]
     assert hits(r) == {"host": cacheable_tokens()}
     assert r["vllm_metrics"]["vllm:external_prefix_cache_hits"] == cacheable_tokens()
@@ -127,8 +128,9 @@ def test_identical_answers_and_exact_host_hits_multiprocess(models, baseline, tm
 
 
 def test_tensor_parallel_ranks_each_hit_their_own_shard(models, tmp_path):
-    """TP=2: each rank's worker keeps its own host tier (its KV heads: the rank is in the
-    keys) and serves exactly the cacheable tokens; answers as TP=2 without the cache."""
+    """TP=2, vLLM's multiprocess executor (the scheduler and each rank's worker in processes
+    of their own): each rank keeps its own host tier (its KV heads: the rank is in the keys)
+    and serves exactly the cacheable tokens; answers as TP=2 without the cache."""
     base = run_vllm(models["llama"], tmp_path / "base.json", tp=2, executor="mp")
     r = run_vllm(models["llama"], tmp_path / "r.json", HOST, tp=2, executor="mp")
     assert r["answers"] == base["answers"]
@@ -158,39 +160,31 @@ def test_qwen3_identical_with_exact_hits(models, tmp_path):
 
 
 @pytest.mark.mooncake
-def test_second_instance_hits_through_disk_and_mooncake(
-    models, baseline, mooncake_master, tmp_path
+def test_later_instances_hit_through_disk_and_mooncake_and_survive_its_master(
+    models, baseline, start_mooncake_master, tmp_path
 ):
-    """A first vLLM writes through to a disk directory and to Mooncake; a second vLLM process
-    with only the disk tier, then a third with only Mooncake, serve every turn (first turns
-    too) from what the first stored: every request hits its whole cacheable prefix."""
+    """A first vLLM writes through to a disk directory and to Mooncake. A second vLLM process
+    with only the disk tier serves every turn (first turns too) from what the first stored.
+    A third, with only Mooncake, serves the first turns from it; then the master is killed:
+    vLLM goes on, its host tier serves the later turns, and the answers do not change."""
+    master = start_mooncake_master()
     # one page an object: a first turn's prompt (3 whole blocks) holds no group of 4
     disk = {"type": "disk", "path": str(tmp_path / "disk"), "size": "256MiB", "group_pages": 1}
-    moon = {"type": "mooncake", **mooncake_master.tier_config, "group_pages": 1}
+    moon = {"type": "mooncake", **master.tier_config, "group_pages": 1}
     host = {"type": "host", "size": "64MiB"}
     first = run_vllm(models["llama"], tmp_path / "a.json", {"tiers": [host, disk, moon]})
     assert first["answers"] == baseline["answers"]
-    for name, tier in (("disk", disk), ("mooncake", moon)):
-        r = run_vllm(models["llama"], tmp_path / f"{name}.json", {"tiers": [host, tier]})
-        assert r["answers"] == baseline["answers"]
-        got = hits(r)
-        assert got[name] > 0
-        assert got["host"] + got[name] == cacheable_tokens(every_turn=True)
-        assert_books_clean(r)
-
-
-@pytest.mark.mooncake
-def test_mooncake_master_killed_mid_run_still_serves(
-    models, baseline, start_mooncake_master, tmp_path
-):
-    """The master is killed after the first turn: vLLM recomputes what Mooncake would have
-    served, finishes, and answers as without the cache."""
-    master = start_mooncake_master()
-    tiers = [{"type": "host", "size": "64MiB"}, {"type": "mooncake", **master.tier_config}]
-    r = run_vllm(
-        models["llama"], tmp_path / "r.json", {"tiers": tiers},
+    second = run_vllm(models["llama"], tmp_path / "disk.json", {"tiers": [host, disk]})
+    assert second["answers"] == baseline["answers"]
+    got = hits(second)
+    assert got["disk"] > 0
+    assert got["host"] + got["disk"] == cacheable_tokens(every_turn=True)
+    assert_books_clean(second)
+    third = run_vllm(
+        models["llama"], tmp_path / "moon.json", {"tiers": [host, moon]},
         kill_pid=master.proc.pid, kill_after_turn=1,
     )  # fmt: skip
-    assert r["answers"] == baseline["answers"]
-    assert hits(r)["host"] == cacheable_tokens()  # the host tier still serves every later turn
-    assert_books_clean(r)
+    assert third["answers"] == baseline["answers"]
+    first_turns = WORKLOAD["conversations"] * ((WORKLOAD["first"] - 1) // BLOCK * BLOCK)
+    assert hits(third) == {"host": cacheable_tokens(), "mooncake": first_turns}
+    assert_books_clean(third)

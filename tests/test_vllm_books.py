@@ -184,7 +184,7 @@ def test_worker_reports_a_load_it_cannot_make_and_copies_nothing():
 
 
 def test_worker_lets_pins_go_for_an_answer_not_taken_and_a_forgotten_request():
-    w, kv = worker()
+    w, _ = worker()
     prompt = list(range(13))
     w.start(StepMeta())
     w.after(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2])]))
@@ -193,3 +193,14 @@ def test_worker_lets_pins_go_for_an_answer_not_taken_and_a_forgotten_request():
     w.start(StepMeta(unused=["u"], forget=["f"]))
     stats = w.cache.stats()
     assert (stats["host_pinned"], stats["requests"], stats["host_used"]) == (0, 0, 3)
+
+
+def test_worker_keys_pages_by_the_requests_cache_salt():
+    w, _ = worker()
+    prompt = list(range(13))
+    w.start(StepMeta())
+    w.after(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2], salt="tenant-1")]))
+    w.start(StepMeta(lookups=[Lookup("b", prompt, 0, "tenant-2"), Lookup("c", prompt, 0)]))
+    w.start(StepMeta(lookups=[Lookup("d", prompt, 0, "tenant-1")]))
+    hits = [(a.request_id, a.hit) for a in w.answers().by_rank[0]]
+    assert hits == [("b", 0), ("c", 0), ("d", 12)]

@@ -132,6 +132,7 @@ def run(args: argparse.Namespace) -> dict:
         distributed_executor_backend=args.executor,
         disable_log_stats=False,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_batched_tokens,
         tensor_parallel_size=args.tp,
         enforce_eager=True,
         seed=0,
@@ -199,6 +200,11 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--kv-bytes", type=int, default=64 << 20)
     p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        help="tokens a step (fewer than a prompt: chunked prefill)",
+    )
     p.add_argument("--conversations", type=int, default=4)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--shared", type=int, default=0, help="tokens of a head all conversations share")
