@@ -36,7 +36,7 @@ def require_vllm() -> None:
     except ImportError as err:
         if os.environ.get("HICACHE_REQUIRE_VLLM") == "1":
             pytest.fail(f"HICACHE_REQUIRE_VLLM=1 but vLLM does not import: {err}", pytrace=False)
-        pytest.skip(f"vLLM is not installed: {err}")
+        pytest.skip(f"vLLM is not installed: {err}", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from hicache import load_config  # noqa: E402
 from hicache.integrations.vllm.meta import (  # noqa: E402
     Answer,
     Answers,
+    HiCacheStats,
     Load,
     Lookup,
     StepMeta,
@@ -204,3 +205,20 @@ def test_worker_keys_pages_by_the_requests_cache_salt():
     w.start(StepMeta(lookups=[Lookup("d", prompt, 0, "tenant-1")]))
     hits = [(a.request_id, a.hit) for a in w.answers().by_rank[0]]
     assert hits == [("b", 0), ("c", 0), ("d", 12)]
+
+
+def test_worker_reports_what_its_counters_gained_to_vllms_connector_stats():
+    w, _ = worker()
+    prompt = list(range(13))
+    w.start(StepMeta())
+    w.after(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2])]))
+    assert w.stats() == HiCacheStats({"pages_stored": 3})
+    assert w.stats() is None  # nothing since
+    w.start(StepMeta(lookups=[Lookup("b", prompt, 0)]))
+    w.start(StepMeta(loads=[Load("b", 0, 12, [4, 5, 6])]))
+    got = w.stats()
+    assert got == HiCacheStats({"hit_tokens_host": 12, "pages_loaded": 3})
+    assert got.aggregate(HiCacheStats({"pages_loaded": 2})).reduce() == {
+        "hit_tokens_host": 12,
+        "pages_loaded": 5,
+    }

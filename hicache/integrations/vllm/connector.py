@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from hicache.config import ConfigError, HiCacheConfig, load_config
-from hicache.integrations.vllm.meta import StepMeta
+from hicache.integrations.vllm.meta import HiCacheStats, StepMeta
 from hicache.integrations.vllm.scheduler import SchedulerBooks
 from hicache.integrations.vllm.worker import WorkerCache, layout_fields
 
@@ -116,6 +116,14 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self):
         return self._worker_side().answers()
+
+    def get_kv_connector_stats(self) -> HiCacheStats | None:
+        # vLLM asks both roles; the scheduler's has nothing of its own to add
+        return self._worker.stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HiCacheStats | None:
+        return HiCacheStats(dict(data)) if data is not None else None
 
     def shutdown(self) -> None:
         if self._worker is not None:

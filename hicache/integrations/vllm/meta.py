@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 
 @dataclass(frozen=True)
@@ -86,3 +87,24 @@ class Answers(KVConnectorWorkerMetadata):
         for rank, answers in other.by_rank.items():
             merged.setdefault(rank, []).extend(answers)
         return Answers(merged)
+
+
+@dataclass
+class HiCacheStats(KVConnectorStats):
+    """hicache's counters for vLLM's periodic "KV Transfer metrics" log line: what changed
+    since the last report, summed over the ranks and steps of the interval (`data` maps a
+    counter of `HiCache.stats` to its increase)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())

@@ -17,11 +17,24 @@ import torch
 from hicache.cache import HiCache
 from hicache.config import HiCacheConfig, Layout
 from hicache.errors import HiCacheError
-from hicache.integrations.vllm.meta import Answer, Answers, Load, Lookup, StepMeta, Store
+from hicache.integrations.vllm.meta import (
+    Answer,
+    Answers,
+    HiCacheStats,
+    Load,
+    Lookup,
+    StepMeta,
+    Store,
+)
 from hicache.kernels import PagedBuffer
 from hicache.request import Match
 
 log = logging.getLogger("hicache.vllm")
+
+#: The counters of `HiCache.stats` reported to vLLM's connector stats, as increases.
+REPORTED = (
+    "hit_tokens_host", "pages_loaded", "pages_stored", "pages_dropped", "pages_evicted",
+)  # fmt: skip
 
 READY_TIMEOUT_S = 10.0
 """How long vLLM's start waits for the host pools and the store tiers (see `register`)."""
@@ -71,6 +84,7 @@ class WorkerCache:
         self._answers: list[Answer] = []
         self._load_errors: set[int] = set()
         self._kinds: dict[str, str] = {}
+        self._reported: dict[str, int] = {}
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         """Build the layout and the HiCache over vLLM's KV tensors (`num_blocks` blocks each),
@@ -130,6 +144,16 @@ class WorkerCache:
         """Blocks whose granted load was not made since the last call: vLLM recomputes them."""
         out, self._load_errors = self._load_errors, set()
         return out
+
+    def stats(self) -> HiCacheStats | None:
+        """What hicache's counters (`REPORTED`, and each store tier's hit tokens) gained since
+        the last call, for vLLM's connector stats; None when nothing did."""
+        now = self._cache().stats()
+        names = [*REPORTED, *(f"hit_tokens_{tier}" for tier in self._kinds)]
+        gained = {k: now.get(k, 0) - self._reported.get(k, 0) for k in names}
+        self._reported.update({k: now.get(k, 0) for k in names})
+        gained = {k: v for k, v in gained.items() if v}
+        return HiCacheStats(gained) if gained else None
 
     def close(self) -> None:
         if self.cache is not None:
