@@ -29,8 +29,10 @@ No reuse: prompts of the same lengths whose every block is new. Then, for the co
 a shared tier, a **second instance** (a fresh vLLM beside the same disk or LMCache server,
 after the first has exited) sends the sessions' first requests again.
 
-Rows: each way's TTFT p50 and p90 per workload, median [min-max] over the repetitions, the
-prompt tokens each source served, whether greedy answers equal vLLM alone's, and the targets.
+On the 2-core VM a run of the four default ways takes about 27 minutes (longer while other
+work shares the machine). Rows: each way's TTFT p50 and p90 per workload, median [min-max] over
+the repetitions, the prompt tokens each source served, whether greedy answers equal vLLM
+alone's; then the targets, as ratios of the medians and within each repetition.
 """
 
 from __future__ import annotations
@@ -282,7 +284,7 @@ def summarize(rows: list[dict], ways: list[str]) -> tuple[dict, dict]:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out")
-    p.add_argument("--trace", default=str(TRACE))
+    p.add_argument("--trace", default=str(TRACE), help="agentic_sessions.jsonl.gz")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--ways", default="vllm,hicache,lmcache256,lmcache32")
     p.add_argument("--example", action="store_true", help="add vLLM's ExampleConnector as a row")
