@@ -1,5 +1,8 @@
 """`hicache trace FILE`: replay a Mooncake-format trace through hicache and report hit shares.
 
+`hicache trace import DIR OUT` converts a folder of kv-cache-tester sessions into a trace
+(hicache.trace.importer).
+
 Exit status: 0 when every loaded page had the right bytes, 1 when some did not, 2 on a usage or
 input error.
 """
@@ -15,6 +18,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from hicache.config import Bytes, ConfigError, HiCacheConfig, load_config
 from hicache.eviction import DEFAULT_POLICY, policy_names
+from hicache.trace.importer import main as import_main
 from hicache.trace.progress import Progress
 from hicache.trace.replay import DEFAULT_FRACTIONS, ReplaySetup, Workload, replay, sweep_steps
 from hicache.trace.report import plot, table, write_json
@@ -73,7 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
         "through hicache with a model-less engine; compare with an exact LRU and an infinite "
         "cache; check every loaded byte.",
     )
-    p.add_argument("trace", type=Path, help="the trace file (JSON Lines)")
+    p.add_argument(
+        "trace",
+        type=Path,
+        help="the trace file (JSON Lines, .jsonl or .jsonl.gz); `hicache trace import DIR OUT` "
+        "makes one from kv-cache-tester sessions",
+    )
     p.add_argument("--config", type=Path, help="a hicache YAML: its tiers and policy are used")
     p.add_argument(
         "--host-size",
@@ -112,11 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="show a progress bar on stderr (shown anyway when stderr is a terminal)",
     )
-    p.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--block-tokens",
+        type=int,
+        default=BLOCK_TOKENS,
+        help="tokens per hash id of the trace (default: %(default)s)",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["import"]:
+        return import_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print("hicache trace: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)

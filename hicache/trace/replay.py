@@ -203,7 +203,7 @@ def sweep(
     policies: Sequence[str] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Rows {policy, host_fraction, host_pages, hit_share, lru_share, belady_share}: each
+    """Rows {policy, host_fraction, capacity_pages, hit_share, lru_share, belady_share}: each
     policy's simulated hit share at each capacity (fractions of the distinct pages), beside
     LRU's and the offline reference's at that capacity. `policies`: all registered ones."""
     unique, P, floor = workload.unique_pages, setup.page_tokens, setup.min_recompute_tokens
@@ -225,6 +225,7 @@ def sweep(
                     "policy": name,
                     "host_fraction": frac,
                     "host_pages": pages,
+                    "capacity_pages": pages,
                     "hit_share": shares[name],
                     "lru_share": shares["lru"],
                     "belady_share": belady,

@@ -1,8 +1,12 @@
 """A Mooncake-format request trace and the prompts it stands for.
 
-A trace is JSON Lines, one request a line::
+A trace is JSON Lines (plain, or gzip-compressed when the name ends in ``.gz``), one request a
+line::
 
     {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, 2353]}
+
+Optional fields: `session` (a client's session or cache key) and `stop` (the stop reason of the
+request's own answer, e.g. ``tool_use`` or ``end_turn``); both are carried on each request.
 
 `hash_ids` name the prompt's blocks of `block_tokens` (512) tokens, each id standing for the
 whole prefix up to the end of its block: equal ids mean equal prefixes. The last block may be
@@ -15,6 +19,7 @@ each full page of a prompt by the trace's own ids (no hashing), for the simulato
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +41,17 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    session: str = ""
+    """The session the request belongs to ("" when the trace does not say)."""
+    stop: str = ""
+    """The stop reason of this request's answer ("" when the trace does not say)."""
+
+
+def open_trace(path: str | Path, mode: str = "rt"):  # type: ignore[no-untyped-def]
+    """A text stream of a trace file, gzip-compressed when its name ends in ``.gz``."""
+    if str(path).endswith(".gz"):
+        return gzip.open(path, mode, encoding="utf-8")
+    return open(path, mode, encoding="utf-8")
 
 
 def read_trace(
@@ -49,12 +65,17 @@ def read_trace(
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
+    if block_tokens <= 0:
+        raise ValueError(f"block_tokens must be positive, got {block_tokens}")
     out: list[TraceRequest] = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            out.append(_parse(line, f"{path}:{lineno}", block_tokens))
+    try:
+        with open_trace(path) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                out.append(_parse(line, f"{path}:{lineno}", block_tokens))
+    except (gzip.BadGzipFile, EOFError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not a readable trace ({err})") from None
     out.sort(key=lambda r: r.timestamp)  # stable: ties keep file order
     return out if limit is None else out[:limit]
 
@@ -67,6 +88,8 @@ def _parse(line: str, where: str, block_tokens: int) -> TraceRequest:
             input_length=int(obj["input_length"]),
             output_length=int(obj.get("output_length", 0)),
             hash_ids=tuple(int(h) for h in obj["hash_ids"]),
+            session=str(obj.get("session") or ""),
+            stop=str(obj.get("stop") or ""),
         )
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{where}: not a trace request ({type(err).__name__}: {err})") from None
