@@ -1,0 +1,111 @@
+"""One simulated configuration (a policy at a capacity) over a whole trace, fast.
+
+`simulate` runs the compiled simulation (``hicache/native/tiersim.c``) where it can be built,
+and `PolicySim` (or the offline reference) otherwise, or where ``HICACHE_NO_NATIVE=1``. Both
+give the same numbers: the C file restates `PolicySim`'s placement rules and the policies of
+`hicache.eviction` (LRU, ARC, S3-FIFO; ``prefix`` is ARC when every page weighs the same, as in
+a trace) and `FarthestNextUse` with their tie-breaks, and tests compare them on every policy.
+A policy the C file does not know runs in Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import numpy as np
+
+from hicache import native
+from hicache.trace.simulate import FarthestNextUse, PolicySim, SimResult
+from hicache.trace.workload import Workload
+
+OFFLINE = "offline"
+"""The name `simulate` takes for the offline reference (farthest next use)."""
+
+_CODES = {"lru": 0, "arc": 1, "prefix": 1, "s3fifo": 2, OFFLINE: 3}
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    lib = native.build(("tiersim.c",), release_gil=True)
+    if lib is None:
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.hicache_tiersim.restype = ctypes.c_int
+    lib.hicache_tiersim.argtypes = [ctypes.c_int, i64, i64, i64, i64, i64, p, p, p, i64, p, p, p]
+    lib.hicache_next_uses.restype = None
+    lib.hicache_next_uses.argtypes = [i64, p, p, i64, p, i64, p]
+    return lib
+
+
+def compiled() -> bool:
+    """Whether `simulate` runs compiled (else every configuration runs in Python)."""
+    return _library() is not None
+
+
+def small_fifo(capacity: int) -> int:
+    """S3-FIFO's small queue for `capacity` keys, as `hicache.eviction` sizes it."""
+    return max(1, round(0.1 * capacity))
+
+
+def simulate(
+    workload: Workload,
+    policy: str,
+    capacity: int,
+    min_recompute_tokens: int = 1,
+    python: bool = False,
+) -> SimResult:
+    """`policy` (a registered name, or `OFFLINE`) at `capacity` pages over `workload`, with
+    `PolicySim`'s rules. `python`: take the Python path even where the C one is built."""
+    lib = None if python else _library()
+    code = _CODES.get(policy)
+    if lib is None or code is None:
+        if policy == OFFLINE:
+            return workload.offline(capacity, min_recompute_tokens)
+        sim = PolicySim(capacity, workload.page_tokens, min_recompute_tokens, policy)
+        return workload.simulate(sim)
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0 pages, got {capacity}")
+    dense, n_ids = workload.dense
+    next_use = _next_uses(lib, workload) if code == _CODES[OFFLINE] else None
+    out = np.zeros(4, np.int64)
+    rc = lib.hicache_tiersim(
+        code,
+        capacity,
+        small_fifo(capacity),
+        workload.page_tokens,
+        min_recompute_tokens,
+        len(workload.requests),
+        workload.starts.ctypes.data,
+        dense.ctypes.data,
+        workload.tokens.ctypes.data,
+        n_ids,
+        None if next_use is None else next_use.ctypes.data,
+        None,
+        out.ctypes.data,
+    )
+    if rc != 0:
+        raise MemoryError("the compiled trace simulation ran out of memory")
+    hit, limited, evicted, dropped = (int(v) for v in out)
+    return SimResult(workload.prompt_tokens, hit, limited, evicted, dropped)
+
+
+def _next_uses(lib: ctypes.CDLL, workload: Workload) -> np.ndarray:
+    """For every page visit, the index of the next request holding that page (NEVER if none)."""
+    cached = getattr(workload, "_next_use_array", None)
+    if cached is not None:
+        return cached
+    dense, n_ids = workload.dense
+    out = np.empty(len(dense), np.int64)
+    scratch = np.empty(max(1, n_ids), np.int64)
+    lib.hicache_next_uses(
+        len(workload.requests),
+        workload.starts.ctypes.data,
+        dense.ctypes.data,
+        FarthestNextUse.NEVER,
+        scratch.ctypes.data,
+        n_ids,
+        out.ctypes.data,
+    )
+    workload._next_use_array = out  # type: ignore[attr-defined]
+    return out
