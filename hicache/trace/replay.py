@@ -42,6 +42,8 @@ class ReplaySetup:
     block_tokens: int = BLOCK_TOKENS
     policy: str | None = None
     """The host tier's eviction policy; None: the base config's, else the default."""
+    settle: bool = False
+    """Wait for the store tiers' writes after each request (`ReplayEngine`'s `settle`)."""
 
     def __post_init__(self) -> None:
         make_policy(self.eviction, 0)  # a ValueError naming the known ones
@@ -115,7 +117,9 @@ def run_hicache(
     progress: Callable[[int], None] | None = None,
 ) -> HiCacheRun:
     """Replay every request of `workload` through a fresh HiCache with `host_pages` slots."""
-    engine = ReplayEngine(setup.config(host_pages), setup.layout, workload.max_blocks)
+    engine = ReplayEngine(
+        setup.config(host_pages), setup.layout, workload.max_blocks, settle=setup.settle
+    )
     run = HiCacheRun(host_pages=host_pages, hit_tokens={"host": 0})
     start = time.perf_counter()
     try:
