@@ -57,6 +57,8 @@ class HostBooks:
         self.refs: dict[int, int] = {}
         self.reserved = 0  # slots reserved and holding no page
         self.evicted = 0
+        self.written = 0
+        """Pages copied into the host tier (stored, or fetched from a store tier)."""
 
     def prefix(self, pages: Sequence[int], start: int = 0) -> int:
         """How many leading pages from `start` on are held (start + the run)."""
@@ -118,6 +120,7 @@ class HostBooks:
             self.fresh.add(p)
             self.refs[p] = self.refs.get(p, 0) + 1
             self.reserved -= 1
+            self.written += 1
             items.append(p)
         return items
 
@@ -206,7 +209,7 @@ class ChainSim:
         self.dropped = 0
 
     def request(self, pages: Sequence[int], prompt_tokens: int) -> Served:
-        host, n = self.host, len(pages)
+        host = self.host
         cap = max(0, prompt_tokens - self.floor) // self.P
         found = host.prefix(pages)
         hit = min(found, cap)

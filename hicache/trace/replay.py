@@ -206,6 +206,30 @@ def sweep_steps(fractions: Sequence[float], policies: Sequence[str]) -> int:
     return len(fractions) * len(dict.fromkeys(["lru", *policies, OFFLINE]))
 
 
+def simulated(
+    workload: Workload,
+    setup: ReplaySetup,
+    fractions: Sequence[float] = DEFAULT_FRACTIONS,
+    policies: Sequence[str] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """The sweep without the real cache (`policies`: all registered ones): the trace's figures,
+    the infinite cache, and the `sweep` rows."""
+    P, floor = setup.page_tokens, setup.min_recompute_tokens
+    return {
+        "requests": len(workload.requests),
+        "prompt_tokens": workload.prompt_tokens,
+        "page_tokens": P,
+        "page_visits": workload.visits,
+        "min_recompute_tokens": floor,
+        "unique_pages": workload.unique_pages,
+        "default_policy": DEFAULT_POLICY,
+        "oracle_share": workload.simulate(OracleSim(P, floor)).share,
+        "block_ceiling": block_ceiling(workload.requests, setup.block_tokens),
+        "sweep": sweep(workload, setup, fractions, policies, progress),
+    }
+
+
 def replay(
     workload: Workload,
     setup: ReplaySetup,
