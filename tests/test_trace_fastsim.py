@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from test_trace import make_trace
 
 from hicache.eviction import policy_names
 from hicache.trace import fastsim
+from hicache.trace.chainsim import StoreSim
 from hicache.trace.simulate import PolicySim
 from hicache.trace.workload import Workload, page_ids, read_trace
 
@@ -47,3 +49,34 @@ def test_python_path_is_policysim_and_offline_is_the_ceiling(requests: list) -> 
     assert offline == w.offline(cap)
     for name in policy_names():
         assert fastsim.simulate(w, name, cap).hit_tokens <= offline.hit_tokens
+
+
+@pytest.mark.parametrize("page_tokens", [128, 512])
+def test_compiled_chain_equals_the_python_chain(requests: list, page_tokens: int) -> None:
+    """Every per-request figure, for chains of zero, one and two store tiers (group sizes,
+    write: off, a tier the cost model passes over), caps, and host sizes."""
+    w = Workload(requests, page_tokens)
+    U = w.unique_pages
+    chains = [
+        [],
+        [StoreSim("disk", U // 16, 4)],
+        [StoreSim("disk", U // 30, 4), StoreSim("mooncake", U // 8, 2)],
+        [StoreSim("disk", U // 16, 4, worth=False)],
+        [StoreSim("disk", U // 16, 1, write="off"), StoreSim("mooncake", U, 4)],
+    ]
+    served = set()
+    for host in (U // 20, U // 5, U):
+        for stores in chains:
+            for floor in (1, 700):
+                a = fastsim.run_chain(w, host, stores, min_recompute_tokens=floor)
+                b = fastsim.run_chain(w, host, stores, min_recompute_tokens=floor, python=True)
+                for x, y in ((a.hit, b.hit), (a.tier_pages, b.tier_pages), (a.reads, b.reads)):
+                    assert np.array_equal(x, y)
+                assert np.array_equal(a.written, b.written)
+                assert (a.host_evicted, a.dropped, a.fetches) == (
+                    b.host_evicted,
+                    b.dropped,
+                    b.fetches,
+                )
+                served.add(tuple(a.tier_pages.sum(axis=0)))
+    assert len(served) > 20  # the settings matter: not a trivial agreement

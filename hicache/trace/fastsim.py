@@ -11,11 +11,15 @@ A policy the C file does not know runs in Python.
 from __future__ import annotations
 
 import ctypes
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from functools import cache
 
 import numpy as np
 
 from hicache import native
+from hicache.trace.chainsim import ChainSim, StoreSim
 from hicache.trace.simulate import FarthestNextUse, PolicySim, SimResult
 from hicache.trace.workload import Workload
 
@@ -109,3 +113,108 @@ def _next_uses(lib: ctypes.CDLL, workload: Workload) -> np.ndarray:
     )
     workload._next_use_array = out  # type: ignore[attr-defined]
     return out
+
+
+@dataclass
+class ChainRun:
+    """What the tier chain served over a trace, per request (T = 1 + store tiers, the host
+    first): `hit` pages, `tier_pages` [n, T] pages served by each tier, `reads` [n, T - 1]
+    pages read from each store tier, `written` [n, T] pages copied into the host / put to each
+    store tier; and the totals."""
+
+    hit: np.ndarray
+    tier_pages: np.ndarray
+    reads: np.ndarray
+    written: np.ndarray
+    host_evicted: int
+    dropped: int
+    fetches: list[int]
+
+
+def run_chain(
+    workload: Workload,
+    host_pages: int,
+    stores: list[StoreSim],
+    policy: str = "lru",
+    min_recompute_tokens: int = 1,
+    python: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> ChainRun:
+    """`ChainSim` over `workload`: compiled (``native/chainsim.c``) for an LRU host tier where
+    it can be built, else in Python. `stores` are templates: they are not changed."""
+    n, S = len(workload.requests), len(stores)
+    hit = np.zeros(n, np.int32)
+    tier_pages = np.zeros((n, S + 1), np.int64)
+    reads = np.zeros((n, S), np.int64)
+    written = np.zeros((n, S + 1), np.int64)
+    lib = None if python or policy != "lru" else _chain_library()
+    if lib is not None:
+        dense, n_ids = workload.dense
+        spec = np.array(
+            [[s.capacity, s.group_pages, s.write == "behind", s.worth] for s in stores]
+            or [[0] * 4],
+            np.int64,
+        )
+        out = np.zeros(2 + S, np.int64)
+        rc = lib.hicache_chainsim(
+            host_pages, workload.page_tokens, min_recompute_tokens, S, spec.ctypes.data, n,
+            workload.starts.ctypes.data, dense.ctypes.data, workload.tokens.ctypes.data, n_ids,
+            hit.ctypes.data, tier_pages.ctypes.data, reads.ctypes.data, written.ctypes.data,
+            out.ctypes.data,
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("the compiled chain simulation ran out of memory")
+        if progress is not None:
+            progress(n)
+        return ChainRun(hit, tier_pages, reads, written, int(out[0]), int(out[1]), out[2:].tolist())
+    mine = [
+        replace(s, objects=OrderedDict(), known=set(), skipped=0, fetches=0, read_pages=0,
+                written_pages=0)
+        for s in stores
+    ]  # fmt: skip
+    sim = ChainSim(host_pages, workload.page_tokens, mine, policy, min_recompute_tokens)
+    pages, tokens = workload.pages, workload.tokens.tolist()
+    for i in range(n):
+        before = [sim.host.written, *(s.written_pages for s in mine)]
+        served = sim.request(pages[i], tokens[i])
+        hit[i] = served.hit_pages
+        tier_pages[i] = served.tier_pages
+        reads[i] = served.read_pages
+        written[i] = [
+            sim.host.written - before[0],
+            *(s.written_pages - b for s, b in zip(mine, before[1:])),
+        ]
+        if progress is not None and i % 256 == 255:
+            progress(256)
+    if progress is not None:
+        progress(n % 256)
+    return ChainRun(
+        hit, tier_pages, reads, written, sim.host.evicted, sim.dropped, [s.fetches for s in mine]
+    )
+
+
+@cache
+def _chain_library() -> ctypes.CDLL | None:
+    lib = native.build(("chainsim.c",), release_gil=True)
+    if lib is None:
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.hicache_chainsim.restype = ctypes.c_int
+    lib.hicache_chainsim.argtypes = [
+        i64,
+        i64,
+        i64,
+        ctypes.c_int,
+        p,
+        i64,
+        p,
+        p,
+        p,
+        i64,
+        p,
+        p,
+        p,
+        p,
+        p,
+    ]
+    return lib

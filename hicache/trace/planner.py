@@ -26,7 +26,8 @@ from hicache.backends.disk_records import HEADER as DISK_RECORD_HEADER
 from hicache.config import HiCacheConfig, tier_name
 from hicache.eviction import DEFAULT_POLICY
 from hicache.plan import PrefillSpeed
-from hicache.trace.chainsim import ChainSim, StoreSim
+from hicache.trace.chainsim import StoreSim
+from hicache.trace.fastsim import run_chain
 from hicache.trace.workload import Workload
 
 MODELS: dict[str, tuple[int, int, int]] = {
@@ -133,24 +134,12 @@ def chain_from_config(config: HiCacheConfig) -> list[TierPlan]:
     return out
 
 
-@dataclass
-class _Totals:
-    """Per tier: pages served, pages read and written, and per-second buckets of bytes."""
-
-    hit_pages: int = 0
-    read_pages: int = 0
-    written_pages: int = 0
-    read_by_s: dict[int, int] = field(default_factory=dict)
-    written_by_s: dict[int, int] = field(default_factory=dict)
-
-    def add(self, second: int, hit: int, read: int, written: int) -> None:
-        self.hit_pages += hit
-        self.read_pages += read
-        self.written_pages += written
-        if read:
-            self.read_by_s[second] = self.read_by_s.get(second, 0) + read
-        if written:
-            self.written_by_s[second] = self.written_by_s.get(second, 0) + written
+def _peak(seconds: np.ndarray, pages: np.ndarray) -> int:
+    """The most pages in one second of trace time (requests by their arrival second)."""
+    if not len(pages):
+        return 0
+    _, first = np.unique(seconds, return_index=True)
+    return int(np.add.reduceat(pages, first).max())
 
 
 def plan(
@@ -181,38 +170,23 @@ def plan(
         )
         for t in below
     ]
-    sim = ChainSim(host.capacity_pages(page_bytes), P, stores, host.policy, min_recompute_tokens)
-    n = len(workload.requests)
-    hit = np.zeros(n, np.int64)
-    fetch_s = np.zeros(n)
-    totals = [_Totals() for _ in tiers]
-    pages = workload.pages
-    for i, req in enumerate(workload.requests):
-        second = int(req.timestamp // 1000)
-        before = [s.written_pages for s in stores]
-        stored_before = sim.host.written
-        served = sim.request(pages[i], req.input_length)
-        hit[i] = served.hit_pages
-        totals[0].add(
-            second, served.tier_pages[0], served.hit_pages, sim.host.written - stored_before
-        )
-        for k, store in enumerate(stores):
-            read = served.read_pages[k]
-            fetch_s[i] += read * page_bytes / (below[k].read_gbps * 1e9)
-            totals[k + 1].add(
-                second, served.tier_pages[k + 1], read, store.written_pages - before[k]
-            )
-        if progress is not None and i % 256 == 255:
-            progress(256)
-    if progress is not None:
-        progress(n % 256)
+    host_pages = host.capacity_pages(page_bytes)
+    run = run_chain(
+        workload, host_pages, stores, host.policy, min_recompute_tokens, progress=progress
+    )
+    seconds = np.fromiter((int(r.timestamp // 1000) for r in workload.requests), np.int64)
+    hit = run.hit.astype(np.int64)
+    rates = np.array([t.read_gbps * 1e9 for t in below]).reshape(1, -1)
+    fetch_s = (run.reads * page_bytes / rates).sum(axis=1) if below else np.zeros(len(hit))
+    host_read = hit  # every hit page goes host -> GPU
+    reads = np.column_stack([host_read, run.reads])
     prompt = workload.prompt_tokens
     ttft = model.cached(workload.tokens, hit * P, hit * page_bytes, fetch_s)
     no_cache = model.no_cache(workload.tokens)
     pct = (50, 90, 99)
     p_on, p_off = np.percentile(ttft, pct), np.percentile(no_cache, pct)
     return {
-        "requests": n,
+        "requests": len(hit),
         "prompt_tokens": prompt,
         "page_tokens": P,
         "page_bytes": page_bytes,
@@ -223,17 +197,15 @@ def plan(
                 "name": t.label,
                 "type": t.type,
                 "capacity_pages": t.capacity_pages(page_bytes),
-                "hit_share": tot.hit_pages * P / prompt if prompt else 0.0,
-                "hit_tokens": tot.hit_pages * P,
-                "read_bytes": tot.read_pages * page_bytes,
-                "write_bytes": tot.written_pages * page_bytes,
-                "read_bytes_peak_per_s": max(tot.read_by_s.values(), default=0) * page_bytes,
-                "write_bytes_peak_per_s": max(tot.written_by_s.values(), default=0) * page_bytes,
-                **(
-                    {"fetches": stores[k - 1].fetches} if k else {"pages_evicted": sim.host.evicted}
-                ),
+                "hit_share": int(run.tier_pages[:, k].sum()) * P / prompt if prompt else 0.0,
+                "hit_tokens": int(run.tier_pages[:, k].sum()) * P,
+                "read_bytes": int(reads[:, k].sum()) * page_bytes,
+                "write_bytes": int(run.written[:, k].sum()) * page_bytes,
+                "read_bytes_peak_per_s": _peak(seconds, reads[:, k]) * page_bytes,
+                "write_bytes_peak_per_s": _peak(seconds, run.written[:, k]) * page_bytes,
+                **({"fetches": run.fetches[k - 1]} if k else {"pages_evicted": run.host_evicted}),
             }
-            for k, (t, tot) in enumerate(zip(tiers, totals))
+            for k, t in enumerate(tiers)
         ],
         "ttft_estimate_s": {
             "p50": float(p_on[0]),
