@@ -29,17 +29,37 @@ OFFLINE = "offline"
 _CODES = {"lru": 0, "arc": 1, "prefix": 1, "s3fifo": 2, OFFLINE: 3}
 
 
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "hicache_tiersim": (_INT, [_INT, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P]),
+    "hicache_next_uses": (None, [_I64, _P, _P, _I64, _P, _I64, _P]),
+    "hicache_chainsim": (
+        _INT,
+        [_I64, _I64, _I64, _INT, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _P],
+    ),
+}
+
+
 @cache
-def _library() -> ctypes.CDLL | None:
-    lib = native.build(("tiersim.c",), release_gil=True)
+def _build(source: str) -> ctypes.CDLL | None:
+    """The compiled simulation `source` (a C file of hicache.native) with its functions'
+    signatures declared; its calls drop the GIL. None where it cannot be built."""
+    lib = native.build((source,), release_gil=True)
     if lib is None:
         return None
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.hicache_tiersim.restype = ctypes.c_int
-    lib.hicache_tiersim.argtypes = [ctypes.c_int, i64, i64, i64, i64, i64, p, p, p, i64, p, p, p]
-    lib.hicache_next_uses.restype = None
-    lib.hicache_next_uses.argtypes = [i64, p, p, i64, p, i64, p]
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.restype, fn.argtypes = restype, argtypes
     return lib
+
+
+def _library() -> ctypes.CDLL | None:
+    return _build("tiersim.c")
+
+
+def _chain_library() -> ctypes.CDLL | None:
+    return _build("chainsim.c")
 
 
 def compiled() -> bool:
@@ -191,30 +211,3 @@ def run_chain(
     return ChainRun(
         hit, tier_pages, reads, written, sim.host.evicted, sim.dropped, [s.fetches for s in mine]
     )
-
-
-@cache
-def _chain_library() -> ctypes.CDLL | None:
-    lib = native.build(("chainsim.c",), release_gil=True)
-    if lib is None:
-        return None
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.hicache_chainsim.restype = ctypes.c_int
-    lib.hicache_chainsim.argtypes = [
-        i64,
-        i64,
-        i64,
-        ctypes.c_int,
-        p,
-        i64,
-        p,
-        p,
-        p,
-        i64,
-        p,
-        p,
-        p,
-        p,
-        p,
-    ]
-    return lib
