@@ -176,6 +176,19 @@ def test_a_configuration_error_reaches_the_operator_as_one_line_first(models, tm
     assert f"error '{line}'" in proc.stderr[first + len(line) :]
 
 
+def test_two_lora_adapters_on_one_model_never_hit_each_others_pages(models, tmp_path):
+    """Every conversation runs under two LoRA adapters, so their first prompts are the same
+    tokens: each adapter's turns hit only its own earlier turns (none of the other adapter's
+    pages), and the answers are as without the connector."""
+    base = run_vllm(models["llama"], tmp_path / "base.json", lora_adapters=2)
+    r = run_vllm(models["llama"], tmp_path / "r.json", HOST, lora_adapters=2)
+    n = WORKLOAD["conversations"]
+    assert [a[0] for a in base["answers"][:n]] != [a[0] for a in base["answers"][n:]]
+    assert r["answers"] == base["answers"]
+    assert hits(r) == {"host": 2 * cacheable_tokens()}
+    assert_books_clean(r)
+
+
 def test_small_gpu_budget_with_prefix_caching_preempts_and_stays_identical(
     models, baseline, tmp_path
 ):
