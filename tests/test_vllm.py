@@ -159,6 +159,8 @@ def test_tensor_parallel_ranks_each_hit_their_own_shard_with_the_shipped_config(
     for rank in r["hicache_by_rank"]:
         assert hits({"hicache": rank}) == {"host": cacheable_tokens(), "disk": 0, "mooncake": 0}
         assert_books_clean({"hicache": rank})
+        # the cost model follows vLLM's measured prefill, not its starting guess
+        assert rank["hicache_prefill_tokens_per_second"] not in (0, 20_000)
     assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["rank0", "rank1"]
 
 
