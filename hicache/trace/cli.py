@@ -18,6 +18,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from hicache.config import Bytes, ConfigError, HiCacheConfig, load_config
 from hicache.eviction import DEFAULT_POLICY, policy_names
+from hicache.trace.cluster_report import add_arguments as add_cluster_arguments
+from hicache.trace.cluster_report import run as run_cluster
 from hicache.trace.importer import main as import_main
 from hicache.trace.progress import Progress
 from hicache.trace.replay import DEFAULT_FRACTIONS, ReplaySetup, Workload, replay, sweep_steps
@@ -127,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=BLOCK_TOKENS,
         help="tokens per hash id of the trace (default: %(default)s)",
     )
+    add_cluster_arguments(p)
     return p
 
 
@@ -138,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print("hicache trace: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 2
+    if args.instances:
+        return run_cluster(args, parse_host_size)
     try:
         base: HiCacheConfig | None = load_config(args.config) if args.config else None
         layout = base.layout if base else None
