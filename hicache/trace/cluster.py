@@ -174,9 +174,9 @@ class _Engine:
             if p not in host:
                 break
             found += 1
-        disk, below = self.disk, found
-        d = disk.run(pages, below) if disk is not None and below < cap else 0
-        s = store.run(pages, below + d) if store is not None and below + d < cap else 0
+        disk = self.disk
+        d = disk.run(pages, found) if disk is not None and found < cap else 0
+        s = store.run(pages, found + d) if store is not None and found + d < cap else 0
         hit = min(cap, found + d + s)
         h = min(found, hit)
         dh = min(d, hit - h)
