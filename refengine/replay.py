@@ -28,6 +28,7 @@ import torch
 from hicache.backends.mooncake_local import LocalMaster, master_problem, mooncake_missing
 from hicache.config import ConfigError, load_config
 from hicache.errors import HiCacheError
+from hicache.trace.report import write_problem
 from refengine.build import EngineSpec, build_engine, load_model
 from refengine.engine import Engine, Request
 from refengine.model import Item
@@ -95,20 +96,10 @@ def _positive(text: str) -> int:
     return value
 
 
-def _writable(path: str, what: str) -> str | None:
-    """Why `path` cannot be written (its folder missing or read-only), or None."""
-    folder = Path(path).resolve().parent
-    if not folder.is_dir():
-        return f"{what} {path}: the folder {folder} does not exist"
-    if not os.access(folder, os.W_OK):
-        return f"{what} {path}: the folder {folder} is not writable"
-    return None
-
-
 def _problem(args: argparse.Namespace) -> str | None:
     """What makes the arguments unusable, found before anything runs; None if nothing does."""
     for path, what in ((args.json, "--json"), (args.plot, "--plot")):
-        problem = path and _writable(path, what)
+        problem = path and write_problem(path, what)
         if problem:
             return problem
     if args.device.startswith("cuda") and not torch.cuda.is_available():

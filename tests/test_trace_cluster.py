@@ -183,6 +183,8 @@ def test_cli_sweeps_routers_and_engine_counts(tmp_path: Path, capsys) -> None:
         (["--instances", "0"], "engine counts must be >= 1"),
         (["--disk-size", "lots"], "--disk-size 'lots': not a percentage"),
         (["--event-delay", "-1"], "--event-delay must be >= 0"),
+        (["--tier", "host=1GiB"], "not --tier"),
+        (["--model", "llama-8b", "--bytes-per-token", "8"], "not both"),
     ],
 )
 def test_cli_names_bad_options(tmp_path: Path, capsys, extra: list[str], message: str) -> None:

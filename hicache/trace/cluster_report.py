@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from hicache.trace.cluster import DEFAULT_INSTANCES, ROUTERS, ClusterSetup, simulate_cluster
+from hicache.trace.planner import bytes_per_token
 from hicache.trace.progress import Progress
-from hicache.trace.replay import Workload
-from hicache.trace.workload import read_trace
+from hicache.trace.workload import Workload, read_trace
 
-BYTES_PER_TOKEN_8B = 2 * 32 * 8 * 128 * 2
-"""KV bytes per token of an 8B model of Llama 3.1's shape in bf16: K and V, 32 layers, 8 KV
-heads of 128."""
+DEFAULT_MODEL = "llama-8b"
+"""The model shape whose page bytes the store's traffic is counted in without --model or
+--bytes-per-token (the planner's options)."""
 
 SizeParser = Callable[[str, int, int | None], int]
 
@@ -52,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "cluster",
         "simulate N engines behind a router, each with its own host (and disk) tier of "
-        f"--host-size (default here: {DEFAULT_HOST_SIZE}) and --disk-size, one store shared by all",
+        f"--host-size (default here: {DEFAULT_HOST_SIZE}) and --disk-size, one store shared by "
+        f"all; bytes counted in pages of --model or --bytes-per-token (default: {DEFAULT_MODEL})",
     )
     g.add_argument(
         "--instances",
@@ -76,13 +77,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--store-size", help="the shared store, as --host-size (default: unbounded; 0: none)"
     )
-    g.add_argument(
-        "--bytes-per-token",
-        type=int,
-        default=BYTES_PER_TOKEN_8B,
-        help="the model's KV bytes per token, for the store's traffic and byte sizes "
-        "(default: %(default)s, an 8B model of Llama 3.1's shape in bf16)",
-    )
 
 
 def run(args: argparse.Namespace, parse_size: SizeParser) -> int:
@@ -90,11 +84,19 @@ def run(args: argparse.Namespace, parse_size: SizeParser) -> int:
     `parse_size(spec, distinct pages, page bytes)` reads --host-size and the like."""
     try:
         page_tokens = args.page_tokens or args.block_tokens
-        if args.bytes_per_token <= 0:
+        if args.tier:
+            raise ValueError(
+                "--instances sizes the tiers by --host-size, --disk-size and "
+                "--store-size, not --tier"
+            )
+        if args.model and args.bytes_per_token:
+            raise ValueError("give --model or --bytes-per-token, not both")
+        if args.bytes_per_token is not None and args.bytes_per_token <= 0:
             raise ValueError(f"--bytes-per-token must be positive, got {args.bytes_per_token}")
         if not args.event_delay >= 0:
             raise ValueError(f"--event-delay must be >= 0 s, got {args.event_delay}")
-        page_bytes = args.bytes_per_token * page_tokens
+        per_token = args.bytes_per_token or bytes_per_token(args.model or DEFAULT_MODEL)
+        page_bytes = per_token * page_tokens
         requests = read_trace(args.trace, args.limit, args.block_tokens)
         if not requests:
             raise ValueError(f"{args.trace}: no requests")
