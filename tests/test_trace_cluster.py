@@ -26,7 +26,9 @@ def req(t: float, session: str, *pages: int) -> tuple[TraceRequest, list[int]]:
 
 
 def run(trace: list[tuple[TraceRequest, list[int]]], **kw: object):
-    setup = ClusterSetup(**{"page_tokens": P, "page_bytes": 100, "host_pages": 8, **kw})
+    setup = ClusterSetup(
+        **{"page_tokens": P, "page_bytes": 100, "host_pages": 8, "group_pages": 1, **kw}
+    )
     requests, prompts = zip(*trace)
     return simulate_cluster(requests, prompts, setup), setup
 
@@ -93,9 +95,10 @@ def test_disk_tier_and_bounded_store() -> None:
     trace = [req(0, "a", 1, 2, 3), req(1, "b", 5, 6, 7), req(2, "a", 1, 2, 3, 4)]
     res, _ = run(trace, instances=1, router="session", host_pages=3, disk_pages=6, store_pages=0)
     assert (res.host_tokens, res.disk_tokens, res.store_tokens) == (0, 3 * P, 0)
-    # a store of 3 pages holds b's only; a's are computed again (page 4 finds no host slot)
+    # a store of 3 pages holds b's only; a's are computed again, and not put again: the link's
+    # books say the store has them (they never learn of its evictions)
     res, _ = run(trace, instances=1, router="session", host_pages=3, store_pages=3)
-    assert (res.host_tokens, res.store_tokens, res.store_write_pages) == (0, 0, 9)
+    assert (res.host_tokens, res.store_tokens, res.store_write_pages) == (0, 0, 6)
     # pages read from the store go to the disk tier, not back to the store
     res, _ = run(trace, instances=1, router="session", host_pages=3, disk_pages=3)
     assert (res.disk_tokens, res.store_tokens, res.store_write_pages) == (0, 3 * P, 6)
@@ -160,7 +163,10 @@ def write_trace(path: Path, trace: list[tuple[TraceRequest, list[int]]]) -> Path
 
 
 def test_cli_sweeps_routers_and_engine_counts(tmp_path: Path, capsys) -> None:
-    trace = write_trace(tmp_path / "t.jsonl.gz", TWO_SESSIONS)
+    # objects of 4 pages (hicache's default group_pages): a's and b's first groups reach the store
+    sessions = [req(0, "a", 1, 2, 3, 4), req(1, "a", 1, 2, 3, 4, 5)]
+    sessions += [req(2, "b", 10, 11, 12, 13), req(3, "b", 10, 11, 12, 13, 14)]
+    trace = write_trace(tmp_path / "t.jsonl.gz", sessions)
     out = tmp_path / "c.json"
     args = [str(trace), "--instances", "1,2", "--host-size", "8", "--block-tokens", str(P)]
     assert main([*args, "--json", str(out), "--bytes-per-token", "25"]) == 0
@@ -169,8 +175,8 @@ def test_cli_sweeps_routers_and_engine_counts(tmp_path: Path, capsys) -> None:
         (router, n) for router in ("round-robin", "session", "cache-aware") for n in (1, 2)
     ]
     by = {(r["router"], r["instances"]): r for r in rows}
-    assert by["session", 2]["host_share"] == 16 / 44
-    assert by["round-robin", 2]["store_read_bytes"] == 4 * 100
+    assert by["session", 2]["host_share"] == 32 / 76
+    assert by["round-robin", 2]["store_read_bytes"] == 8 * 100  # 25 bytes a token, 4 a page
     for key in ("hit_share", "host_share", "store_share", "max_over_mean_requests"):
         assert key in rows[0]
     assert "cache-aware" in capsys.readouterr().out

@@ -14,19 +14,12 @@ A router picks the engine of every request (`ROUTERS`):
   among equals (no engine known to hold the first page: all of them) the one with the fewest
   requests so far, then the lowest index.
 
-Each engine serves its request the way hicache walks its tier chain, at page granularity:
-
-- the longest run of leading pages in its host tier, then in its disk tier from there, then in
-  the shared store from there; the hit is capped so that `min_recompute_tokens` of the prompt
-  are computed (the cap takes pages off the end of the walk, the store's first);
-- host placement follows `hicache.trace.simulate.PolicySim` under LRU (the prompt's held pages
-  are pinned, new pages evict the least recently used others, a prompt longer than the tier
-  keeps its leading pages); pages fetched from below are placed like new ones;
-- writes go down as with ``write: behind``: pages the engine computed and placed in its host
-  tier are put to its disk tier and to the store; pages it fetched from the store are put to
-  its disk tier; pages from its disk tier are put nowhere. A put of a page a tier holds
-  refreshes it. Disk and store tiers evict least recently used first (a read or a put is a use);
-  a store of capacity None never evicts.
+Each engine is `hicache.trace.chainsim.ChainSim`, the tier chain as hicache runs it (the
+planner's, checked against the real cache): an LRU host tier, its own disk tier if any, then
+the store, each store tier in objects of `group_pages` pages written behind. The store's objects
+are one least-recently-used order shared by every engine; each engine's link keeps its own books
+of what it put or fetched there, so an engine puts a group that another one put already (the
+bytes travel; the store keeps one copy). A store of capacity None never evicts.
 
 The trace's timestamps are milliseconds (as in the Mooncake traces); requests are served at
 their timestamp, one at a time, with no service time: the load a router balances is the count of
@@ -41,13 +34,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicache.trace.simulate import capped_pages
+from hicache.trace.chainsim import ChainSim, StoreSim
 from hicache.trace.workload import TraceRequest
 
 TIME_UNIT_S = 0.001
 """Seconds per unit of the trace's timestamps."""
 
 DEFAULT_INSTANCES = (1, 2, 4, 8, 16, 32, 64)
+
+UNBOUNDED = 1 << 62
+"""Objects of a store that never evicts."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +62,8 @@ class ClusterSetup:
     """The shared store; None: unbounded, 0: none."""
     event_delay_s: float = 0.0
     min_recompute_tokens: int = 1
+    group_pages: int = 4
+    """Pages per object of the disk and store tiers (hicache's `group_pages`)."""
 
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
@@ -74,8 +72,10 @@ class ClusterSetup:
             raise ValueError(f"instances must be >= 1, got {self.instances}")
         if self.host_pages < 1 or self.disk_pages < 0 or (self.store_pages or 0) < 0:
             raise ValueError("the host tier needs >= 1 page; disk and store sizes must be >= 0")
-        if self.page_tokens <= 0 or self.page_bytes <= 0 or self.min_recompute_tokens <= 0:
-            raise ValueError("page_tokens, page_bytes and min_recompute_tokens must be positive")
+        if min(self.page_tokens, self.page_bytes, self.min_recompute_tokens, self.group_pages) <= 0:
+            raise ValueError(
+                "page_tokens, page_bytes, min_recompute_tokens and group_pages must be positive"
+            )
         if not self.event_delay_s >= 0:
             raise ValueError(f"event delay must be >= 0 s, got {self.event_delay_s}")
 
@@ -113,105 +113,43 @@ class ClusterResult:
         }
 
 
-class _LruTier:
-    """A disk or store tier: pages in least-recently-used order, at most `capacity` (None: no
-    bound)."""
+class _Published(set):
+    """A host tier's set of published pages that notes what enters and leaves it (the KV
+    events of one request, read and cleared by `changes`)."""
 
-    __slots__ = ("capacity", "pages")
+    def __init__(self) -> None:
+        super().__init__()
+        self.added: list[int] = []
+        self.gone: list[int] = []
 
-    def __init__(self, capacity: int | None) -> None:
-        self.capacity = capacity
-        self.pages: OrderedDict[int, None] = OrderedDict()
+    def add(self, page: int) -> None:
+        super().add(page)
+        self.added.append(page)
 
-    def run(self, pages: Sequence[int], start: int) -> int:
-        """How many pages from `start` on it holds in a row."""
-        held, n = self.pages, 0
-        for p in pages[start:]:
-            if p not in held:
-                break
-            n += 1
-        return n
+    def discard(self, page: int) -> None:
+        super().discard(page)
+        self.gone.append(page)
 
-    def use(self, pages: Sequence[int]) -> None:
-        """`pages` (held) were read: from last to first, so that a prompt's head goes last."""
-        move = self.pages.move_to_end
-        for p in reversed(pages):
-            move(p)
-
-    def put(self, pages: Sequence[int]) -> int:
-        """Put `pages` (from last to first); returns how many it did not hold."""
-        held, move, new = self.pages, self.pages.move_to_end, 0
-        for p in reversed(pages):
-            if p in held:
-                move(p)
-            else:
-                held[p] = None
-                new += 1
-        if self.capacity is not None:
-            while len(held) > self.capacity:
-                held.popitem(last=False)
-        return new
+    def changes(self) -> tuple[list[int], list[int]]:
+        """(stored, removed) since the last call: the net change, each page once."""
+        stored = [p for p in self.added if p in self]
+        removed = [p for p in dict.fromkeys(self.gone) if p not in self]
+        self.added, self.gone = [], []
+        return stored, removed
 
 
-class _Engine:
-    """One engine's tiers: an LRU host tier with hicache's placement rules, an optional disk."""
-
-    __slots__ = ("capacity", "disk", "host")
-
-    def __init__(self, host_pages: int, disk_pages: int) -> None:
-        self.capacity = host_pages
-        self.host: OrderedDict[int, None] = OrderedDict()
-        self.disk = _LruTier(disk_pages) if disk_pages else None
-
-    def serve(
-        self, pages: list[int], cap: int, store: _LruTier | None
-    ) -> tuple[int, int, int, list[int], list[int]]:
-        """Serve a prompt of `pages` whose hit may take at most `cap` pages. Returns the pages
-        served by host, disk and store, and the pages placed in and evicted from the host."""
-        host = self.host
-        found = 0
-        for p in pages:
-            if p not in host:
-                break
-            found += 1
-        disk = self.disk
-        d = disk.run(pages, found) if disk is not None and found < cap else 0
-        s = store.run(pages, found + d) if store is not None and found + d < cap else 0
-        hit = min(cap, found + d + s)
-        h = min(found, hit)
-        dh = min(d, hit - h)
-        sh = hit - h - dh
-        move = host.move_to_end
-        for p in reversed(pages[:h]):  # loaded: touched when the load's pins are released
-            move(p)
-        if dh:
-            disk.use(pages[h : h + dh])  # type: ignore[union-attr]
-        if sh:
-            store.use(pages[h + dh : hit])  # type: ignore[union-attr]
-        present = pages[:found]
-        missing: list[int] = []
-        for p in pages[found:]:
-            (present if p in host else missing).append(p)
-        evicted: list[int] = []
-        if missing:
-            over = len(missing) - (self.capacity - len(host))
-            if over > 0:
-                pinned = set(present)
-                for _ in range(min(over, len(host) - len(pinned))):
-                    victim = next(iter(host))
-                    while victim in pinned:
-                        move(victim)
-                        victim = next(iter(host))
-                    del host[victim]
-                    evicted.append(victim)
-            placed = missing[: len(missing) - max(0, over - len(evicted))]
-            for p in reversed(placed):
-                host[p] = None
-        else:
-            placed = missing
-        for p in reversed(present):
-            move(p)
-        return h, dh, sh, placed, evicted
+def _engine(setup: ClusterSetup, shared: OrderedDict[int, None] | None) -> ChainSim:
+    """One engine's chain: its host tier, its disk tier if any, the store's objects `shared`."""
+    G = setup.group_pages
+    stores = []
+    if setup.disk_pages:
+        stores.append(StoreSim("disk", setup.disk_pages // G, G))
+    if shared is not None:
+        cap = setup.store_pages // G if setup.store_pages is not None else UNBOUNDED
+        stores.append(StoreSim("mooncake", cap, G, objects=shared))
+    sim = ChainSim(setup.host_pages, setup.page_tokens, stores, "lru", setup.min_recompute_tokens)
+    sim.host.published = _Published()
+    return sim
 
 
 class Router(ABC):
@@ -321,39 +259,33 @@ def simulate_cluster(
     """Replay `requests` (in order; `prompts[k]` the full pages of request k, as
     `hicache.trace.workload.page_ids` names them) through the cluster of `setup`. `advance(k)`
     is called every few thousand requests with the count done since the last call."""
-    engines = [_Engine(setup.host_pages, setup.disk_pages) for _ in range(setup.instances)]
-    store = None if setup.store_pages == 0 else _LruTier(setup.store_pages)
+    shared: OrderedDict[int, None] | None = None if setup.store_pages == 0 else OrderedDict()
+    engines = [_engine(setup, shared) for _ in range(setup.instances)]
     res = ClusterResult(requests=[0] * setup.instances)
     router = ROUTERS[setup.router](setup, res.requests)
-    P, keep = setup.page_tokens, setup.min_recompute_tokens
-    host_t = disk_t = store_t = reads = writes = prompt = 0
+    disk = 1 if setup.disk_pages else 0
+    tiers = [0, 0, 0]  # pages served: host, disk, store
+    prompt = 0
     for k, (req, pages) in enumerate(zip(requests, prompts), 1):
         now = req.timestamp
         i = router.route(req.session, pages, now)
         res.requests[i] += 1
         engine = engines[i]
-        cap = capped_pages(len(pages), req.input_length, P, keep)
-        h, dh, sh, placed, evicted = engine.serve(pages, cap, store)
+        served = engine.request(pages, req.input_length)
         prompt += req.input_length
-        host_t += h
-        disk_t += dh
-        store_t += sh
-        reads += sh
-        if placed:
-            to_disk = computed = placed
-            if dh or sh:  # placed pages fetched from the disk go nowhere, from the store to disk
-                from_disk, from_store = set(pages[h : h + dh]), set(pages[h + dh : h + dh + sh])
-                to_disk = [p for p in placed if p not in from_disk]
-                computed = [p for p in to_disk if p not in from_store]
-            if engine.disk is not None:
-                engine.disk.put(to_disk)
-            if store is not None and computed:
-                writes += store.put(computed)
-        router.events(i, placed, evicted, now)
+        tiers[0] += served.tier_pages[0]
+        if disk:
+            tiers[1] += served.tier_pages[1]
+        if shared is not None:
+            tiers[2] += served.tier_pages[1 + disk]
+        router.events(i, *engine.host.published.changes(), now)  # type: ignore[attr-defined]
         if k % 4096 == 0:
             advance(4096)
     advance(len(requests) % 4096)
+    P = setup.page_tokens
     res.prompt_tokens = prompt
-    res.host_tokens, res.disk_tokens, res.store_tokens = host_t * P, disk_t * P, store_t * P
-    res.store_read_pages, res.store_write_pages = reads, writes
+    res.host_tokens, res.disk_tokens, res.store_tokens = (t * P for t in tiers)
+    if shared is not None:
+        res.store_read_pages = sum(e.stores[-1].read_pages for e in engines)
+        res.store_write_pages = sum(e.stores[-1].written_pages for e in engines)
     return res
