@@ -122,3 +122,13 @@ def test_parse_tier_settings() -> None:
     assert (t.type, t.size, t.read_gbps, t.group_pages) == ("disk", 2 << 40, 3.0, 8)
     with pytest.raises(ValueError, match="unknown setting 'speed'"):
         parse_tier("disk=2TiB,speed=3")
+
+
+def test_planner_refuses_what_it_does_not_simulate(
+    trace: Path, capsys: pytest.CaptureFixture
+) -> None:
+    argv = [str(trace), "--model", "llama-8b", "--tier", "host=1GiB"]
+    assert main([*argv, "--tier", "disk=1GiB,write=on_evict"]) == 2
+    assert "write: on_evict is not planned" in capsys.readouterr().err
+    assert main([*argv[:-1], "host=1GiB,policy=mru"]) == 2
+    assert "unknown eviction policy 'mru'" in capsys.readouterr().err

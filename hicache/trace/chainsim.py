@@ -28,8 +28,10 @@ used first (disk: a get touches, a put of a held object does nothing), `capacity
 
 It is exact against a real `HiCache` (the replay test checks hits per tier) where the real
 timing cannot reorder anything: writes settled before the next request, `fetch_reserve: 0`,
-one I/O thread per disk tier. With a fetch reserve the host holds that many fewer pages here;
-with more I/O threads a call's objects reach the disk's order in the order of the call here.
+one I/O thread per disk tier. Not modelled: the fetch reserve (free host slots kept for fetches,
+64 MiB by default), the bound on the link's books (the last 2**20 groups), and, with more I/O
+threads, the order in which one call's objects reach the disk's LRU order (here: the call's).
+`write: on_evict` is not simulated.
 """
 
 from __future__ import annotations

@@ -158,6 +158,9 @@ def plan(
     model = model or TtftModel()
     if not tiers or tiers[0].type != "host" or any(t.type == "host" for t in tiers[1:]):
         raise ValueError("the chain needs one host tier, first")
+    for t in tiers[1:]:
+        if t.write not in ("behind", "off"):
+            raise ValueError(f"tier {t.label}: write: {t.write} is not planned (behind or off)")
     P = workload.page_tokens
     host, below = tiers[0], list(tiers[1:])
     stores = [
