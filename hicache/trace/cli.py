@@ -20,6 +20,8 @@ from hicache.backends.mooncake_local import master_problem
 from hicache.config import Bytes, ConfigError, HiCacheConfig, load_config
 from hicache.eviction import DEFAULT_POLICY, policy_names
 from hicache.trace import plancli
+from hicache.trace.cluster_report import add_arguments as add_cluster_arguments
+from hicache.trace.cluster_report import run as run_cluster
 from hicache.trace.importer import main as import_main
 from hicache.trace.progress import Progress
 from hicache.trace.replay import (
@@ -160,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=BLOCK_TOKENS,
         help="tokens per hash id of the trace (default: %(default)s)",
     )
+    add_cluster_arguments(p)
     return p
 
 
@@ -197,6 +200,8 @@ def _run(args: argparse.Namespace) -> int:
     problem = _problem(args, base)
     if problem:
         raise ValueError(problem)
+    if args.instances:
+        return run_cluster(args, parse_host_size)
     layout = base.layout if base else None
     planning = plancli.wanted(args)
     tiers = plancli.check(args, base) if planning else []
