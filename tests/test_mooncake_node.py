@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from hicache.backends.mooncake import SHOW_NATIVE_LOG
 from hicache.backends.mooncake_local import LocalMaster
 
 pytestmark = pytest.mark.mooncake
@@ -41,8 +42,9 @@ e.cache.close()
 """
 
 
-def run_engine(master: LocalMaster) -> dict:
-    """A fresh engine process that runs the same prompts through the store and exits."""
+def run_engine(master: LocalMaster, **env: str) -> tuple[dict, str]:
+    """A fresh engine process that runs the same prompts through the store and exits: its
+    stats and its stderr."""
     done = subprocess.run(
         [
             sys.executable,
@@ -54,22 +56,24 @@ def run_engine(master: LocalMaster) -> dict:
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, **env},
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stderr == ""  # no Mooncake log line reaches an embedder's stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
 def test_a_process_started_after_the_writer_exited_hits_every_group_it_stored(
     start_mooncake_master,
 ):
     master = start_mooncake_master()
-    first = run_engine(master)
+    first, log = run_engine(master, **{SHOW_NATIVE_LOG: "1"})
+    assert "Logging before InitGoogleLogging" in log  # Mooncake's own lines, when asked for
     assert first["hit"] == [0] * PROMPTS
     # 42 tokens of 4 a page: 10 pages, 5 groups of 2 a prompt
     assert (first["objects_put_mooncake"], first["put_failed_mooncake"]) == (5 * PROMPTS, 0)
 
-    second = run_engine(master)  # the first has exited: only the store node holds its objects
+    second, log = run_engine(master)  # the first has exited: only the store node holds them
+    assert log == ""  # by default no Mooncake log line reaches an embedder's stderr
     assert second["hit"] == [40] * PROMPTS and second["fetched"] == [40] * PROMPTS
     assert second["pages_fetched_mooncake"] == 10 * PROMPTS
     assert (second["objects_put_mooncake"], second["hit_tokens_host"]) == (0, 0)
