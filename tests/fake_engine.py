@@ -80,8 +80,8 @@ class FakeEngine:
         self.buffer = buffer
         self.states = states
         self.cache = HiCache(config, buffer, layout=self.layout, states=states, wake=wake)
-        if not self.cache.wait_ready(30):
-            raise RuntimeError("the host tier was not allocated in 30 s")
+        if not self.cache.wait_ready(120):
+            raise RuntimeError("the host tier was not allocated in 120 s")
         self.free = list(range(num_blocks - 1, -1, -1))
 
     @property
