@@ -12,19 +12,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hicache.backends.mooncake import SHOW_NATIVE_LOG
 from hicache.backends.mooncake_local import LocalMaster, master_problem, mooncake_missing
 from hicache.config import ConfigError, load_config
 from hicache.errors import HiCacheError
@@ -35,6 +35,8 @@ from refengine.model import Item
 from refengine.workload import Conversation, drive, make_workload
 
 DEFAULT_CACHE = {"tiers": [{"type": "host", "size": "2GiB"}]}
+LOCAL_STORE_BYTES = 1 << 30
+"""The store node's segment under ``--store local``."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,12 +54,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", help="None: float32 on the CPU, bfloat16 on CUDA")
     p.add_argument(
-        "--l3",
+        "--store",
         choices=("off", "local"),
         default="off",
-        help="without --config: 'off' uses a host tier alone; 'local' adds an L3 tier on a "
-        "mooncake_master started for the run (needs the mooncake extra)",
+        help="without --config: 'off' uses a host tier alone; 'local' adds a Mooncake store "
+        "tier on a master and a store node started for the run (needs the mooncake extra)",
     )
+    p.add_argument("--l3", choices=("off", "local"), dest="store", help=argparse.SUPPRESS)
     p.add_argument("--config", help="hicache YAML for the tiers, instead of a 2GiB host tier")
     p.add_argument("--conversations", type=_positive, default=4, help="conversations at once")
     p.add_argument("--turns", type=_positive, default=6, help="turns per conversation")
@@ -77,11 +80,17 @@ def _parser() -> argparse.ArgumentParser:
         help="measure the TTFT floor of the last turns (load at --link-gbps + suffix)",
     )
     p.add_argument("--link-gbps", type=float, default=55.0, help="host->GPU GB/s for --floor")
-    p.add_argument("--plot", default="replay_ttft.png", help="PNG of TTFT per turn ('' = none)")
+    p.add_argument("--plot", help="write a PNG of the TTFT per turn to this file (matplotlib)")
     p.add_argument("--json", help="write the results as JSON to this file")
-    p.add_argument("--quiet", action="store_true", help="no progress bar (none off a terminal)")
     p.add_argument(
-        "--verbose", action="store_true", help="show Mooncake's own log lines (hidden otherwise)"
+        "--quiet",
+        action="store_true",
+        help="no progress on stderr (a bar on a terminal, a line per phase elsewhere)",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help=f"show Mooncake's own log lines (hidden otherwise; or set {SHOW_NATIVE_LOG})",
     )
     return p
 
@@ -102,9 +111,14 @@ def _problem(args: argparse.Namespace) -> str | None:
         problem = path and write_problem(path, what)
         if problem:
             return problem
+    if args.plot:
+        try:
+            importlib.import_module("matplotlib")
+        except ImportError:
+            return "--plot needs matplotlib, which is not installed (pip install matplotlib)"
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         return "--device cuda but CUDA is not available"
-    if args.config is None and args.l3 == "local":
+    if args.config is None and args.store == "local":
         problem = mooncake_missing()
         if problem:
             return problem
@@ -122,19 +136,27 @@ def _problem(args: argparse.Namespace) -> str | None:
 
 
 class Progress:
-    """A one-line progress bar on stderr."""
+    """Progress on stderr: a one-line bar on a terminal; elsewhere (a pipe, a log file) one
+    line as the phase starts and one as it ends."""
 
     def __init__(self, total: int, label: str, enabled: bool) -> None:
-        self.total, self.label, self.enabled, self.n = total, label, enabled, 0
+        self.total, self.label, self.n = total, label, 0
+        self.bar = enabled and sys.stderr.isatty()
+        self.lines = enabled and not self.bar
         self.start = time.perf_counter()
+        if self.lines:
+            print(f"hicache replay: {label}: {total} requests", file=sys.stderr, flush=True)
         self._draw()
 
     def tick(self, _req: Request | None = None) -> None:
         self.n += 1
         self._draw()
+        if self.lines and self.n == self.total:
+            el = time.perf_counter() - self.start
+            print(f"hicache replay: {self.label}: done in {el:.1f} s", file=sys.stderr, flush=True)
 
     def _draw(self) -> None:
-        if not self.enabled:
+        if not self.bar:
             return
         width = 30
         full = width * self.n // max(self.total, 1)
@@ -156,15 +178,15 @@ def _pct(xs: list[float], q: float) -> float:
 
 def _run(engine: Engine, convs: list[Conversation], label: str, quiet: bool) -> dict[str, Any]:
     total = sum(c.turns for c in convs)
-    bar = Progress(total, label, not quiet and sys.stderr.isatty())
+    bar = Progress(total, label, not quiet)
     t0 = time.perf_counter()
     done = drive(engine, convs, on_finish=bar.tick)
     e2e = time.perf_counter() - t0
     reqs = [r for conv in done for r in conv]
     ttft = [float(r.ttft or 0.0) for r in reqs]
     prompt = sum(len(r.prompt) for r in reqs)
-    l3 = sum(r.l3_tokens for r in reqs)
-    host = sum(r.hit_tokens for r in reqs) - l3
+    stored = sum(r.l3_tokens for r in reqs)  # from the store tiers
+    host = sum(r.hit_tokens for r in reqs) - stored
     turns = max(c.turns for c in convs)
     per_turn = [
         statistics.median([float(conv[t].ttft or 0.0) for conv in done if len(conv) > t])
@@ -177,7 +199,7 @@ def _run(engine: Engine, convs: list[Conversation], label: str, quiet: bool) -> 
         "requests_per_hour": len(reqs) / e2e * 3600 if e2e > 0 else float("nan"),
         "prompt_tokens": prompt,
         "cached_tokens_host": host,
-        "cached_tokens_l3": l3,
+        "cached_tokens_store": stored,
         "ttft_per_turn_s": per_turn,
     }
     out["_done"] = done
@@ -192,25 +214,31 @@ def _second_instance(
     cache_config: Any,
     first: Engine,
     done: list[list[Request]],
+    quiet: bool,
 ) -> dict[str, Any]:
-    """What L3 buys a new instance (or a restarted one): a second engine, its host tier empty,
-    on the same store, serves each conversation's last turn again once the first engine's
-    write-behind has landed."""
+    """What the store tiers buy a new instance (or a restarted one): once the first engine's
+    write-behind has landed, it closes (its process could exit: the store node holds the
+    objects), and a second engine, its host tier empty, on the same store, serves each
+    conversation's last turn again."""
     deadline = time.monotonic() + 60
     while not first.cache.tiers_idle and time.monotonic() < deadline:
         first.cache.poll()
         time.sleep(0.01)
+    first.cache.close()
     second = build_engine(spec, cache_config, model=model)
+    bar = Progress(len(done), "second instance", not quiet)
     try:
         _warmup(second)
         last = [conv[-1] for conv in done]
         again = [Request(f"again-{i}", r.prompt, r.max_new_tokens) for i, r in enumerate(last)]
         second.run(again)
+        for r in again:
+            bar.tick(r)
     finally:
         second.cache.close()
     return {
         "prompt_tokens": sum(len(r.prompt) for r in again),
-        "cached_tokens_l3": sum(r.l3_tokens for r in again),
+        "cached_tokens_store": sum(r.l3_tokens for r in again),
         "ttft_p50_s": _pct([float(r.ttft or 0.0) for r in again], 50),
         "identical": all(a.output == r.output for a, r in zip(again, last)),
     }
@@ -292,14 +320,12 @@ def _warmup(engine: Engine) -> None:
     engine.finished.clear()
 
 
-def _plot(path: str, off: list[float], on: list[float], title: str) -> str | None:
-    try:
-        import matplotlib
+def _plot(path: str, off: list[float], on: list[float], title: str) -> None:
+    import matplotlib  # there: checked before the run
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot (pip install matplotlib)"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     turns = list(range(1, len(off) + 1))
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     ax.plot(turns, [t * 1e3 for t in off], "o-", label="cache off (recompute)")
@@ -313,7 +339,6 @@ def _plot(path: str, off: list[float], on: list[float], title: str) -> str | Non
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return None
 
 
 def _table(res: dict[str, Any]) -> str:
@@ -326,7 +351,7 @@ def _table(res: dict[str, Any]) -> str:
         ("requests/hour", f"{off['requests_per_hour']:.0f}", f"{on['requests_per_hour']:.0f}"),
         ("prompt tokens", f"{off['prompt_tokens']}", f"{on['prompt_tokens']}"),
         ("from host tier", "0", f"{on['cached_tokens_host']}"),
-        *([("from L3", "0", f"{on['cached_tokens_l3']}")] if res["l3"] else []),
+        *([("from store tiers", "0", f"{on['cached_tokens_store']}")] if res["store"] else []),
         ("cached share", "0.0%", f"{share * 100:.1f}%"),
     ]
     lines = [f"{'':16}{'cache off':>16}{'cache on':>16}"]
@@ -339,56 +364,20 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status 0 after a run; 2, with one line on stderr, for arguments or a setup that
     cannot work (checked before the run where that can be known)."""
     args = _parser().parse_args(argv)
+    if args.verbose:
+        os.environ[SHOW_NATIVE_LOG] = "1"
     problem = _problem(args)
     if problem is not None:
         print(f"hicache replay: {problem}", file=sys.stderr)
         return 2
-    log = Path(tempfile.gettempdir()) / f"hicache-replay-{os.getpid()}.log"
-    quiet = contextlib.nullcontext() if args.verbose else _native_stderr_to(log)
     try:
-        with quiet:
-            return _run_with_tiers(args, argv)
+        if args.config or args.store == "off":
+            return _main(args, argv, args.config or DEFAULT_CACHE)
+        with LocalMaster(segment_bytes=LOCAL_STORE_BYTES) as master:  # --store local
+            return _main(args, argv, {"tiers": [*DEFAULT_CACHE["tiers"], master.engine_tier()]})
     except (ConfigError, HiCacheError) as err:  # e.g. a host tier larger than this machine has
         print(f"hicache replay: {err}", file=sys.stderr)
         return 2
-
-
-@contextlib.contextmanager
-def _native_stderr_to(path: Path) -> Iterator[None]:
-    """Send what native libraries write to file descriptor 2 (Mooncake's log lines) to `path`,
-    while Python's own stderr (progress, warnings, errors) stays on the terminal. The file is
-    removed afterwards if it stayed empty, else named on stdout."""
-    sys.stderr.flush()
-    terminal = os.dup(2)
-    python_stderr = sys.stderr
-    sys.stderr = os.fdopen(os.dup(terminal), "w", buffering=1)
-    with open(path, "ab") as log:
-        os.dup2(log.fileno(), 2)
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(terminal, 2)
-        os.close(terminal)
-        sys.stderr.close()
-        sys.stderr = python_stderr
-        if path.stat().st_size == 0:
-            path.unlink()
-        else:
-            print(f"native log lines (Mooncake's; --verbose shows them): {path}")
-
-
-def _run_with_tiers(args: argparse.Namespace, argv: list[str] | None) -> int:
-    if args.config or args.l3 == "off":
-        return _main(args, argv, args.config or DEFAULT_CACHE)
-    with LocalMaster() as master:  # --l3 local: L3 on a master of this run's own
-        l3 = {
-            "type": "mooncake",
-            "master_address": master.address,
-            "local_hostname": "127.0.0.1",
-            "global_segment_size": "1GiB",
-        }
-        return _main(args, argv, {"tiers": [*DEFAULT_CACHE["tiers"], l3]})
 
 
 def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -> int:
@@ -456,9 +445,9 @@ def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -
         for a, b in zip(ca, cb)
     ]
     identical = all(a == b for a, b in pairs)
-    cached = on["cached_tokens_host"] + on["cached_tokens_l3"]
+    cached = on["cached_tokens_host"] + on["cached_tokens_store"]
     res: dict[str, Any] = {
-        "l3": len(on_engine.cache.config.tiers) > 1,
+        "store": len(on_engine.cache.config.tiers) > 1,
         "identical": identical,
         "identical_requests": sum(a == b for a, b in pairs),
         "requests": len(pairs),
@@ -484,15 +473,17 @@ def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -
         },
     }
     done_on = on.pop("_done")
-    if res["l3"]:
-        with torch.cuda.stream(torch.cuda.Stream()) if cuda else contextlib.nullcontext():
-            res["second_instance"] = _second_instance(spec, model, cache_config, on_engine, done_on)
     if args.floor:
         with torch.cuda.stream(torch.cuda.Stream()) if cuda else contextlib.nullcontext():
             rows = _floor(on_engine, done_on, args.link_gbps)
         res["floor"] = rows
         if rows:
             res["ratio_to_floor_max"] = max(r["ratio_to_floor"] for r in rows)
+    if res["store"]:
+        with torch.cuda.stream(torch.cuda.Stream()) if cuda else contextlib.nullcontext():
+            res["second_instance"] = _second_instance(
+                spec, model, cache_config, on_engine, done_on, args.quiet
+            )
     print(_table(res))
     print(
         f"last turn: TTFT {off['ttft_per_turn_s'][-1] * 1e3:.1f} ms off, "
@@ -501,8 +492,9 @@ def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -
     second = res.get("second_instance")
     if second is not None:
         print(
-            f"second instance (empty host tier, same store), last turns again: "
-            f"{second['cached_tokens_l3']} of {second['prompt_tokens']} prompt tokens from L3, "
+            f"second instance (empty host tier, same store, the first closed), last turns "
+            f"again: {second['cached_tokens_store']} of {second['prompt_tokens']} prompt tokens "
+            f"from the store tiers, "
             f"TTFT {second['ttft_p50_s'] * 1e3:.1f} ms (p50; cache off: "
             f"{off['ttft_per_turn_s'][-1] * 1e3:.1f} ms), outputs identical: "
             f"{'yes' if second['identical'] else 'NO'}"
@@ -514,13 +506,13 @@ def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -
             f", TTFT on {row['ttft_on_s'] * 1e3:.1f} ms = {row['ratio_to_floor']:.2f}x floor"
         )
     if args.plot:
-        note = _plot(
+        _plot(
             args.plot,
             off["ttft_per_turn_s"],
             on["ttft_per_turn_s"],
             f"{args.model} on {args.device}: TTFT per turn",
         )
-        print(note or f"plot: {args.plot}")
+        print(f"plot: {args.plot}")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
         print(f"json: {args.json}")

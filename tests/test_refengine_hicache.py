@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from fake_engine import PATIENT_WAIT_MS
 
 pytest.importorskip("hicache.cache")
 
@@ -162,7 +163,8 @@ def test_second_instance_hits_through_l3(model, mooncake_master):
         "tiers": [
             {"type": "host", "size": "32MiB"},
             {"type": "mooncake", **mooncake_master.tier_config},
-        ]
+        ],
+        "policy": {"fetch_max_wait_ms": PATIENT_WAIT_MS},  # no deadline: not what is tested
     }
     convs = make_workload(
         conversations=2,
