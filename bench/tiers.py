@@ -189,6 +189,8 @@ def engine_thread(args: argparse.Namespace) -> None:
                 "cpu_p99_us": round(pct(cpu, 0.99), 1),
                 "wall_p50_us": round(pct(wall, 0.5), 1),
                 "wall_p99_us": round(pct(wall, 0.99), 1),
+                # off the CPU inside the call: waiting for the GIL, a lock or the scheduler
+                "off_cpu_p99_us": round(pct([w - c for c, w in values], 0.99), 1),
                 "cpu_mean_us": round(statistics.fmean(cpu) / 1e3, 1),
             }
         base = row.get("host_only")
@@ -197,6 +199,8 @@ def engine_thread(args: argparse.Namespace) -> None:
                 for q in ("p50", "p99"):
                     added = row[name][f"cpu_{q}_us"] - base[f"cpu_{q}_us"]  # type: ignore[index]
                     row[f"{name}_adds_cpu_{q}_us"] = round(added, 1)
+                ratio = row[name]["wall_p99_us"] / max(base["wall_p99_us"], 1e-3)  # type: ignore[index]
+                row[f"{name}_wall_p99_over_host_only"] = round(ratio, 2)
         rows.append(row)
     out = {
         "bench": "tiers",
@@ -216,8 +220,23 @@ def engine_thread(args: argparse.Namespace) -> None:
     }
     text = json.dumps(out, indent=2)
     print(text)
+    _print_walls(rows)
     if args.out:
         args.out.write_text(text + "\n")
+
+
+def _print_walls(rows: list[dict]) -> None:
+    """A short table on stderr: per call and configuration, CPU and wall p50/p99 in µs."""
+    for row in rows:
+        for name in ("host_only", "host_mooncake", "host_disk_mooncake"):
+            r = row.get(name)
+            if isinstance(r, dict):
+                print(
+                    f"{row['call']:12} {name:19} cpu {r['cpu_p50_us']:8.1f} {r['cpu_p99_us']:8.1f}"
+                    f"  wall {r['wall_p50_us']:8.1f} {r['wall_p99_us']:8.1f}"
+                    f"  off-cpu p99 {r['off_cpu_p99_us']:8.1f}",
+                    file=sys.stderr,
+                )
 
 
 # -- disk: the disk tier against raw parallel I/O of the same bytes --------------------------

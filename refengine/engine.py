@@ -52,6 +52,7 @@ class Request:
     salt: str | None = None
     output: list[int] = field(default_factory=list)
     arrival: float = 0.0
+    admitted: float | None = None  # when it got its blocks (TTFT less this: its queueing)
     first_token_time: float | None = None
     finish_time: float | None = None
     hit_tokens: int = 0  # prompt tokens the cache supplied
@@ -223,6 +224,7 @@ class Engine:
             req.blocks, req.slot, req.prefix_hit = hit.blocks + blocks, slot, hit
             req.table = torch.tensor(req.blocks, dtype=torch.int64, device=self.memory.device)
             req.computed = req.gpu_hit_tokens = gpu_tokens
+            req.admitted = self.clock()
             self.waiting.remove(req)
             self.running.append(req)
             m = req.match
