@@ -171,3 +171,29 @@ def test_a_request_waiting_for_blocks_holds_no_pins(model):
     eng.run([big])  # the cached pages it shares stay; the others are evicted for its blocks
     assert big.gpu_hit_tokens == 96 and big.output
     assert eng.memory.free_blocks + len(eng.prefix) == eng.memory.num_blocks
+
+
+# -- hicache replay's comparison --------------------------------------------------------------
+
+
+def test_replay_compares_the_engine_with_its_prefix_cache_against_it_plus_hicache(tmp_path):
+    import json
+
+    from refengine.replay import main
+
+    out = tmp_path / "r.json"
+    args = ["--model", "tiny-llama", "--conversations", "3", "--turns", "3", "--first-tokens",
+            "128", "--message-tokens", "16", "--answer-tokens", "2", "--plot", "", "--quiet",
+            "--no-prefix-row", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    res = json.loads(out.read_text())
+    assert (res["baseline"], res["by_layer"]) == ("gpu_prefix_cache", False)  # CPU: whole loads
+    assert res["identical"] and res["requests"] == 9
+    off, on, none = res["off"], res["on"], res["no_prefix_cache"]
+    assert none["cached_tokens_gpu"] == 0
+    # the pool holds 60 % of the working set: the GPU prefix cache serves part of the reuse,
+    # hicache's host tier what it lost
+    assert off["cached_tokens_gpu"] > 0 and on["cached_tokens_host"] > 0
+    assert res["setup"]["num_blocks"] < res["setup"]["working_set_blocks"]
+    assert main([*args, "--prefix-share", "0"]) == 0
+    assert json.loads(out.read_text())["baseline"] == "no_prefix_cache"
