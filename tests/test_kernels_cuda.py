@@ -269,7 +269,7 @@ def test_a_route_copies_exact_bytes_on_its_path_call_after_call(direction, path)
     host = _pool(4500, segs, "host", seed=40, layer_first=False)
     gpu = _pool(4400, segs, "cuda", seed=41, layer_first=layer_first)
     src, dst = (host, gpu) if direction == "h2d" else (gpu, host)
-    route = CudaRoute(src, dst)
+    route = CudaRoute(src, dst, path=path)
     assert route.path == path
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     expected = _snapshot(dst)

@@ -72,6 +72,9 @@ KERNEL_CHUNK_BYTES = 16 * 1024
 COPY_ENGINE_MIN_ROW_BYTES = 64 * 1024
 #: Bytes copied per path and repetition when a new shape is measured (`measure`).
 MEASURE_BYTES = 64 << 20
+#: GPU cycles of the sleep kernel that holds the stream while a measured copy is enqueued
+#: (about 10 ms at an H100's or H200's clock): the measurement is the device's time.
+MEASURE_HOLD_CYCLES = 20_000_000
 #: Rows per cudaMemcpyBatchAsync call: the engines start while later rows are being enqueued.
 COPY_ENGINE_ROWS_PER_CALL = 2048
 #: The staged path's two GPU staging buffers hold at most this many bytes of pages together.
@@ -245,10 +248,13 @@ def _scratch(rows: tuple[int, ...], whole: bool, pages: int, device: torch.devic
 
 def measure(shape: Shape, device: torch.device, reps: int = 3) -> dict[str, float]:
     """Seconds per `MEASURE_BYTES` of each candidate path for `shape`, on scratch pools
-    (random page ids, CUDA events on a private stream, the median of `reps` interleaved runs
-    after one warm-up each). Nothing of the caller's is touched."""
+    (random page ids; the median of `reps` interleaved runs after one warm-up each). Each run
+    is timed with CUDA events on a private stream that a sleep kernel holds while the host
+    enqueues the copy, so that the figure is the device's time, as when an engine's copies
+    queue behind its model's kernels (an unheld stream would charge the copy engines' host
+    cost per row to a small measurement). Nothing of the caller's is touched."""
     page_bytes = sum(shape.src_rows)
-    pages = max(16, min(4096, MEASURE_BYTES // page_bytes))
+    pages = max(16, min(2048, MEASURE_BYTES // page_bytes))
     host = torch.device("cpu")
     src_dev = host if shape.direction == "h2d" else device
     dst_dev = host if shape.direction == "d2h" else device
@@ -265,6 +271,8 @@ def measure(shape: Shape, device: torch.device, reps: int = 3) -> dict[str, floa
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
                 stream.synchronize()
+                with torch.cuda.stream(stream):
+                    torch.cuda._sleep(MEASURE_HOLD_CYCLES)
                 start.record(stream)
                 copy_pages_cuda(src, src_ids, dst, dst_ids, stream, path=path)
                 end.record(stream)
@@ -474,13 +482,19 @@ class CudaRoute:
     the ids during the call and keeps the GIL.
     """
 
-    def __init__(self, src: PagedBuffer, dst: PagedBuffer) -> None:
+    def __init__(self, src: PagedBuffer, dst: PagedBuffer, path: str = "auto") -> None:
+        """`path`: "auto" (`choose_path`) or one path forced (tests and benchmarks)."""
+        if path not in _PATHS:
+            raise ValueError(f"path must be one of {_PATHS}, got {path!r}")
         self.device = _device(src, dst)
         if max(src.num_pages, dst.num_pages) > 2**31 - 1:
             raise ValueError("a CUDA page copy addresses at most 2**31 - 1 pages per buffer")
         self.src, self.dst = src, dst
         self._ext = extension()
-        self.path = choose_path(src, dst) if self._ext is not None else "torch"
+        if self._ext is None:
+            self.path = "torch"
+        else:
+            self.path = choose_path(src, dst) if path == "auto" else path
         if self._ext is None:
             return
         on = self.device if self.path == "kernel" else None
