@@ -45,7 +45,6 @@ from hicache.kernels.cuda import (
     copy_pages_cuda,
     copy_pages_loop,
     load_extension,
-    path_table,
 )
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -462,8 +461,6 @@ def run(args: argparse.Namespace) -> dict:
             "staged_blocks": STAGED_BLOCKS,
         },
         "rows": bench.rows,
-        # what "auto" measured for each shape it met (the table the cache reuses)
-        "path_table": path_table(bench.device).entries,
     }
 
 

@@ -43,7 +43,6 @@ import torch
 
 from hicache import native
 from hicache.kernels.buffer import PagedBuffer
-from hicache.kernels.paths import PathTable, Shape
 
 __all__ = [
     "CudaEvent",
@@ -67,14 +66,9 @@ _PATHS = ("auto", "kernel", "copy_engine", "staged")
 KERNEL_MAX_BLOCKS = 8
 #: Bytes of one work item of the kernel (one warp copies one chunk of one row at a time).
 KERNEL_CHUNK_BYTES = 16 * 1024
-#: Where the paths cannot be measured, "auto" takes the copy engines when every row (one
-#: segment of one page) has at least this many bytes (see `choose_path`).
+#: "auto" takes the copy engines when every row (one segment of one page) has at least this
+#: many bytes, the kernel otherwise. Measured on an H200: docs/decisions/page-copy-paths.md.
 COPY_ENGINE_MIN_ROW_BYTES = 64 * 1024
-#: Bytes copied per path and repetition when a new shape is measured (`measure`).
-MEASURE_BYTES = 64 << 20
-#: GPU cycles of the sleep kernel that holds the stream while a measured copy is enqueued
-#: (about 10 ms at an H100's or H200's clock): the measurement is the device's time.
-MEASURE_HOLD_CYCLES = 20_000_000
 #: Rows per cudaMemcpyBatchAsync call: the engines start while later rows are being enqueued.
 COPY_ENGINE_ROWS_PER_CALL = 2048
 #: The staged path's two GPU staging buffers hold at most this many bytes of pages together.
@@ -198,89 +192,23 @@ def _device(src: PagedBuffer, dst: PagedBuffer) -> torch.device:
 
 
 def choose_path(src: PagedBuffer, dst: PagedBuffer) -> str:
-    """The path that ``"auto"`` takes: the fastest for the pools' shape on this device, as
-    measured at the first copy of that shape or read from the table (`hicache.kernels.paths`).
+    """The path that ``"auto"`` takes.
 
-    Where nothing can be measured (no CUDA side, no extension), the rule the measurements
-    mostly gave: the copy engines for rows of `COPY_ENGINE_MIN_ROW_BYTES` and more; smaller
-    rows staged where the host side holds whole pages that large; the kernel otherwise.
+    - ``"copy_engine"`` when every row (one segment of one page) has at least
+      `COPY_ENGINE_MIN_ROW_BYTES`: from there the copy engines reach the PCIe limit and leave
+      the SMs to the model.
+    - ``"staged"`` when rows are smaller but whole pages are not, and the host side holds each
+      page contiguously (a page-first host pool): the copy engines move whole pages between the
+      host and a GPU staging buffer, and the kernel moves the rows on the GPU. Below 64 KiB the
+      driver's cost per row (about a microsecond of host time) bounds the copy engines, and the
+      kernel alone stops at 94-95 % of the link.
+    - ``"kernel"`` otherwise (small pages, GPU to GPU, layer-first on both sides).
     """
-    shape = shape_of(src, dst)
-    cuda = [b.device for b in (src, dst) if b.device.type == "cuda"]
-    if cuda and extension() is not None:
-        try:
-            return path_table(cuda[0]).choose(shape, lambda sh: measure(sh, cuda[0]))
-        except (RuntimeError, torch.cuda.OutOfMemoryError) as err:  # no room to measure
-            log.warning("hicache: could not measure the copy paths (%s); using the rule", err)
     if min(src.seg_bytes) >= COPY_ENGINE_MIN_ROW_BYTES:
         return "copy_engine"
     if _staging_host(src, dst) is not None and src.page_bytes >= COPY_ENGINE_MIN_ROW_BYTES:
         return "staged"
     return "kernel"
-
-
-def shape_of(src: PagedBuffer, dst: PagedBuffer) -> Shape:
-    """What the path choice depends on, for a copy from `src` to `dst`."""
-    kinds = (src.device.type, dst.device.type)
-    direction = {("cpu", "cuda"): "h2d", ("cuda", "cpu"): "d2h"}.get(kinds, "d2d")
-    return Shape(direction, src.seg_bytes, dst.seg_bytes, _staging_host(src, dst) is not None)
-
-
-@functools.cache
-def path_table(device: torch.device) -> PathTable:
-    """The measured choices for `device`'s kind of GPU, in ``paths.json`` beside the build."""
-    return PathTable(_cache_dir() / "paths.json", torch.cuda.get_device_name(device))
-
-
-def _scratch(rows: tuple[int, ...], whole: bool, pages: int, device: torch.device) -> PagedBuffer:
-    """A pool of `pages` pages with rows `rows`: whole pages re-segmented, or one tensor per
-    row (layer-first), on `device` (pinned on the host)."""
-    pin = device.type == "cpu"
-
-    def alloc(*shape: int) -> torch.Tensor:
-        t = torch.empty(*shape, dtype=torch.uint8, device=device, pin_memory=pin)
-        return t if pin else t.random_(0, 256)
-
-    if whole or len(rows) == 1:
-        return PagedBuffer.page_first(alloc(pages, sum(rows))).resegment(rows)
-    return PagedBuffer.layer_first([alloc(pages, r) for r in rows])
-
-
-def measure(shape: Shape, device: torch.device, reps: int = 3) -> dict[str, float]:
-    """Seconds per `MEASURE_BYTES` of each candidate path for `shape`, on scratch pools
-    (random page ids; the median of `reps` interleaved runs after one warm-up each). Each run
-    is timed with CUDA events on a private stream that a sleep kernel holds while the host
-    enqueues the copy, so that the figure is the device's time, as when an engine's copies
-    queue behind its model's kernels (an unheld stream would charge the copy engines' host
-    cost per row to a small measurement). Nothing of the caller's is touched."""
-    page_bytes = sum(shape.src_rows)
-    pages = max(16, min(2048, MEASURE_BYTES // page_bytes))
-    host = torch.device("cpu")
-    src_dev = host if shape.direction == "h2d" else device
-    dst_dev = host if shape.direction == "d2h" else device
-    src = _scratch(shape.src_rows, shape.host_whole_pages and src_dev == host, pages, src_dev)
-    dst = _scratch(shape.dst_rows, shape.host_whole_pages and dst_dev == host, pages, dst_dev)
-    gen = torch.Generator().manual_seed(0)
-    src_ids = torch.randperm(pages, generator=gen).to(torch.int32)
-    dst_ids = torch.randperm(pages, generator=gen).to(torch.int32)
-    stream = torch.cuda.Stream(device)
-    times: dict[str, list[float]] = {p: [] for p in shape.candidates}
-    with torch.cuda.device(device):
-        for rep in range(reps + 1):
-            for path in shape.candidates:
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                stream.synchronize()
-                with torch.cuda.stream(stream):
-                    torch.cuda._sleep(MEASURE_HOLD_CYCLES)
-                start.record(stream)
-                copy_pages_cuda(src, src_ids, dst, dst_ids, stream, path=path)
-                end.record(stream)
-                end.synchronize()
-                if rep:
-                    times[path].append(start.elapsed_time(end) / 1e3)
-    scale = MEASURE_BYTES / (pages * page_bytes)
-    return {p: sorted(t)[len(t) // 2] * scale for p, t in times.items()}
 
 
 def _staging_host(src: PagedBuffer, dst: PagedBuffer) -> PagedBuffer | None:
