@@ -7,12 +7,13 @@ load at ``--link-gbps`` (``load_s_at_link``), the prefill of the suffix with the
 (``suffix_prefill_s``, measured), the old floor (their sum) and the overlap floor (their max plus
 one layer's load), and ``ratio_to_overlap_floor``.
 
-Part 2 (a slow tier): a hit of ``--slow-hit`` tokens followed by ``--slow-suffix`` new ones, in
-a tier that the benchmark throttles: the pages of [k, hit) are released to the engine
-(hicache's host tier) at B bytes/s from the request's arrival. For each B, in the same run:
-fetch all (k = 0), recompute all (k = hit), and the plan of `hicache.plan.plan_fetch` from the
-prefill speed measured here. B spans tiers whose time for the whole hit is ``--tier-ratios``
-times its recompute time.
+Part 2 (a slow tier): a hit of ``--slow-hit`` tokens followed by ``--slow-suffix`` new ones,
+held only by a store tier whose reads are throttled to B bytes/s (`ThrottledTier`, registered
+through hicache's tier registry). A writer engine stores the prefixes; per B, a reader engine
+with an empty host tier measures, in the same run: fetch all (``match``), recompute all (a
+prompt no tier holds) and the chain's own plan (``match(partial=True)``, the cost model given B
+and the measured prefill rate). B spans tiers whose time for the whole hit is
+``--tier-ratios`` times its recompute time. Every turn size and mode warms up once, unreported.
 
     python bench/replay.py               # GPU if there is one: llama-8b shape, 32K context
     python bench/replay.py --cpu         # a tiny model on the CPU (a check that it runs)
