@@ -106,10 +106,10 @@ def test_off_a_terminal_each_phase_is_a_line_on_stderr_and_l3_is_still_understoo
     assert done.returncode == 0, done.stderr
     lines = [line.split(" in ")[0] for line in done.stderr.splitlines()]
     assert lines == [
-        "hicache replay: cache off: 2 requests",
-        "hicache replay: cache off: done",
-        "hicache replay: cache on: 2 requests",
-        "hicache replay: cache on: done",
+        "hicache replay: engine: 2 requests",
+        "hicache replay: engine: done",
+        "hicache replay: + hicache: 2 requests",
+        "hicache replay: + hicache: done",
     ]
     assert "matplotlib" not in done.stdout + done.stderr
     assert list(tmp_path.iterdir()) == []
