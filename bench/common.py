@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -12,7 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def commit() -> str:
     """The checked-out commit, with "+changes" if the tracked files differ from it; "unknown"
-    outside a git checkout."""
+    outside a git checkout. ``HICACHE_BENCH_COMMIT`` names it for a copy of the tree without
+    its git folder (a run on another machine)."""
+    if os.environ.get("HICACHE_BENCH_COMMIT"):
+        return os.environ["HICACHE_BENCH_COMMIT"]
 
     def git(*args: str) -> str:
         try:

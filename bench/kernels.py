@@ -414,11 +414,11 @@ def run(args: argparse.Namespace) -> dict:
         for direction in ("h2d", "d2h"):
             for method in ("auto", "kernel", "copy_engine"):
                 bench.safely(bench.pages, method, page_bytes, direction, case=f"small_{method}")
-    # Segmented: 32 layers x 64 KiB and 64 (layer, K/V) x 32 KiB, against page-first 2 MiB pages.
+    # Segmented: 32 x 64 KiB, 64 x 32 KiB and 128 x 16 KiB rows, against page-first 2 MiB pages.
     for direction in ("h2d", "d2h"):
         for method in ("auto", "kernel", "copy_engine", "staged"):
             flat = bench.safely(bench.pages, method, 2 * MiB, direction, case=f"pages_{method}")
-            for layers in (32, 64):
+            for layers in (32, 64, 128):
                 seg = bench.safely(
                     bench.pages, method, 2 * MiB, direction, layers, case=f"segmented_{method}"
                 )

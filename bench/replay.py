@@ -7,12 +7,13 @@ load at ``--link-gbps`` (``load_s_at_link``), the prefill of the suffix with the
 (``suffix_prefill_s``, measured), the old floor (their sum) and the overlap floor (their max plus
 one layer's load), and ``ratio_to_overlap_floor``.
 
-Part 2 (a slow tier): a hit of ``--slow-hit`` tokens followed by ``--slow-suffix`` new ones, in
-a tier that the benchmark throttles: the pages of [k, hit) are released to the engine
-(hicache's host tier) at B bytes/s from the request's arrival. For each B, in the same run:
-fetch all (k = 0), recompute all (k = hit), and the plan of `hicache.plan.plan_fetch` from the
-prefill speed measured here. B spans tiers whose time for the whole hit is ``--tier-ratios``
-times its recompute time.
+Part 2 (a slow tier): a hit of ``--slow-hit`` tokens followed by ``--slow-suffix`` new ones,
+held only by a store tier whose reads are throttled to B bytes/s (`ThrottledTier`, registered
+through hicache's tier registry). A writer engine stores the prefixes; per B, a reader engine
+with an empty host tier measures, in the same run: fetch all (``match``), recompute all (a
+prompt no tier holds) and the chain's own plan (``match(partial=True)``, the cost model given B
+and the measured prefill rate). B spans tiers whose time for the whole hit is
+``--tier-ratios`` times its recompute time. Every turn size and mode warms up once, unreported.
 
     python bench/replay.py               # GPU if there is one: llama-8b shape, 32K context
     python bench/replay.py --cpu         # a tiny model on the CPU (a check that it runs)
@@ -21,20 +22,27 @@ times its recompute time.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import platform
 import statistics
 import sys
+import threading
+import time
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the memory tier
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import command, commit
+from memory_tier import MISSING, MemoryConfig, MemoryTier
 
-from hicache.plan import PrefillSpeed, plan_fetch
+from hicache.backends.registry import register_tier
 from refengine.build import DTYPES, EngineSpec, build_engine, load_model
 from refengine.engine import Engine, Request
 from refengine.replay import _time_prefill  # the suffix prefill, as replay's floor
@@ -77,6 +85,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         num_slots=4,
         chunk_tokens=8192 if cuda else 256,
         by_layer=True,
+        prefix_share=0.0,  # every hit is hicache's: the engine's own prefix cache is off
     )
     model = load_model(spec)
     cfg = model[0].cfg  # a page: K and V of every full layer
@@ -99,7 +108,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "link_gbps": args.link_gbps,
         "host_hits": _host_hits(engine, context, turns, args.repeats, args.link_gbps),
         "slow_tier": _slow_tier(
-            engine, slow_hit, slow_suffix, [float(r) for r in ratios.split(",")]
+            engine,
+            spec,
+            model,
+            slow_hit,
+            slow_suffix,
+            [float(r) for r in ratios.split(",")],
+            args.repeats,
         ),
     }
     path = Path(args.json or Path(__file__).parent / "results" / f"ttft_{machine}.json")
@@ -121,11 +136,13 @@ def _host_hits(
     _serve(engine, Request("prefix", prefix, 1))  # stored in the host tier
     rows = []
     for n in turns:
-        for r in range(repeats):
+        for r in range(-1, repeats):  # turn -1 warms this shape up and is not reported
             prompt = prefix + _tokens(n, seed=100 * n + r)
             req = _serve(engine, Request(f"t{n}-{r}", prompt, 1))
             other = prefix + _tokens(n, seed=100 * n + r + 50)  # its suffix is not stored
             whole = _serve(engine, Request(f"w{n}-{r}", other, 1), by_layer=False)
+            if r < 0:
+                continue
             hit = req.hit_tokens
             load_bytes = hit // mem.page_tokens * _page_bytes(engine)
             load_s = load_bytes / (gbps * 1e9)
@@ -156,48 +173,133 @@ def _host_hits(
 # -- part 2: a slow tier ---------------------------------------------------------------------
 
 
-def _slow_tier(engine: Engine, hit: int, suffix: int, ratios: list[float]) -> list[dict[str, Any]]:
+class ThrottledConfig(MemoryConfig):
+    type: Literal["throttled_memory"] = "throttled_memory"  # type: ignore[assignment]
+    read_limit_gbps: float = 1.0
+    """The tier's reads take at least their bytes / this many GB/s, all threads together."""
+
+
+@register_tier("throttled_memory", ThrottledConfig)
+class ThrottledTier(MemoryTier):
+    """The in-memory store tier of the tests, its reads held to `read_limit_gbps`: a store
+    slower than the prefill, plugged in through hicache's tier registry as a backend is."""
+
+    def __init__(self, config: ThrottledConfig) -> None:
+        super().__init__(config)
+        self._busy_until = 0.0
+        self._pace = threading.Lock()
+
+    def get_into(self, keys, buffers):  # type: ignore[no-untyped-def]
+        nbytes = sum(buffers.nbytes(i) for i in range(len(keys)))
+        with self._pace:  # the link is shared: reads queue behind each other
+            done = max(time.perf_counter(), self._busy_until) + nbytes / (
+                self.config.read_limit_gbps * 1e9
+            )
+            self._busy_until = done
+        out = []
+        for i, key in enumerate(keys):  # copied from the object's own bytes (no slice copies)
+            data = self.objects.get(key)
+            if data is None or len(data) != buffers.nbytes(i):
+                out.append(MISSING if data is None else -1)
+                continue
+            base, at = np.frombuffer(data, dtype=np.uint8).ctypes.data, 0
+            for ptr, size in zip(buffers.ptrs[i], buffers.sizes[i]):
+                ctypes.memmove(ptr, base + at, size)
+                at += size
+            out.append(len(data))
+        time.sleep(max(0.0, done - time.perf_counter()))
+        return out
+
+
+def _slow_tier(
+    engine: Engine,
+    spec: EngineSpec,
+    model: tuple[Any, str],
+    hit: int,
+    suffix: int,
+    ratios: list[float],
+    repeats: int,
+) -> list[dict[str, Any]]:
+    """Per tier speed: the TTFT of a hit that only a slow store tier holds, fetched whole
+    (``match``), recomputed (a prompt no tier holds) and split by the chain's own plan
+    (``match(partial=True)``), through a reader engine whose host tier starts empty."""
     P, page_bytes = engine.memory.page_tokens, _page_bytes(engine)
     hit = hit // P * P
-    speed = PrefillSpeed.fit(
-        (hit // 8, _time_prefill(engine, _tokens(hit // 8, 7), 0)),
-        (hit, _time_prefill(engine, _tokens(hit, 7), 0)),
-    )
-    prefix = _tokens(hit, seed=2)
-    _serve(engine, Request("slow-prefix", prefix + _tokens(P, seed=3), 1))
-    recompute_s = speed.seconds(0, hit)
-    rows, serial = [], 0
+    recompute_s = _time_prefill(engine, _tokens(hit, 7), 0)
+    space = uuid.uuid4().hex
+    modes = ("fetch_all", "recompute_all", "partial")
+    # every measured request gets a prefix of its own, stored in the slow tier beforehand
+    prefixes = {
+        (ratio, mode, r): _tokens(hit, seed=10_000 + 1000 * i + 10 * j + r)
+        for i, ratio in enumerate(ratios)
+        for j, mode in enumerate(modes)
+        for r in range(-1, repeats)
+    }
+    host = {"type": "host", "size": 3 * (hit // P + 2) * page_bytes}
+    writer_tiers = {"tiers": [host, {"type": "throttled_memory", "space": space}]}
+    writer = build_engine(spec, writer_tiers, model=model)
+    for key, prefix in prefixes.items():
+        if key[1] != "recompute_all":
+            _serve(writer, Request(f"w{len(writer.finished)}{key}", [*prefix, 1], 1))
+    _drain(writer)
+    writer.cache.close()
+    del writer
+    rows = []
     for ratio in ratios:
         bps = hit // P * page_bytes / (ratio * recompute_s)
-        plan = plan_fetch(
-            hit, page_tokens=P, page_bytes=page_bytes, read_bytes_per_s=bps, prefill=speed
-        )
-        ttft: dict[str, float] = {}
-        for name, k in (("fetch_all", 0), ("recompute_all", hit), ("partial", plan.head_tokens)):
-            times = []
-            for _ in range(3):
-                serial += 1
-                prompt = prefix + _tokens(suffix, seed=1000 + serial)
-                req = Request(f"slow{serial}", prompt, 1)
-                times.append(float(_serve(engine, req, head=k, bytes_per_s=bps).ttft or 0.0))
-            ttft[name] = statistics.median(times)
-        best = min(ttft["fetch_all"], ttft["recompute_all"])
+        config = {
+            "tiers": [
+                host,
+                {
+                    "type": "throttled_memory",
+                    "space": space,
+                    "read_limit_gbps": bps / 1e9,
+                    "read_gbps": bps / 1e9,
+                },
+            ],
+            "policy": {"prefill_tokens_per_s": hit / recompute_s, "fetch_max_wait_ms": 60_000},
+        }
+        reader = build_engine(spec, config, model=model)
+        reader.idle_sleep_s = 0.0002
+        ttft: dict[str, list[float]] = {m: [] for m in modes}
+        heads: list[int] = []
+        for r in range(-1, repeats):  # r = -1: a warm-up of each mode, not reported
+            for mode in modes:
+                reader.partial = mode == "partial"
+                prompt = prefixes[(ratio, mode, r)] + _tokens(suffix, seed=77 + r)
+                req = _serve(reader, Request(f"s{ratio}{mode}{r}", prompt, 1))
+                if r < 0:
+                    continue
+                ttft[mode].append(float(req.ttft or 0.0))
+                if mode == "partial":
+                    heads.append(int(getattr(req.match, "head_tokens", 0) or 0))
+        reader.cache.close()
+        del reader
+        med = {m: statistics.median(v) for m, v in ttft.items()}
+        best = min(med["fetch_all"], med["recompute_all"])
         rows.append(
             {
                 "tier_over_recompute": ratio,
                 "tier_gbps": bps / 1e9,
                 "hit_tokens": hit,
                 "new_tokens": suffix,
-                "plan_head_tokens": plan.head_tokens,
-                "plan_kind": plan.kind,
-                "plan_finish_s": plan.finish_s,
-                "ttft_fetch_all_s": ttft["fetch_all"],
-                "ttft_recompute_all_s": ttft["recompute_all"],
-                "ttft_partial_s": ttft["partial"],
-                "partial_over_best": ttft["partial"] / best,
+                "plan_head_tokens": heads,
+                "ttft_fetch_all_s": med["fetch_all"],
+                "ttft_recompute_all_s": med["recompute_all"],
+                "ttft_partial_s": med["partial"],
+                "ttft_s": ttft,
+                "partial_over_best": med["partial"] / best,
             }
         )
     return rows
+
+
+def _drain(engine: Engine, timeout_s: float = 120.0) -> None:
+    """Wait until the cache's tiers have written everything behind."""
+    deadline = time.monotonic() + timeout_s
+    while not engine.cache.tiers_idle and time.monotonic() < deadline:
+        engine.cache.poll()
+        time.sleep(0.01)
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -259,11 +361,12 @@ def _print(out: dict[str, Any]) -> None:
             f"  {r['ttft_whole_s'] * 1e3:8.1f} ms  {r['load_s_at_link'] * 1e3:6.1f} ms"
             f"  {r['suffix_prefill_s'] * 1e3:6.1f} ms  {r['ratio_to_overlap_floor']:.2f}"
         )
-    print("slow tier: tier/recompute  GB/s   k       fetch all  recompute  partial  /best")
+    print("slow tier: tier/recompute  GB/s   k (the chain's)  fetch all  recompute  partial  /best")
     for r in out["slow_tier"]:
+        heads = ",".join(map(str, sorted(set(r["plan_head_tokens"]))))
         print(
             f"          {r['tier_over_recompute']:>6.2f}  {r['tier_gbps']:8.3f}"
-            f"  {r['plan_head_tokens']:>6}  {r['ttft_fetch_all_s'] * 1e3:8.1f}"
+            f"  {heads:>12}  {r['ttft_fetch_all_s'] * 1e3:8.1f}"
             f"  {r['ttft_recompute_all_s'] * 1e3:8.1f}  {r['ttft_partial_s'] * 1e3:8.1f}"
             f"  {r['partial_over_best']:.2f}"
         )

@@ -44,6 +44,7 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import shutil
 import socket
 import statistics
@@ -71,6 +72,7 @@ from hicache.backends.disk_records import read_full, write_full  # noqa: E402
 from hicache.memory import HostMemory  # noqa: E402
 
 to_bytes = TypeAdapter(ByteSize).validate_python
+RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)  # Linux: per thread
 
 # -- engine-thread: match, store and poll with store tiers, against host only ----------------
 
@@ -95,6 +97,7 @@ def config(tiers: list[dict], host_pages: int) -> dict:
 def replay(cfg: dict, prompts: list[np.ndarray], pages: int) -> dict[str, list[tuple[int, int]]]:
     """Run every prompt twice through a fresh cache; per call kind, (thread ns, wall ns)."""
     samples: dict[str, list[tuple[int, int]]] = {k: [] for k in KINDS}
+    waits: dict[str, list[tuple[int, int, int]]] = {k: [] for k in KINDS}
     gpu = torch.zeros(pages + 1, PAGE_BYTES, dtype=torch.uint8)
     cache = HiCache(load_config(cfg, env={}), PagedBuffer.page_first(gpu))
     if not cache.wait_ready(60):
@@ -102,9 +105,16 @@ def replay(cfg: dict, prompts: list[np.ndarray], pages: int) -> dict[str, list[t
     blocks = list(range(pages + 1))
 
     def timed(kind: str, call: Callable[..., object], *args: object) -> object:
+        r0 = resource.getrusage(RUSAGE_THREAD)
         t0, w0 = time.thread_time_ns(), time.perf_counter_ns()
         out = call(*args)
-        samples[kind].append((time.thread_time_ns() - t0, time.perf_counter_ns() - w0))
+        t1, w1 = time.thread_time_ns(), time.perf_counter_ns()
+        r1 = resource.getrusage(RUSAGE_THREAD)
+        samples[kind].append((t1 - t0, w1 - w0))
+        # why a call was off the CPU: waits (a lock, the GIL), preemption, page faults
+        waits[kind].append(
+            (r1.ru_nvcsw - r0.ru_nvcsw, r1.ru_nivcsw - r0.ru_nivcsw, r1.ru_minflt - r0.ru_minflt)
+        )
         return out
 
     try:
@@ -133,6 +143,8 @@ def replay(cfg: dict, prompts: list[np.ndarray], pages: int) -> dict[str, list[t
         v for k, v in stats.items() if k.startswith("hit_tokens_") and k != "hit_tokens_host"
     )
     samples["_stats"] = [(fetched, stats["hit_tokens_host"])]
+    for kind in KINDS:
+        samples[f"_waits_{kind}"] = waits[kind]  # type: ignore[assignment]
     return samples
 
 
@@ -147,6 +159,7 @@ def engine_thread(args: argparse.Namespace) -> None:
     host_pages = args.prompts * args.pages // 4
     results: dict[str, dict[str, list[tuple[int, int]]]] = {}
     hits: dict[str, list[tuple[int, int]]] = {}
+    switches: dict[str, dict[str, list]] = {}
     with MooncakeMaster() as master, tempfile.TemporaryDirectory() as tmp:
         segment = 2 * args.prompts * args.pages * PAGE_BYTES
         moon = {
@@ -172,6 +185,10 @@ def engine_thread(args: argparse.Namespace) -> None:
             for name, cfg in configs.items():
                 got = replay(cfg, prompts, args.pages)
                 hits.setdefault(name, []).extend(got.pop("_stats"))
+                for kind in KINDS:
+                    switches.setdefault(name, {}).setdefault(kind, []).extend(
+                        got.pop(f"_waits_{kind}")  # type: ignore[arg-type]
+                    )
                 for kind, values in got.items():
                     results.setdefault(name, {}).setdefault(kind, []).extend(values)
 
@@ -189,6 +206,12 @@ def engine_thread(args: argparse.Namespace) -> None:
                 "cpu_p99_us": round(pct(cpu, 0.99), 1),
                 "wall_p50_us": round(pct(wall, 0.5), 1),
                 "wall_p99_us": round(pct(wall, 0.99), 1),
+                # off the CPU inside the call: waiting for the GIL, a lock or the scheduler
+                "off_cpu_p99_us": round(pct([w - c for c, w in values], 0.99), 1),
+                # per call, over the 1 % of calls slowest by wall clock: voluntary context
+                # switches (the thread waited: a lock, the GIL, I/O), involuntary ones (the OS
+                # preempted it) and minor page faults
+                "slowest_1pct": _slowest(values, switches[name][kind]),
                 "cpu_mean_us": round(statistics.fmean(cpu) / 1e3, 1),
             }
         base = row.get("host_only")
@@ -197,6 +220,8 @@ def engine_thread(args: argparse.Namespace) -> None:
                 for q in ("p50", "p99"):
                     added = row[name][f"cpu_{q}_us"] - base[f"cpu_{q}_us"]  # type: ignore[index]
                     row[f"{name}_adds_cpu_{q}_us"] = round(added, 1)
+                ratio = row[name]["wall_p99_us"] / max(base["wall_p99_us"], 1e-3)  # type: ignore[index]
+                row[f"{name}_wall_p99_over_host_only"] = round(ratio, 2)
         rows.append(row)
     out = {
         "bench": "tiers",
@@ -216,8 +241,35 @@ def engine_thread(args: argparse.Namespace) -> None:
     }
     text = json.dumps(out, indent=2)
     print(text)
+    _print_walls(rows)
     if args.out:
         args.out.write_text(text + "\n")
+
+
+def _slowest(values: list[tuple[int, int]], waits: list[tuple[int, int, int]]) -> dict:
+    order = sorted(range(len(values)), key=lambda i: values[i][1])
+    tail = order[-max(1, len(order) // 100) :]
+    mean = [statistics.fmean(waits[i][j] for i in tail) for j in range(3)]
+    return {
+        "calls": len(tail),
+        "voluntary_switches": round(mean[0], 2),
+        "involuntary_switches": round(mean[1], 2),
+        "minor_faults": round(mean[2], 1),
+    }
+
+
+def _print_walls(rows: list[dict]) -> None:
+    """A short table on stderr: per call and configuration, CPU and wall p50/p99 in µs."""
+    for row in rows:
+        for name in ("host_only", "host_mooncake", "host_disk_mooncake"):
+            r = row.get(name)
+            if isinstance(r, dict):
+                print(
+                    f"{row['call']:12} {name:19} cpu {r['cpu_p50_us']:8.1f} {r['cpu_p99_us']:8.1f}"
+                    f"  wall {r['wall_p50_us']:8.1f} {r['wall_p99_us']:8.1f}"
+                    f"  off-cpu p99 {r['off_cpu_p99_us']:8.1f}  slowest 1%: {r['slowest_1pct']}",
+                    file=sys.stderr,
+                )
 
 
 # -- disk: the disk tier against raw parallel I/O of the same bytes --------------------------

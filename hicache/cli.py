@@ -1,6 +1,6 @@
 """The `hicache` command.
 
-    hicache config check FILE     validate a configuration (and that it fits this machine)
+    hicache config check FILE     validate a configuration (--strict: and that it fits here)
     hicache trace FILE ...        replay a request trace through the cache (hicache.trace)
     hicache replay ...            multi-turn replay on the reference engine (refengine)
 
@@ -23,18 +23,25 @@ from hicache.config import ConfigError, load_config
 
 def _config_check(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
-        prog="hicache config check", description="Validate a hicache YAML file."
+        prog="hicache config check",
+        description="Validate a hicache YAML file (exit 2 if it is not valid). What does not fit "
+        "this machine (memory, CPUs, a disk directory) is a warning, an error with --strict.",
     )
     ap.add_argument("file")
+    ap.add_argument(
+        "--strict", action="store_true", help="also fail (exit 2) where it does not fit here"
+    )
     args = ap.parse_args(argv)
     try:
         config = load_config(args.file)
-        config.check_machine(args.file)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
-    return 0
+    problems = config.machine_problems(args.file)
+    for problem in problems:
+        print(f"{'error' if args.strict else 'warning'}: {problem}", file=sys.stderr)
+    return 2 if problems and args.strict else 0
 
 
 def _plugins() -> dict[str, object]:

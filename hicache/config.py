@@ -286,15 +286,24 @@ class HiCacheConfig(_Strict):
                 _at(f"tiers.{i}", tier.check_layout, self.layout)
         return self
 
-    def check_machine(self, where: str = "") -> None:
-        """Raise ConfigError (one line, naming `where` (the file) and the field) for what
-        cannot run on this machine (CPUs or memory it does not have): what ``hicache config
-        check`` adds to validation."""
+    def machine_problems(self, where: str = "") -> list[str]:
+        """What cannot run on this machine as configured (CPUs or memory it does not have, a
+        disk directory it cannot write), one line each, naming `where` (the file) and the
+        field. A valid configuration may have some: it may be meant for another machine."""
+        problems = []
         for i, tier in enumerate(self.tiers):
             try:
                 _at(f"tiers.{i}", tier.check_machine)
             except ValueError as err:
-                raise ConfigError(f"{where}: {err}" if where else str(err)) from None
+                problems.append(f"{where}: {err}" if where else str(err))
+        return problems
+
+    def check_machine(self, where: str = "") -> None:
+        """Raise ConfigError with the first of `machine_problems`, if any: for tools about to
+        run the configuration here."""
+        problems = self.machine_problems(where)
+        if problems:
+            raise ConfigError(problems[0])
 
     def tier(self, name: str) -> TierConfig | None:
         """The section of the tier of this name (by default its type), or None."""

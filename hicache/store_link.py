@@ -660,13 +660,20 @@ class StoreLink:
         run = job.groups
         if job.unprobed:  # its slots are the fetch's now (or free again): the reserve may refill
             self._lent -= run * self.G
+        # a read counts only where it returned the object's exact size: a tier that answers 0
+        # (or a short count) for an object it did not fill must not make a hit
+        group_bytes = self.G * self.layout.page_size
         ok = 0
         if codes is not None:
-            while ok < run and codes[ok] >= 0:
+            while ok < run and codes[ok] == group_bytes:
                 ok += 1
             if ok < run and not (job.unprobed and codes[ok] == self.store.missing_code):
                 self.stats.get_failed += run - ok
-        state_ok = fetch.state_lease is not None and codes is not None and codes[-1] >= 0
+        state_ok = (
+            fetch.state_lease is not None
+            and codes is not None
+            and codes[-1] == self.layout.state_bytes
+        )
         if fetch.state_lease is not None and not state_ok:
             ok = 0  # without its state the run can't be resumed from
         if job.unprobed:  # the slots nothing was read into go back where they came from

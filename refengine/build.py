@@ -18,6 +18,7 @@ from refengine.config import ModelConfig, resolve
 from refengine.engine import Engine
 from refengine.memory import KVMemory, RingStates
 from refengine.model import Transformer
+from refengine.prefix import PrefixCache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,6 +38,22 @@ class EngineSpec:
     state_boundaries: int = 2
     by_layer: bool = False  # load hits layer by layer under the prefill (needs a cache)
     partial: bool = False  # let the cache plan partial fetches from its store tiers
+    # The engine's own GPU prefix cache (`refengine.prefix`): at most this share of the pool's
+    # blocks kept for prefix hits, or `prefix_blocks` blocks where given; 0 turns it off. Off
+    # for models with sliding-window layers, whatever is asked.
+    prefix_share: float = 1.0
+    prefix_blocks: int | None = None
+
+    @property
+    def prefix_cache_blocks(self) -> int:
+        """Blocks the GPU prefix cache may keep (0: it is off)."""
+        if not 0.0 <= self.prefix_share <= 1.0:
+            raise ValueError(f"prefix_share must be in [0, 1], got {self.prefix_share}")
+        if self.prefix_blocks is not None:
+            if not 0 <= self.prefix_blocks <= self.num_blocks:
+                raise ValueError(f"prefix_blocks must be in [0, {self.num_blocks}]")
+            return self.prefix_blocks
+        return int(self.prefix_share * self.num_blocks)
 
 
 def load_model(spec: EngineSpec) -> tuple[Transformer, str]:
@@ -107,6 +124,8 @@ def build_engine(
         state_boundaries=spec.state_boundaries,
     )
     cache = make_cache(cache_config, memory, model_id) if cache_config is not None else None
+    prefix_blocks = spec.prefix_cache_blocks if memory.rings is None else 0
+    prefix = PrefixCache(spec.page_tokens, prefix_blocks) if prefix_blocks else None
     return Engine(
         model_obj,
         memory,
@@ -114,4 +133,5 @@ def build_engine(
         cache=cache,
         by_layer=spec.by_layer,
         partial=spec.partial,
+        prefix=prefix,
     )

@@ -3,8 +3,11 @@
 One `Engine.step()`:
 
 1. ``cache.poll()`` (when a cache is embedded);
-2. admit waiting requests in arrival order: ask the cache for a hit (``match``), take blocks for
-   the whole request (prompt + max_new_tokens) and a state slot, promote the hit (``load``). A
+2. admit waiting requests in arrival order: look the prompt up in the engine's own GPU prefix
+   cache (`refengine.prefix`, when it has one), ask the cache for a hit past that (``match``
+   with ``computed_tokens``), take blocks for the rest of the request (prompt +
+   max_new_tokens; the prefix cache's unpinned pages are evicted for them when the pool runs
+   short) and a state slot, promote the hit (``load``). A
    request the cache defers (``pending``) is skipped this step without holding up the ones behind
    it; when blocks run out, admission stops until some are freed. With a `planner`, a hit is
    split: the engine prefills its head [0, k) itself and loads [k, hit) once the head is done
@@ -19,7 +22,7 @@ One `Engine.step()`:
    waits for layer i's pages (``wait_layer``) just before it computes layer i;
 5. a request whose prompt is fully computed is stored (``store``); a request that has its
    ``max_new_tokens`` is stored with ``prompt + output[:-1]`` (the tokens whose KV it holds),
-   released and its blocks and slot freed.
+   released, its full pages kept by the GPU prefix cache and its other blocks and slot freed.
 
 The cache is duck-typed (hicache's `HiCache`, or any object with the same methods), so this module
 does not import hicache.
@@ -36,6 +39,7 @@ import torch
 
 from refengine.memory import KVMemory
 from refengine.model import Item, Transformer
+from refengine.prefix import PrefixCache, PrefixHit
 
 
 @dataclass
@@ -48,9 +52,11 @@ class Request:
     salt: str | None = None
     output: list[int] = field(default_factory=list)
     arrival: float = 0.0
+    admitted: float | None = None  # when it got its blocks (TTFT less this: its queueing)
     first_token_time: float | None = None
     finish_time: float | None = None
     hit_tokens: int = 0  # prompt tokens the cache supplied
+    gpu_hit_tokens: int = 0  # prompt tokens found in the engine's own GPU prefix cache
     l3_tokens: int = 0  # of which promoted from the store tiers below the host
     # runtime
     blocks: list[int] = field(default_factory=list)
@@ -60,6 +66,7 @@ class Request:
     match: Any = None
     head_end: int | None = None  # a partial fetch: prefill up to here, then load the rest
     loading: Any = None  # the load the next chunk's layers wait for (``wait_layer``)
+    prefix_hit: PrefixHit | None = None  # pages shared from the GPU prefix cache, pinned
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -91,6 +98,7 @@ class Engine:
         planner: Callable[[Request, Any], int] | None = None,
         fetch_ready: Callable[[Request], bool] | None = None,
         partial: bool = False,
+        prefix: PrefixCache | None = None,
     ) -> None:
         """`by_layer`: load hits layer by layer (the cache's ``load(..., by_layer=True)``).
         `planner(request, match)` returns k, a page boundary in [computed_tokens, hit_tokens]:
@@ -99,7 +107,8 @@ class Engine:
         `fetch_ready(request)` says whether the pages from k on may be loaded now (a slow
         tier's transfer done); default: always. `partial`: ask the cache for its own plan
         (``match(..., partial=True)``); a hit it plans (``head_tokens``) is split at its k, not
-        the planner's."""
+        the planner's. `prefix`: the engine's GPU prefix cache (None: none; a model with
+        sliding-window layers cannot have one)."""
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be at least 1")
         self.model = model
@@ -113,6 +122,11 @@ class Engine:
         self.fetch_ready = fetch_ready
         self.partial = partial
         self.needs_slot = memory.rings is not None
+        if prefix is not None and self.needs_slot:
+            raise ValueError("a GPU prefix cache needs a model without sliding-window layers")
+        if prefix is not None and prefix.page_tokens != memory.page_tokens:
+            raise ValueError("the prefix cache's page_tokens differ from the pool's")
+        self.prefix = prefix
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.finished: list[Request] = []
@@ -176,16 +190,30 @@ class Engine:
 
     # -- internals ----------------------------------------------------------------------------
 
+    def alloc_blocks(self, n: int) -> list[int] | None:
+        """`n` free blocks of the pool, evicting unpinned prefix-cache pages if need be; None
+        (nothing taken) when even that leaves too few."""
+        short = n - self.memory.free_blocks
+        if short > 0 and self.prefix is not None:
+            self.memory.free(self.prefix.evict(short))
+        return self.memory.alloc_blocks(n)
+
     def _admit(self) -> None:
         for req in list(self.waiting):
-            if self.cache is not None and req.match is None:
-                m = self._match(req)
+            hit = PrefixHit() if self.prefix is None else self.prefix.lookup(req.prompt, req.salt)
+            gpu_tokens = len(hit.pages) * self.memory.page_tokens
+            if self.cache is not None and (
+                req.match is None or getattr(req.match, "computed_tokens", 0) != gpu_tokens
+            ):
+                m = self._match(req, gpu_tokens)
                 if getattr(m, "pending", False) and not getattr(m, "head_tokens", 0):
+                    self._unpin(hit)
                     continue  # the cache asks us to come back; others may go ahead
                 req.match = m
             pages = -(-(len(req.prompt) + req.max_new_tokens) // self.memory.page_tokens)
-            blocks = self.memory.alloc_blocks(pages)
+            blocks = self.alloc_blocks(pages - len(hit.pages))
             if blocks is None:
+                self._unpin(hit)
                 break  # FCFS: wait for blocks to be freed
             slot = None
             if self.needs_slot:
@@ -193,8 +221,10 @@ class Engine:
                 if slot is None:
                     self.memory.free(blocks)
                     break
-            req.blocks, req.slot = blocks, slot
-            req.table = torch.tensor(blocks, dtype=torch.int64, device=self.memory.device)
+            req.blocks, req.slot, req.prefix_hit = hit.blocks + blocks, slot, hit
+            req.table = torch.tensor(req.blocks, dtype=torch.int64, device=self.memory.device)
+            req.computed = req.gpu_hit_tokens = gpu_tokens
+            req.admitted = self.clock()
             self.waiting.remove(req)
             self.running.append(req)
             m = req.match
@@ -206,10 +236,18 @@ class Engine:
                 else:  # loaded by `_load_tails` once the head is computed and the tier ready
                     req.computed, req.head_end = m.computed_tokens, self.planner(req, m)
 
-    def _match(self, req: Request) -> Any:
+    def _unpin(self, hit: PrefixHit) -> None:
+        if self.prefix is not None:
+            self.prefix.unpin(hit)
+
+    def _match(self, req: Request, computed_tokens: int | None = None) -> Any:
+        computed = req.computed if computed_tokens is None else computed_tokens
+        kwargs: dict[str, Any] = {"salt": req.salt}
+        if computed:
+            kwargs["computed_tokens"] = computed
         if self.partial:
-            return self.cache.match(req.rid, req.prompt, salt=req.salt, partial=True)
-        return self.cache.match(req.rid, req.prompt, salt=req.salt)
+            kwargs["partial"] = True
+        return self.cache.match(req.rid, req.prompt, **kwargs)
 
     def _load_tails(self) -> None:
         """Load the tail of every split hit whose head is computed, once its tier is ready (for
@@ -218,7 +256,7 @@ class Engine:
             if req.head_end is None or req.computed < req.head_end:
                 continue
             if getattr(req.match, "pending", False):
-                req.match = self._match(req)
+                req.match = self._match(req, req.match.computed_tokens)
                 if req.match.pending:
                     continue
             if self.fetch_ready is None or self.fetch_ready(req):
@@ -280,11 +318,16 @@ class Engine:
         return req.table
 
     def _finish(self, req: Request) -> None:
+        kv_tokens = req.prompt + req.output[:-1]
         if self.cache is not None:
-            kv_tokens = req.prompt + req.output[:-1]
             self.cache.store(req.rid, kv_tokens, req.blocks, state_slot=req.slot)
             self.cache.release(req.rid)
-        self.memory.free(req.blocks)
+        if self.prefix is None:
+            self.memory.free(req.blocks)
+        else:
+            hit = req.prefix_hit or PrefixHit()
+            self.memory.free(self.prefix.finish(kv_tokens, req.blocks, hit, req.salt))
+            req.prefix_hit = None
         if req.slot is not None:
             self.memory.free_slot(req.slot)
         req.blocks, req.table, req.slot = [], None, None

@@ -1,45 +1,54 @@
-"""``hicache replay``: a multi-turn agentic workload run with the cache off and on.
+"""``hicache replay``: a multi-turn agentic workload run by an engine alone and with hicache.
 
-Both runs use the same weights and the same conversations (each turn's prompt = the previous
-prompt + the previous answer + a new message). The report compares TTFT (p50/p90), end-to-end
-time, requests per hour and the prompt tokens served from each tier, and checks that every answer
-is token-identical. ``--floor`` adds, for the last turn of every conversation, the lowest TTFT a
-hit can have: KV bytes loaded / host link bandwidth + the measured prefill of the recomputed
-suffix.
+The engine keeps a GPU prefix cache, as vLLM and SGLang do (`refengine.prefix`), in a pool
+smaller than the workload's working set (``--pool-share``): the case hicache exists for. The
+two runs use the same weights, the same engine and the same conversations (each turn's prompt =
+the previous prompt + the previous answer + a new message); the second adds hicache's tiers, and
+on a GPU loads its hits layer by layer under the prefill (``--whole-loads`` turns that off). The
+report compares TTFT (p50/p90), end-to-end time, requests per hour and the prompt tokens served
+from the GPU prefix cache and each tier, and checks that every answer is token-identical.
+``--no-prefix-row`` adds, labelled as such, a run of an engine with no prefix cache at all.
+``--floor`` adds, for the last turn of every conversation, the lowest TTFT a hit can have: the
+KV bytes loaded / host link bandwidth and the measured prefill of the recomputed suffix, summed
+when loads are whole, overlapped (their max + one layer's load) when they go by layer.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hicache.backends.mooncake import SHOW_NATIVE_LOG
 from hicache.backends.mooncake_local import LocalMaster, master_problem, mooncake_missing
 from hicache.config import ConfigError, load_config
 from hicache.errors import HiCacheError
+from hicache.trace.report import write_problem
 from refengine.build import EngineSpec, build_engine, load_model
 from refengine.engine import Engine, Request
 from refengine.model import Item
 from refengine.workload import Conversation, drive, make_workload
 
 DEFAULT_CACHE = {"tiers": [{"type": "host", "size": "2GiB"}]}
+LOCAL_STORE_BYTES = 1 << 30
+"""The store node's segment under ``--store local``."""
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hicache replay",
-        description="Replay a multi-turn agentic workload through refengine, cache off and on.",
+        description="Replay a multi-turn agentic workload through refengine (with its GPU "
+        "prefix cache), alone and with hicache.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
@@ -51,12 +60,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", help="None: float32 on the CPU, bfloat16 on CUDA")
     p.add_argument(
-        "--l3",
+        "--store",
         choices=("off", "local"),
         default="off",
-        help="without --config: 'off' uses a host tier alone; 'local' adds an L3 tier on a "
-        "mooncake_master started for the run (needs the mooncake extra)",
+        help="without --config: 'off' uses a host tier alone; 'local' adds a Mooncake store "
+        "tier on a master and a store node started for the run (needs the mooncake extra)",
     )
+    p.add_argument("--l3", choices=("off", "local"), dest="store", help=argparse.SUPPRESS)
     p.add_argument("--config", help="hicache YAML for the tiers, instead of a 2GiB host tier")
     p.add_argument("--conversations", type=_positive, default=4, help="conversations at once")
     p.add_argument("--turns", type=_positive, default=6, help="turns per conversation")
@@ -71,16 +81,45 @@ def _parser() -> argparse.ArgumentParser:
         "--chunk-tokens", type=_positive, default=None, help="None: 512 (CPU), 8192 (CUDA)"
     )
     p.add_argument(
+        "--pool-share",
+        type=float,
+        default=0.6,
+        help="the engine's KV pool as a share of the working set (every conversation's last "
+        "prompt and answer); at least the longest request fits",
+    )
+    p.add_argument(
+        "--prefix-share",
+        type=float,
+        default=1.0,
+        help="share of the pool the engine's GPU prefix cache may keep (0: no prefix cache)",
+    )
+    p.add_argument(
+        "--no-prefix-row",
+        action="store_true",
+        help="also run an engine with no prefix cache at all (a labelled extra row)",
+    )
+    p.add_argument(
+        "--whole-loads",
+        action="store_true",
+        help="on a GPU, load each hit whole before the prefill instead of layer by layer",
+    )
+    p.add_argument(
         "--floor",
         action="store_true",
         help="measure the TTFT floor of the last turns (load at --link-gbps + suffix)",
     )
     p.add_argument("--link-gbps", type=float, default=55.0, help="host->GPU GB/s for --floor")
-    p.add_argument("--plot", default="replay_ttft.png", help="PNG of TTFT per turn ('' = none)")
+    p.add_argument("--plot", help="write a PNG of the TTFT per turn to this file (matplotlib)")
     p.add_argument("--json", help="write the results as JSON to this file")
-    p.add_argument("--quiet", action="store_true", help="no progress bar (none off a terminal)")
     p.add_argument(
-        "--verbose", action="store_true", help="show Mooncake's own log lines (hidden otherwise)"
+        "--quiet",
+        action="store_true",
+        help="no progress on stderr (a bar on a terminal, a line per phase elsewhere)",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help=f"show Mooncake's own log lines (hidden otherwise; or set {SHOW_NATIVE_LOG})",
     )
     return p
 
@@ -95,25 +134,22 @@ def _positive(text: str) -> int:
     return value
 
 
-def _writable(path: str, what: str) -> str | None:
-    """Why `path` cannot be written (its folder missing or read-only), or None."""
-    folder = Path(path).resolve().parent
-    if not folder.is_dir():
-        return f"{what} {path}: the folder {folder} does not exist"
-    if not os.access(folder, os.W_OK):
-        return f"{what} {path}: the folder {folder} is not writable"
-    return None
-
-
 def _problem(args: argparse.Namespace) -> str | None:
     """What makes the arguments unusable, found before anything runs; None if nothing does."""
     for path, what in ((args.json, "--json"), (args.plot, "--plot")):
-        problem = path and _writable(path, what)
+        problem = path and write_problem(path, what)
         if problem:
             return problem
+    if args.plot:
+        try:
+            importlib.import_module("matplotlib")
+        except ImportError:
+            return "--plot needs matplotlib, which is not installed (pip install matplotlib)"
+    if args.pool_share <= 0.0 or not 0.0 <= args.prefix_share <= 1.0:
+        return "--pool-share must be above 0 and --prefix-share in [0, 1]"
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         return "--device cuda but CUDA is not available"
-    if args.config is None and args.l3 == "local":
+    if args.config is None and args.store == "local":
         problem = mooncake_missing()
         if problem:
             return problem
@@ -131,19 +167,27 @@ def _problem(args: argparse.Namespace) -> str | None:
 
 
 class Progress:
-    """A one-line progress bar on stderr."""
+    """Progress on stderr: a one-line bar on a terminal; elsewhere (a pipe, a log file) one
+    line as the phase starts and one as it ends."""
 
     def __init__(self, total: int, label: str, enabled: bool) -> None:
-        self.total, self.label, self.enabled, self.n = total, label, enabled, 0
+        self.total, self.label, self.n = total, label, 0
+        self.bar = enabled and sys.stderr.isatty()
+        self.lines = enabled and not self.bar
         self.start = time.perf_counter()
+        if self.lines:
+            print(f"hicache replay: {label}: {total} requests", file=sys.stderr, flush=True)
         self._draw()
 
     def tick(self, _req: Request | None = None) -> None:
         self.n += 1
         self._draw()
+        if self.lines and self.n == self.total:
+            el = time.perf_counter() - self.start
+            print(f"hicache replay: {self.label}: done in {el:.1f} s", file=sys.stderr, flush=True)
 
     def _draw(self) -> None:
-        if not self.enabled:
+        if not self.bar:
             return
         width = 30
         full = width * self.n // max(self.total, 1)
@@ -165,15 +209,16 @@ def _pct(xs: list[float], q: float) -> float:
 
 def _run(engine: Engine, convs: list[Conversation], label: str, quiet: bool) -> dict[str, Any]:
     total = sum(c.turns for c in convs)
-    bar = Progress(total, label, not quiet and sys.stderr.isatty())
+    bar = Progress(total, label, not quiet)
     t0 = time.perf_counter()
     done = drive(engine, convs, on_finish=bar.tick)
     e2e = time.perf_counter() - t0
     reqs = [r for conv in done for r in conv]
     ttft = [float(r.ttft or 0.0) for r in reqs]
     prompt = sum(len(r.prompt) for r in reqs)
-    l3 = sum(r.l3_tokens for r in reqs)
-    host = sum(r.hit_tokens for r in reqs) - l3
+    stored = sum(r.l3_tokens for r in reqs)  # from the store tiers
+    host = sum(r.hit_tokens for r in reqs) - stored
+    gpu = sum(r.gpu_hit_tokens for r in reqs)
     turns = max(c.turns for c in convs)
     per_turn = [
         statistics.median([float(conv[t].ttft or 0.0) for conv in done if len(conv) > t])
@@ -185,8 +230,9 @@ def _run(engine: Engine, convs: list[Conversation], label: str, quiet: bool) -> 
         "e2e_s": e2e,
         "requests_per_hour": len(reqs) / e2e * 3600 if e2e > 0 else float("nan"),
         "prompt_tokens": prompt,
+        "cached_tokens_gpu": gpu,
         "cached_tokens_host": host,
-        "cached_tokens_l3": l3,
+        "cached_tokens_store": stored,
         "ttft_per_turn_s": per_turn,
     }
     out["_done"] = done
@@ -201,32 +247,40 @@ def _second_instance(
     cache_config: Any,
     first: Engine,
     done: list[list[Request]],
+    quiet: bool,
 ) -> dict[str, Any]:
-    """What L3 buys a new instance (or a restarted one): a second engine, its host tier empty,
-    on the same store, serves each conversation's last turn again once the first engine's
-    write-behind has landed."""
+    """What the store tiers buy a new instance (or a restarted one): once the first engine's
+    write-behind has landed, it closes (its process could exit: the store node holds the
+    objects), and a second engine, its host tier empty, on the same store, serves each
+    conversation's last turn again."""
     deadline = time.monotonic() + 60
     while not first.cache.tiers_idle and time.monotonic() < deadline:
         first.cache.poll()
         time.sleep(0.01)
+    first.cache.close()
     second = build_engine(spec, cache_config, model=model)
+    bar = Progress(len(done), "second instance", not quiet)
     try:
         _warmup(second)
         last = [conv[-1] for conv in done]
         again = [Request(f"again-{i}", r.prompt, r.max_new_tokens) for i, r in enumerate(last)]
         second.run(again)
+        for r in again:
+            bar.tick(r)
     finally:
         second.cache.close()
     return {
         "prompt_tokens": sum(len(r.prompt) for r in again),
-        "cached_tokens_l3": sum(r.l3_tokens for r in again),
+        "cached_tokens_store": sum(r.l3_tokens for r in again),
         "ttft_p50_s": _pct([float(r.ttft or 0.0) for r in again], 50),
         "identical": all(a.output == r.output for a, r in zip(again, last)),
     }
 
 
 def _floor(engine: Engine, done: list[list[Request]], gbps: float) -> list[dict[str, float]]:
-    """For each conversation's last turn: bytes loaded / link + the suffix prefill, measured."""
+    """For each conversation's last turn: the bytes loaded / link and the suffix prefill
+    (measured, with the hit as context), summed (whole loads) or overlapped: their max plus one
+    layer's load (loads by layer)."""
     mem, rows = engine.memory, []
     page_bytes = mem.pool[0].numel() * mem.pool.element_size()
     state = 0
@@ -244,18 +298,28 @@ def _floor(engine: Engine, done: list[list[Request]], gbps: float) -> list[dict[
         if h == 0:
             continue
         load_bytes = h // mem.page_tokens * page_bytes + state
-        suffix = _time_prefill(engine, req.prompt, h)
-        floor = load_bytes / (gbps * 1e9) + suffix
+        suffix = _time_prefill(engine, req.prompt, req.gpu_hit_tokens + h)
+        load_s = load_bytes / (gbps * 1e9)
+        service = float((req.first_token_time or 0.0) - (req.admitted or req.arrival))
+        if engine.by_layer:
+            floor = max(load_s, suffix) + load_s / max(1, len(mem.full_index))
+        else:
+            floor = load_s + suffix
         rows.append(
             {
                 "prompt_tokens": n,
+                "gpu_hit_tokens": req.gpu_hit_tokens,
                 "hit_tokens": h,
                 "load_bytes": load_bytes,
-                "load_s_at_link": load_bytes / (gbps * 1e9),
+                "load_s_at_link": load_s,
                 "suffix_prefill_s": suffix,
+                "floor": "overlap" if engine.by_layer else "sum",
                 "floor_s": floor,
                 "ttft_on_s": float(req.ttft or 0.0),
-                "ratio_to_floor": float(req.ttft or 0.0) / floor,
+                # from its admission: a request that waited for blocks behind another
+                # conversation's does not count that wait against its load
+                "service_s": service,
+                "ratio_to_floor": service / floor,
             }
         )
     return rows
@@ -264,7 +328,7 @@ def _floor(engine: Engine, done: list[list[Request]], gbps: float) -> list[dict[
 def _time_prefill(engine: Engine, prompt: list[int], start: int, repeats: int = 3) -> float:
     """Median time of prefilling prompt[start:] (context start tokens; the KV content is junk)."""
     mem, P = engine.memory, engine.memory.page_tokens
-    blocks = mem.alloc_blocks(-(-len(prompt) // P))
+    blocks = engine.alloc_blocks(-(-len(prompt) // P))
     slot = mem.alloc_slot() if mem.rings is not None else None
     if blocks is None or (mem.rings is not None and slot is None):
         raise RuntimeError("no free blocks to time the suffix prefill")
@@ -296,23 +360,31 @@ def _sync(device: torch.device) -> None:
 
 
 def _warmup(engine: Engine) -> None:
-    """Run one short request so first-call costs do not land in the first measured TTFT."""
-    engine.run([Request("warmup", list(range(1, 2 * engine.memory.page_tokens + 1)), 2)])
+    """Run a short request, then one that starts with it (a hit; with hicache, hicache's: the
+    GPU prefix cache is emptied between them), so that first-call costs of the prefill, the
+    store and the load do not land in the first measured TTFT."""
+    prompt = list(range(1, 2 * engine.memory.page_tokens + 1))
+    engine.run([Request("warmup", prompt, 2)])
+    if engine.prefix is not None and engine.cache is not None:
+        engine.memory.free(engine.prefix.evict(len(engine.prefix)))
+    engine.run([Request("warmup-hit", [*prompt, *prompt], 2)])
     engine.finished.clear()
 
 
-def _plot(path: str, off: list[float], on: list[float], title: str) -> str | None:
-    try:
-        import matplotlib
+def _plot(
+    path: str, off: list[float], on: list[float], title: str, none: list[float] | None = None
+) -> None:
+    import matplotlib  # there: checked before the run
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot (pip install matplotlib)"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     turns = list(range(1, len(off) + 1))
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    ax.plot(turns, [t * 1e3 for t in off], "o-", label="cache off (recompute)")
-    ax.plot(turns, [t * 1e3 for t in on], "s-", label="cache on")
+    if none is not None:
+        ax.plot(turns, [t * 1e3 for t in none], "x:", label="engine, no prefix cache")
+    ax.plot(turns, [t * 1e3 for t in off], "o-", label="engine with GPU prefix cache")
+    ax.plot(turns, [t * 1e3 for t in on], "s-", label="same engine + hicache")
     ax.set_xlabel("turn")
     ax.set_ylabel("TTFT, median over conversations (ms)")
     ax.set_yscale("log")
@@ -322,7 +394,6 @@ def _plot(path: str, off: list[float], on: list[float], title: str) -> str | Non
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return None
 
 
 def _table(res: dict[str, Any]) -> str:
@@ -334,11 +405,12 @@ def _table(res: dict[str, Any]) -> str:
         ("end-to-end", f"{off['e2e_s']:.2f} s", f"{on['e2e_s']:.2f} s"),
         ("requests/hour", f"{off['requests_per_hour']:.0f}", f"{on['requests_per_hour']:.0f}"),
         ("prompt tokens", f"{off['prompt_tokens']}", f"{on['prompt_tokens']}"),
+        ("from GPU prefix", f"{off['cached_tokens_gpu']}", f"{on['cached_tokens_gpu']}"),
         ("from host tier", "0", f"{on['cached_tokens_host']}"),
-        *([("from L3", "0", f"{on['cached_tokens_l3']}")] if res["l3"] else []),
-        ("cached share", "0.0%", f"{share * 100:.1f}%"),
+        *([("from store tiers", "0", f"{on['cached_tokens_store']}")] if res["store"] else []),
+        ("cached share", f"{res['gpu_cached_share_off'] * 100:.1f}%", f"{share * 100:.1f}%"),
     ]
-    lines = [f"{'':16}{'cache off':>16}{'cache on':>16}"]
+    lines = [f"{'':16}{'engine':>16}{'+ hicache':>16}"]
     lines += [f"{a:16}{b:>16}{c:>16}" for a, b, c in rows]
     lines.append(f"{'outputs identical':16}{'yes' if res['identical'] else 'NO':>32}")
     return "\n".join(lines)
@@ -348,56 +420,30 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status 0 after a run; 2, with one line on stderr, for arguments or a setup that
     cannot work (checked before the run where that can be known)."""
     args = _parser().parse_args(argv)
+    if args.verbose:
+        os.environ[SHOW_NATIVE_LOG] = "1"
     problem = _problem(args)
     if problem is not None:
         print(f"hicache replay: {problem}", file=sys.stderr)
         return 2
-    log = Path(tempfile.gettempdir()) / f"hicache-replay-{os.getpid()}.log"
-    quiet = contextlib.nullcontext() if args.verbose else _native_stderr_to(log)
     try:
-        with quiet:
-            return _run_with_tiers(args, argv)
+        if args.config or args.store == "off":
+            return _main(args, argv, args.config or DEFAULT_CACHE)
+        with LocalMaster(segment_bytes=LOCAL_STORE_BYTES) as master:  # --store local
+            return _main(args, argv, {"tiers": [*DEFAULT_CACHE["tiers"], master.engine_tier()]})
     except (ConfigError, HiCacheError) as err:  # e.g. a host tier larger than this machine has
         print(f"hicache replay: {err}", file=sys.stderr)
         return 2
 
 
-@contextlib.contextmanager
-def _native_stderr_to(path: Path) -> Iterator[None]:
-    """Send what native libraries write to file descriptor 2 (Mooncake's log lines) to `path`,
-    while Python's own stderr (progress, warnings, errors) stays on the terminal. The file is
-    removed afterwards if it stayed empty, else named on stdout."""
-    sys.stderr.flush()
-    terminal = os.dup(2)
-    python_stderr = sys.stderr
-    sys.stderr = os.fdopen(os.dup(terminal), "w", buffering=1)
-    with open(path, "ab") as log:
-        os.dup2(log.fileno(), 2)
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(terminal, 2)
-        os.close(terminal)
-        sys.stderr.close()
-        sys.stderr = python_stderr
-        if path.stat().st_size == 0:
-            path.unlink()
-        else:
-            print(f"native log lines (Mooncake's; --verbose shows them): {path}")
-
-
-def _run_with_tiers(args: argparse.Namespace, argv: list[str] | None) -> int:
-    if args.config or args.l3 == "off":
-        return _main(args, argv, args.config or DEFAULT_CACHE)
-    with LocalMaster() as master:  # --l3 local: L3 on a master of this run's own
-        l3 = {
-            "type": "mooncake",
-            "master_address": master.address,
-            "local_hostname": "127.0.0.1",
-            "global_segment_size": "1GiB",
-        }
-        return _main(args, argv, {"tiers": [*DEFAULT_CACHE["tiers"], l3]})
+def _pool_blocks(convs: list[Conversation], page: int, share: float) -> int:
+    """The pool's blocks: `share` of the working set (every conversation's last prompt and
+    answer), at least the longest request and two pages more (for the warm-up)."""
+    pages = [
+        -(-(len(c.first) + sum(map(len, c.messages)) + c.turns * c.answer_tokens) // page)
+        for c in convs
+    ]
+    return max(max(pages) + 2, int(share * sum(pages)))
 
 
 def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -> int:
@@ -418,10 +464,7 @@ def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -
     except ValueError as err:
         print(f"hicache replay: {err}", file=sys.stderr)
         return 2
-    longest = max(
-        len(c.first) + sum(map(len, c.messages)) + c.turns * c.answer_tokens for c in convs_probe
-    )
-    blocks = args.conversations * (-(-longest // page) + 1) + 2 * (-(-longest // page)) + 8
+    blocks = _pool_blocks(convs_probe, page, args.pool_share)
     spec = EngineSpec(
         model=args.model,
         device=args.device,
@@ -431,6 +474,8 @@ def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -
         num_blocks=blocks,
         num_slots=args.conversations + 2,
         chunk_tokens=chunk,
+        by_layer=cuda and not args.whole_loads,
+        prefix_share=args.prefix_share,
     )
     try:
         model = load_model(spec)
@@ -452,22 +497,31 @@ def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -
     if cuda:
         torch.cuda.synchronize()
     with torch.cuda.stream(torch.cuda.Stream()) if cuda else contextlib.nullcontext():
+        none = None
+        if args.no_prefix_row:
+            none_engine = build_engine(replace(spec, prefix_share=0.0), model=model)
+            _warmup(none_engine)
+            none = _run(none_engine, convs, "no prefix", args.quiet)
+            del none_engine
+            none.pop("_done")
         off_engine = build_engine(spec, model=model)
         _warmup(off_engine)
-        off = _run(off_engine, convs, "cache off", args.quiet)
+        off = _run(off_engine, convs, "engine", args.quiet)
         del off_engine
         on_engine = build_engine(spec, cache_config, model=model)
         _warmup(on_engine)
-        on = _run(on_engine, convs, "cache on", args.quiet)
+        on = _run(on_engine, convs, "+ hicache", args.quiet)
     pairs = [
         (a.output, b.output)
         for ca, cb in zip(off.pop("_done"), on["_done"])
         for a, b in zip(ca, cb)
     ]
     identical = all(a == b for a, b in pairs)
-    cached = on["cached_tokens_host"] + on["cached_tokens_l3"]
+    cached = on["cached_tokens_gpu"] + on["cached_tokens_host"] + on["cached_tokens_store"]
     res: dict[str, Any] = {
-        "l3": len(on_engine.cache.config.tiers) > 1,
+        "baseline": "gpu_prefix_cache" if on_engine.prefix is not None else "no_prefix_cache",
+        "by_layer": spec.by_layer,
+        "store": len(on_engine.cache.config.tiers) > 1,
         "identical": identical,
         "identical_requests": sum(a == b for a, b in pairs),
         "requests": len(pairs),
@@ -476,6 +530,7 @@ def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -
         "ttft_p90_off_s": off["ttft_p90_s"],
         "ttft_p90_on_s": on["ttft_p90_s"],
         "cached_token_share": cached / on["prompt_tokens"] if on["prompt_tokens"] else 0.0,
+        "gpu_cached_share_off": off["cached_tokens_gpu"] / max(off["prompt_tokens"], 1),
         "off": off,
         "on": on,
         "last_turn_speedup": off["ttft_per_turn_s"][-1] / max(on["ttft_per_turn_s"][-1], 1e-12),
@@ -487,32 +542,46 @@ def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -
             "message_tokens": args.message_tokens,
             "answer_tokens": args.answer_tokens,
             "cache_config": cache_config,
+            "pool_share": args.pool_share,
+            "working_set_blocks": _pool_blocks(convs, page, 1.0),
             "device_name": torch.cuda.get_device_name() if cuda else "cpu",
             "torch": torch.__version__,
             "argv": list(sys.argv[1:] if argv is None else argv),
         },
     }
+    if none is not None:
+        res["no_prefix_cache"] = none
     done_on = on.pop("_done")
-    if res["l3"]:
-        with torch.cuda.stream(torch.cuda.Stream()) if cuda else contextlib.nullcontext():
-            res["second_instance"] = _second_instance(spec, model, cache_config, on_engine, done_on)
     if args.floor:
         with torch.cuda.stream(torch.cuda.Stream()) if cuda else contextlib.nullcontext():
             rows = _floor(on_engine, done_on, args.link_gbps)
         res["floor"] = rows
         if rows:
             res["ratio_to_floor_max"] = max(r["ratio_to_floor"] for r in rows)
+    if res["store"]:
+        with torch.cuda.stream(torch.cuda.Stream()) if cuda else contextlib.nullcontext():
+            res["second_instance"] = _second_instance(
+                spec, model, cache_config, on_engine, done_on, args.quiet
+            )
     print(_table(res))
     print(
-        f"last turn: TTFT {off['ttft_per_turn_s'][-1] * 1e3:.1f} ms off, "
-        f"{on['ttft_per_turn_s'][-1] * 1e3:.1f} ms on ({res['last_turn_speedup']:.1f}x)"
+        f"last turn: TTFT {off['ttft_per_turn_s'][-1] * 1e3:.1f} ms (engine with its GPU prefix "
+        f"cache), {on['ttft_per_turn_s'][-1] * 1e3:.1f} ms with hicache "
+        f"({res['last_turn_speedup']:.1f}x)"
     )
+    if none is not None:
+        print(
+            f"extra row, an engine with no prefix cache at all: last turn TTFT "
+            f"{none['ttft_per_turn_s'][-1] * 1e3:.1f} ms, "
+            f"TTFT p50 {none['ttft_p50_s'] * 1e3:.1f} ms"
+        )
     second = res.get("second_instance")
     if second is not None:
         print(
-            f"second instance (empty host tier, same store), last turns again: "
-            f"{second['cached_tokens_l3']} of {second['prompt_tokens']} prompt tokens from L3, "
-            f"TTFT {second['ttft_p50_s'] * 1e3:.1f} ms (p50; cache off: "
+            f"second instance (empty host tier, same store, the first closed), last turns "
+            f"again: {second['cached_tokens_store']} of {second['prompt_tokens']} prompt tokens "
+            f"from the store tiers, "
+            f"TTFT {second['ttft_p50_s'] * 1e3:.1f} ms (p50; engine alone: "
             f"{off['ttft_per_turn_s'][-1] * 1e3:.1f} ms), outputs identical: "
             f"{'yes' if second['identical'] else 'NO'}"
         )
@@ -520,16 +589,18 @@ def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -
         print(
             f"floor at {row['prompt_tokens']} tokens: {row['floor_s'] * 1e3:.1f} ms "
             f"(load {row['load_s_at_link'] * 1e3:.1f} + suffix {row['suffix_prefill_s'] * 1e3:.1f})"
-            f", TTFT on {row['ttft_on_s'] * 1e3:.1f} ms = {row['ratio_to_floor']:.2f}x floor"
+            f", TTFT on {row['ttft_on_s'] * 1e3:.1f} ms, from admission "
+            f"{row['service_s'] * 1e3:.1f} ms = {row['ratio_to_floor']:.2f}x floor"
         )
     if args.plot:
-        note = _plot(
+        _plot(
             args.plot,
             off["ttft_per_turn_s"],
             on["ttft_per_turn_s"],
             f"{args.model} on {args.device}: TTFT per turn",
+            none["ttft_per_turn_s"] if none is not None else None,
         )
-        print(note or f"plot: {args.plot}")
+        print(f"plot: {args.plot}")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
         print(f"json: {args.json}")

@@ -80,8 +80,8 @@ class FakeEngine:
         self.buffer = buffer
         self.states = states
         self.cache = HiCache(config, buffer, layout=self.layout, states=states, wake=wake)
-        if not self.cache.wait_ready(30):
-            raise RuntimeError("the host tier was not allocated in 30 s")
+        if not self.cache.wait_ready(120):
+            raise RuntimeError("the host tier was not allocated in 120 s")
         self.free = list(range(num_blocks - 1, -1, -1))
 
     @property
@@ -110,10 +110,10 @@ class FakeEngine:
     def match(self, rid: str, tokens: np.ndarray, salt: str | None = None) -> Match:
         """Match, asking again (one engine step apart) while an L3 lookup is pending."""
         m = self.cache.match(rid, tokens, salt=salt)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 300
         while m.pending:
             if time.monotonic() > deadline:
-                raise AssertionError(f"request {rid}: still pending after 30 s")
+                raise AssertionError(f"request {rid}: still pending after 300 s")
             time.sleep(0.002)
             self.cache.poll()
             m = self.cache.match(rid, tokens, salt=salt)
@@ -146,6 +146,10 @@ class FakeEngine:
         return m
 
 
+PATIENT_WAIT_MS = 600_000.0
+"""`Policy.fetch_max_wait_ms` of the tests' configurations: ten minutes, that is no deadline."""
+
+
 def config(
     page_tokens: int = 4,
     page_bytes: int = 64,
@@ -154,7 +158,10 @@ def config(
     state_slots: int = 8,
     **policy: object,
 ) -> dict:
-    """A small configuration as a mapping (tests load it with env={})."""
+    """A small configuration as a mapping (tests load it with env={}). A request waits for the
+    store tiers as long as they take (`PATIENT_WAIT_MS`) unless `fetch_max_wait_ms` is given:
+    a test that is not about that deadline must not depend on how fast the machine is."""
+    policy = {"fetch_max_wait_ms": PATIENT_WAIT_MS, **policy}
     return {
         "layout": {
             "model": "test-model",

@@ -5,8 +5,9 @@ operation on a long array, torch's ``Event.record``, a blocking lock) lets any h
 is waiting for the GIL run first, and the engine waits for it. The watch arms a thread that wants
 the GIL during the call, and only then: it runs (and counts) if and only if the call releases it.
 A release can be missed (the watcher may not have queued for the GIL yet, or a worker may take
-it first), never invented: the switch interval is raised while the watch is on, so nothing but a
-release hands the GIL over.
+it first), never invented: the switch interval is raised to a minute while the watch is on, so
+nothing but a release hands the GIL over (with the usual interval, or a second, a thread starved
+on a busy machine would have the GIL taken from it in the middle of a call).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class GilWatch:
         self._runs = 0
         self._closed = False
         self._interval = sys.getswitchinterval()
-        sys.setswitchinterval(1.0)  # no forced hand-over during a watched call
+        sys.setswitchinterval(60.0)  # no forced hand-over during a watched call
         self._thread = threading.Thread(target=self._watch, daemon=True, name="gil-watch")
         self._thread.start()
 

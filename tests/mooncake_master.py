@@ -16,11 +16,8 @@ Both skip when Mooncake is not installed, or fail under ``HICACHE_REQUIRE_MOONCA
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -53,24 +50,22 @@ class MooncakeMaster(LocalMaster):
     def __init__(self, extra_args: Sequence[str] = (), log_dir: str | None = None) -> None:
         super().__init__(extra_args, log_dir)
         self._clients: list[_Closable] = []
-        self._segment: SegmentHolder | None = None
 
     @property
     def tier_config(self) -> dict[str, object]:
-        """Fields of a ``type: mooncake`` tier section for engines under test: this master, small
-        quick settings, and no segment of their own (``global_segment_size: 0``).
+        """Fields of a ``type: mooncake`` tier section for engines under test: this master, quick
+        reconnects, calls given time (tests about deadlines set their own), and no segment of
+        their own (``global_segment_size: 0``).
 
-        The first access starts a helper process that holds a 128 MiB segment for as long as
-        the master runs, so that objects outlive the engine that put them (a client's segment,
-        and every object in it, goes away when the client closes)."""
-        if self._segment is None:
-            self._segment = SegmentHolder(self.address, 128 << 20)
+        The first access starts a store node that holds a 128 MiB segment for as long as the
+        master runs, so that objects outlive the engine that put them (a client's segment, and
+        every object in it, goes away when the client closes)."""
+        if self.node is None:
+            self.add_node(128 << 20)
         return {
-            "master_address": self.address,
-            "local_hostname": "127.0.0.1",
-            "global_segment_size": 0,
+            **{k: v for k, v in self.engine_tier().items() if k != "type"},
             "local_buffer_size": "16MiB",
-            "call_timeout_s": 2.0,
+            "call_timeout_s": 30.0,  # a loaded machine's calls are not failures
             "reconnect_backoff_s": 0.2,
             "breaker_reprobe_s": 0.5,
         }
@@ -83,9 +78,6 @@ class MooncakeMaster(LocalMaster):
     def close_clients(self) -> None:
         while self._clients:
             self._clients.pop().close()
-        if self._segment is not None:
-            self._segment.close()
-            self._segment = None
 
     def pause(self, timeout_s: float = 5.0) -> None:
         """SIGSTOP: the master keeps its sockets but answers nothing. Returns once every thread
@@ -105,7 +97,7 @@ class MooncakeMaster(LocalMaster):
             self.proc.send_signal(signal.SIGCONT)
 
     def stop(self) -> None:
-        """Close tracked clients, then end the master (SIGTERM, SIGKILL after 5 s)."""
+        """Close tracked clients, then end the store node and the master."""
         self.close_clients()
         super().stop()
 
@@ -117,48 +109,6 @@ def _stopped(task: Path) -> bool:
     except OSError:
         return True
     return stat[stat.rindex(")") + 2] == "T"
-
-
-_HOLD_SEGMENT = """
-import sys
-from mooncake.store import MooncakeDistributedStore
-client = MooncakeDistributedStore()
-rc = client.setup("127.0.0.1", "P2PHANDSHAKE", int(sys.argv[2]), 16 << 20, "tcp", "", sys.argv[1])
-print("ready" if rc == 0 else f"setup failed {rc}", flush=True)
-sys.stdin.read()
-if rc == 0:
-    client.close()
-"""
-
-
-class SegmentHolder:
-    """A process that contributes one segment to the store until `close`."""
-
-    def __init__(self, master_address: str, nbytes: int) -> None:
-        env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1", MC_LOG_LEVEL="ERROR")
-        env.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "2")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _HOLD_SEGMENT, master_address, str(nbytes)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=env,
-        )
-        line = self.proc.stdout.readline().strip() if self.proc.stdout else ""
-        if line != "ready":
-            self.close()
-            raise RuntimeError(f"segment holder did not start: {line!r}")
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture(scope="session")

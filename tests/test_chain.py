@@ -59,7 +59,7 @@ def fresh_tier(kind: str, master, tmp_path: Path, **kw: object) -> dict:
     return disk(tmp_path / "d", **kw)
 
 
-def settle(engine: FakeEngine, timeout: float = 15) -> None:
+def settle(engine: FakeEngine, timeout: float = 120) -> None:
     """Poll until no store tier has work queued or running."""
     deadline = time.monotonic() + timeout
     while not engine.cache.tiers_idle:

@@ -14,13 +14,15 @@ from hicache.backends.mooncake_local import free_port
 
 TINY = [
     "--model", "tiny-llama", "--conversations", "1", "--turns", "2", "--first-tokens", "256",
-    "--message-tokens", "8", "--answer-tokens", "2", "--plot", "", "--quiet",
+    "--message-tokens", "8", "--answer-tokens", "2", "--quiet",
 ]  # fmt: skip
 
 
-def hicache(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def hicache(*args: str, cwd: Path | None = None, pre: str = "") -> subprocess.CompletedProcess[str]:
+    """Run ``hicache ARGS`` in a fresh interpreter (after the Python statements `pre`)."""
+    code = f"import sys\n{pre}\nfrom hicache.cli import main\nsys.exit(main(sys.argv[1:]))"
     return subprocess.run(
-        [sys.executable, "-m", "hicache.cli", *args], cwd=cwd, capture_output=True, text=True
+        [sys.executable, "-c", code, *args], cwd=cwd, capture_output=True, text=True
     )
 
 
@@ -78,21 +80,61 @@ def test_a_short_replay_with_a_local_store_keeps_mooncake_quiet(tmp_path: Path):
     from mooncake_master import require_mooncake
 
     require_mooncake()
-    done = hicache("replay", *TINY, "--l3", "local", "--json", "out.json", cwd=tmp_path)
+    done = hicache("replay", *TINY, "--store", "local", "--json", "out.json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert done.stderr == ""  # Mooncake's log lines go to a file without --verbose
-    rows = [line.split()[0:2] for line in done.stdout.splitlines()]
-    assert ["from", "L3"] in rows and ["outputs", "identical"] in rows
+    assert done.stderr == ""  # no Mooncake log line without --verbose
+    rows = [line.split()[0:3] for line in done.stdout.splitlines()]
+    assert ["from", "store", "tiers"] in rows and ["outputs", "identical", "yes"] in rows
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no plot unless asked
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["identical"] and result["requests"] == 2
     # the last prompt (256 + 2 + 9 tokens, seeded) holds 8 pages of 32 tokens: two groups of 4 in
-    # the store, and a second instance takes all of them from there
+    # the store, and a second instance, started after the first closed, takes all from there
     assert result["second_instance"] == {
         **result["second_instance"],
         "prompt_tokens": 267,
-        "cached_tokens_l3": 256,
+        "cached_tokens_store": 256,
         "identical": True,
     }
+
+
+def test_off_a_terminal_each_phase_is_a_line_on_stderr_and_l3_is_still_understood(
+    tmp_path: Path,
+):
+    tiny = [a for a in TINY if a != "--quiet"]
+    done = hicache("replay", *tiny, "--l3", "off", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = [line.split(" in ")[0] for line in done.stderr.splitlines()]
+    assert lines == [
+        "hicache replay: engine: 2 requests",
+        "hicache replay: engine: done",
+        "hicache replay: + hicache: 2 requests",
+        "hicache replay: + hicache: done",
+    ]
+    assert "matplotlib" not in done.stdout + done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plot_without_matplotlib_fails_before_the_run(tmp_path: Path):
+    done = hicache(
+        "replay", *TINY, "--plot", "t.png", cwd=tmp_path, pre="sys.modules['matplotlib'] = None"
+    )
+    assert (done.returncode, done.stderr) == (
+        2,
+        "hicache replay: --plot needs matplotlib, which is not installed (pip install "
+        "matplotlib)\n",
+    )
+
+
+def test_a_disk_directory_that_cannot_be_used_fails_before_the_run(tmp_path: Path):
+    path = config(tmp_path, "tiers: [{type: host, size: 64MiB}, {type: disk, path: /proc/x, "
+                  "size: 1GiB}]\n")
+    done = hicache("replay", *TINY, "--config", path)
+    assert (done.returncode, done.stderr) == (
+        2,
+        f"hicache replay: {path}: tiers.1.path: /proc/x: cannot create files there: No such "
+        "file or directory\n",
+    )
 
 
 @pytest.mark.parametrize("flag", ["--version", "-V"])

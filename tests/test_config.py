@@ -127,35 +127,74 @@ def test_cli_config_check(tmp_path: Path):
     ]
 
 
-def test_config_check_refuses_cpus_this_machine_lacks(tmp_path: Path):
+def check(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hicache.cli", "config", "check", *args],
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_config_check_warns_of_cpus_this_machine_lacks_and_strict_refuses_them(tmp_path: Path):
     cpus = sorted(os.sched_getaffinity(0))
     outside = max(cpus) + 1
     text = f"tiers: [{{type: host, size: 1GiB}}, {{type: mooncake, worker_cpus: [{outside}]}}]"
     bad = write(tmp_path, text)
     load_config(bad, env={})  # valid as a file: another machine may have that CPU
-    done = subprocess.run(
-        [sys.executable, "-m", "hicache.cli", "config", "check", str(bad)],
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 2
     allowed = f"{cpus[0]}-{cpus[-1]}" if len(cpus) > 1 else str(cpus[0])  # contiguous here
-    assert done.stderr.splitlines() == [
-        f"error: {bad}: tiers.1.worker_cpus: CPU {outside} is not one this process may run on "
+    problem = (
+        f"{bad}: tiers.1.worker_cpus: CPU {outside} is not one this process may run on "
         f"(allowed: {allowed})"
-    ]
-
-
-def test_config_check_refuses_a_host_tier_larger_than_this_machine(tmp_path: Path):
-    bad = write(tmp_path, "tiers: [{type: host, size: 1PiB}]")
-    done = subprocess.run(
-        [sys.executable, "-m", "hicache.cli", "config", "check", str(bad)],
-        capture_output=True,
-        text=True,
     )
-    assert done.returncode == 2
-    (line,) = done.stderr.splitlines()
-    assert line.startswith(f"error: {bad}: tiers.0.size: 1.05e+06 GiB is more than this machine")
+    valid = check(str(bad))
+    assert (valid.returncode, valid.stderr.splitlines()) == (0, [f"warning: {problem}"])
+    assert "worker_cpus:" in valid.stdout
+    strict = check("--strict", str(bad))
+    assert (strict.returncode, strict.stderr.splitlines()) == (2, [f"error: {problem}"])
+
+
+def test_config_check_warns_of_a_host_tier_larger_than_this_machine(tmp_path: Path):
+    bad = write(tmp_path, "tiers: [{type: host, size: 1PiB}]")
+    for args, code, word in (([], 0, "warning"), (["--strict"], 2, "error")):
+        done = check(*args, str(bad))
+        assert done.returncode == code
+        (line,) = done.stderr.splitlines()
+        assert line.startswith(f"{word}: {bad}: tiers.0.size: 1.05e+06 GiB is more than this")
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_every_shipped_configuration_is_valid_anywhere(name: str):
+    done = check(str(CONFIGS / name))
+    assert done.returncode == 0, done.stderr
+    assert all(line.startswith("warning: ") for line in done.stderr.splitlines())
+
+
+@pytest.mark.parametrize(
+    ("path", "why"),
+    [
+        ("/proc/x", "/proc/x: cannot create files there: No such file or directory"),
+        ("/no/such/mount/hicache", "/no/such/mount/hicache: its parent /no/such/mount is not a "
+         "directory"),
+        ("FILE", "FILE is not a directory"),
+    ],
+)
+def test_a_disk_directory_that_cannot_be_used_is_named_in_one_line(tmp_path: Path, path, why):
+    afile = tmp_path / "a-file"
+    afile.write_text("")
+    path, why = path.replace("FILE", str(afile)), why.replace("FILE", str(afile))
+    bad = write(tmp_path, f"tiers: [{{type: host, size: 64MiB}}, {{type: disk, path: {path}, "
+                "size: 1GiB}]")
+    strict = check("--strict", str(bad))
+    assert (strict.returncode, strict.stderr) == (2, f"error: {bad}: tiers.1.path: {why}\n")
+    assert check(str(bad)).returncode == 0  # valid: the directory may exist where it runs
+
+
+def test_a_disk_directory_that_can_be_made_passes_and_is_not_left_behind(tmp_path: Path):
+    good = write(tmp_path, f"tiers: [{{type: host, size: 64MiB}}, {{type: disk, path: "
+                 f"{tmp_path}/new, size: 1GiB}}]")
+    done = check("--strict", str(good))
+    assert (done.returncode, done.stderr) == (0, "")
+    assert not (tmp_path / "new").exists()
 
 
 def test_the_fetch_reserve_takes_a_byte_size(tmp_path: Path):

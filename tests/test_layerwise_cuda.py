@@ -131,7 +131,9 @@ def test_refengine_on_the_gpu_answers_exactly_with_loads_by_layer_and_partial_fe
         vocab_size=1000,
         seed=9,
     )
-    spec = dict(page_tokens=P, num_blocks=256, num_slots=8, chunk_tokens=64, device="cuda")
+    spec = dict(
+        page_tokens=P, num_blocks=256, num_slots=8, chunk_tokens=64, device="cuda", prefix_share=0.0
+    )
     off = drive(build_engine(EngineSpec(**spec), model=model), convs)
     for share in (None, 0.5):
         eng = build_engine(EngineSpec(**spec, by_layer=True), HOST, model=model)

@@ -41,7 +41,7 @@ def mooncake_config(
     return cfg
 
 
-def wait_until(cond: Callable[[], bool], engine: FakeEngine | None = None, timeout: float = 15):
+def wait_until(cond: Callable[[], bool], engine: FakeEngine | None = None, timeout: float = 120):
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
@@ -287,7 +287,7 @@ def test_an_engine_that_sleeps_is_woken_when_its_fetch_has_landed(mooncake_maste
     m = reader.cache.match("r", p)
     wakes = 0
     while m.pending:  # clear, then match: a result posted in between is applied, not lost
-        assert landed.wait(10)
+        assert landed.wait(120)
         landed.clear()
         wakes += 1
         m = reader.cache.match("r", p)  # applies the posted result itself, no poll needed

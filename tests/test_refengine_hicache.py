@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from fake_engine import PATIENT_WAIT_MS
 
 pytest.importorskip("hicache.cache")
 
@@ -59,7 +60,8 @@ def model(request):
 
 
 def _spec(**kw) -> EngineSpec:
-    base = dict(page_tokens=PAGE, num_blocks=256, num_slots=8, chunk_tokens=64)
+    # no GPU prefix cache: every hit is hicache's
+    base = dict(page_tokens=PAGE, num_blocks=256, num_slots=8, chunk_tokens=64, prefix_share=0.0)
     return EngineSpec(**{**base, **kw})
 
 
@@ -162,7 +164,8 @@ def test_second_instance_hits_through_l3(model, mooncake_master):
         "tiers": [
             {"type": "host", "size": "32MiB"},
             {"type": "mooncake", **mooncake_master.tier_config},
-        ]
+        ],
+        "policy": {"fetch_max_wait_ms": PATIENT_WAIT_MS},  # no deadline: not what is tested
     }
     convs = make_workload(
         conversations=2,

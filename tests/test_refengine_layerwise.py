@@ -42,7 +42,8 @@ def off(model, convs):
 
 
 def _spec(**kw) -> EngineSpec:
-    base = dict(page_tokens=PAGE, num_blocks=256, num_slots=8, chunk_tokens=64)
+    # no GPU prefix cache: every hit is hicache's
+    base = dict(page_tokens=PAGE, num_blocks=256, num_slots=8, chunk_tokens=64, prefix_share=0.0)
     return EngineSpec(**{**base, **kw})
 
 

@@ -288,3 +288,51 @@ def test_progress_bar_draws_and_clears_only_when_shown() -> None:
     with Progress(4, show=False, stream=quiet) as bar:
         bar.advance(4)
     assert quiet.getvalue() == "" and bar.done == 4
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--page-tokens", "0"], "--page-tokens: must be positive, got 0"),
+        (["--json", "/missing/dir/x.json"], "--json /missing/dir/x.json: the folder"),
+        (["--host-size", "-5"], "--host-size '-5' must be positive"),
+        (["--host-size=-5%"], "--host-size '-5%' must be positive"),
+    ],
+)
+def test_cli_checks_its_arguments_before_any_work(
+    trace: Path, args: list[str], message: str, capsys: pytest.CaptureFixture
+) -> None:
+    try:
+        rc = main([str(trace), *args])
+    except SystemExit as done:  # argparse's own check
+        rc = done.code
+    assert rc == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_takes_the_configs_host_size_over_its_page_size(
+    trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "layout: {model: m, kv_dtype: bf16, page_tokens: 128, page_bytes: 1048576}\n"
+        "tiers: [{type: host, size: 40MiB}]\n"
+    )
+    out = tmp_path / "r.json"
+    assert main([str(trace), "--config", str(config), "--limit", "50", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["host_pages"] == 40  # 40 MiB of 1 MiB pages
+
+
+def test_cli_fails_at_once_on_a_store_master_that_does_not_answer(
+    trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from hicache.backends.mooncake_local import free_port
+
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "tiers:\n  - {type: host, size: 40MiB}\n"
+        f"  - {{type: mooncake, master_address: '127.0.0.1:{free_port()}'}}\n"
+    )
+    assert main([str(trace), "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "does not answer" in err and len(err.splitlines()) == 1

@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from hicache.backends.mooncake_local import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 RUNNER = Path(__file__).with_name("vllm_run.py")
+SHIPPED = Path(__file__).resolve().parent.parent / "configs" / "vllm.yaml"
 BLOCK = 32
 WORKLOAD = {"conversations": 8, "turns": 3, "first": 120, "user": 40, "output": 48}
 SMALL_KV = 24 * BLOCK * 2 * 2 * 2 * 64 * 4  # 24 blocks of this model: 8 answers cannot all fit
@@ -53,8 +55,10 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def run_vllm(model: Path, out: Path, hicache: dict | None = None, **options: Any) -> dict:
-    """One vLLM process through the workload; its result (answers, metrics, hicache's)."""
+def vllm_process(
+    model: Path, out: Path, hicache: dict | None = None, **options: Any
+) -> subprocess.CompletedProcess:
+    """One vLLM process through the workload (its result in `out`)."""
     args = [sys.executable, RUNNER, "--model", model, "--out", out, "--block", str(BLOCK)]
     port = None
     if hicache is not None:
@@ -64,7 +68,12 @@ def run_vllm(model: Path, out: Path, hicache: dict | None = None, **options: Any
     for key, value in {**WORKLOAD, **options}.items():
         flag = "--" + key.replace("_", "-")
         args += [flag] if value is True else [flag, str(value)]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    return subprocess.run(args, capture_output=True, text=True, timeout=600)
+
+
+def run_vllm(model: Path, out: Path, hicache: dict | None = None, **options: Any) -> dict:
+    """One vLLM process through the workload; its result (answers, metrics, hicache's)."""
+    proc = vllm_process(model, out, hicache, **options)
     if proc.returncode:
         pytest.fail(f"vLLM run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text())
@@ -127,16 +136,59 @@ def test_identical_answers_and_exact_host_hits(models, baseline, tmp_path):
     assert_books_clean(r)
 
 
-def test_tensor_parallel_ranks_each_hit_their_own_shard(models, tmp_path):
+@pytest.mark.mooncake
+def test_tensor_parallel_ranks_each_hit_their_own_shard_with_the_shipped_config(
+    models, start_mooncake_master, tmp_path
+):
     """TP=2, vLLM's multiprocess executor (the scheduler and each rank's worker in processes
-    of their own): each rank keeps its own host tier (its KV heads: the rank is in the keys)
-    and serves exactly the cacheable tokens; answers as TP=2 without the cache."""
+    of their own), with the shipped configs/vllm.yaml (a host tier, a disk) and Mooncake: each
+    rank keeps its own host tier (its KV heads: the rank is in the keys) and its own disk
+    directory, and serves exactly the cacheable tokens; answers as TP=2 without the cache.
+    The host tier is made small for the test machine; the disk path and the master are the
+    test's."""
+    shipped = yaml.safe_load(SHIPPED.read_text())
+    host, disk = shipped["tiers"]
+    master = start_mooncake_master()
+    moon = {"type": "mooncake", **master.tier_config, "group_pages": 1}
+    config = {"tiers": [
+        {**host, "size": "64MiB"}, {**disk, "path": str(tmp_path / "disk")}, moon,
+    ]}  # fmt: skip
     base = run_vllm(models["llama"], tmp_path / "base.json", tp=2, executor="mp")
-    r = run_vllm(models["llama"], tmp_path / "r.json", HOST, tp=2, executor="mp")
+    r = run_vllm(models["llama"], tmp_path / "r.json", config, tp=2, executor="mp")
     assert r["answers"] == base["answers"]
     for rank in r["hicache_by_rank"]:
-        assert hits({"hicache": rank}) == {"host": cacheable_tokens()}
+        assert hits({"hicache": rank}) == {"host": cacheable_tokens(), "disk": 0, "mooncake": 0}
         assert_books_clean({"hicache": rank})
+        # the cost model follows vLLM's measured prefill, not its starting guess
+        assert rank["hicache_prefill_tokens_per_second"] not in (0, 20_000)
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["rank0", "rank1"]
+
+
+def test_a_configuration_error_reaches_the_operator_as_one_line_first(models, tmp_path):
+    """A host tier larger than the machine: vLLM stops at start, and the cause is one line
+    logged at error level before vLLM's traceback, whose final error repeats it (vLLM's
+    engine reports a worker's failure with the message of its exception)."""
+    huge = {"tiers": [{"type": "host", "size": "900GiB"}]}
+    proc = vllm_process(models["llama"], tmp_path / "r.json", huge)
+    assert proc.returncode != 0
+    line = next(x for x in proc.stderr.splitlines() if "is more than this machine" in x)
+    assert line.startswith("hicache: TP rank 0: host tier size: 900 GiB is more than this")
+    first = proc.stderr.index(line)
+    assert "Traceback" not in proc.stderr[:first]
+    assert f"error '{line}'" in proc.stderr[first + len(line) :]
+
+
+def test_two_lora_adapters_on_one_model_never_hit_each_others_pages(models, tmp_path):
+    """Every conversation runs under two LoRA adapters, so their first prompts are the same
+    tokens: each adapter's turns hit only its own earlier turns (none of the other adapter's
+    pages), and the answers are as without the connector."""
+    base = run_vllm(models["llama"], tmp_path / "base.json", lora_adapters=2)
+    r = run_vllm(models["llama"], tmp_path / "r.json", HOST, lora_adapters=2)
+    n = WORKLOAD["conversations"]
+    assert [a[0] for a in base["answers"][:n]] != [a[0] for a in base["answers"][n:]]
+    assert r["answers"] == base["answers"]
+    assert hits(r) == {"host": 2 * cacheable_tokens()}
+    assert_books_clean(r)
 
 
 def test_small_gpu_budget_with_prefix_caching_preempts_and_stays_identical(

@@ -4,19 +4,31 @@ connector reads), and the worker's HiCache over CPU tensors shaped as vLLM's, by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import time
+import uuid
 from types import SimpleNamespace
+from typing import Literal
 
 import pytest
 import torch
+from memory_tier import MISSING, MemoryConfig, MemoryTier
 from test_vllm import require_vllm
 
 pytestmark = pytest.mark.vllm
 require_vllm()
 
+from vllm import SamplingParams  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
 
 from hicache import load_config  # noqa: E402
+from hicache.backends.registry import register_tier  # noqa: E402
+from hicache.config import ConfigError  # noqa: E402
+from hicache.integrations.vllm.connector import for_rank, in_one_line  # noqa: E402
+from hicache.integrations.vllm.inputs import refuse_unsupported  # noqa: E402
 from hicache.integrations.vllm.meta import (  # noqa: E402
     Answer,
     Answers,
@@ -32,16 +44,29 @@ from hicache.integrations.vllm.worker import WorkerCache  # noqa: E402
 P = 4  # tokens a block
 
 
-@dataclass
-class Req:
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int = 0
-    cache_salt: str | None = None
+def Req(
+    rid: str,
+    tokens: list[int],
+    salt: str | None = None,
+    lora: tuple[str, str] | None = None,
+    images: tuple[tuple[str, int, int], ...] = (),
+) -> Request:
+    """vLLM's own Request: `lora` (name, path); `images` (content hash, offset, length)."""
+    features = [
+        MultiModalFeatureSpec(None, "image", h, PlaceholderRange(offset=o, length=n))
+        for h, o, n in images
+    ]
+    adapter = LoRARequest(lora[0], len(lora[0]), lora[1]) if lora else None
+    return Request(
+        rid, list(tokens), SamplingParams(max_tokens=64), None,
+        mm_features=features, lora_request=adapter, cache_salt=salt,
+    )  # fmt: skip
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+
+def advance(r: Request, computed: int, tokens: int) -> None:
+    """vLLM computed `computed` tokens of `r`, which has `tokens` (prompt and sampled) now."""
+    r.num_computed_tokens = computed
+    r.append_output_token_ids(list(range(r.num_tokens, tokens)))
 
 
 def sched(scheduled=None, tables=None, spec=None) -> SimpleNamespace:
@@ -111,13 +136,13 @@ def test_stores_follow_completed_pages_with_only_the_new_tokens():
     table = {"s": [3, 1, 4, 2]}
     step = books.build(sched({"s": 10}, table))  # the prefill writes blocks 3 and 1
     assert step.stores == [Store("s", 0, list(range(10)), 10, [3, 1, 4, 2])]
-    r.num_computed_tokens, r.all_token_ids = 10, list(range(11))
+    advance(r, 10, 11)
     assert books.build(sched({"s": 1}, table)).stores == []  # token 10: no new whole block
-    r.num_computed_tokens, r.all_token_ids = 12, list(range(13))
+    advance(r, 12, 13)
     assert books.build(sched({"s": 1}, table)).stores == [
         Store("s", 10, [10, 11, 12], 13, table["s"])
     ]
-    r.num_computed_tokens, r.all_token_ids = 13, list(range(14))
+    advance(r, 13, 14)
     # three of the four scheduled tokens are speculative: only token 13 is surely written
     assert books.build(sched({"s": 4}, table, {"s": [7, 7, 7]})).stores == []
     # async scheduling: tokens 14.. are not sampled yet, so block 3 cannot be stored
@@ -137,11 +162,17 @@ def test_a_finished_request_is_forgotten_on_both_sides():
 # -- the worker ------------------------------------------------------------------------------
 
 
-def worker(blocks: int = 16) -> tuple[WorkerCache, dict[str, torch.Tensor]]:
+PAGE_BYTES = 2 * 2 * P * 8 * 4  # a block of both layers
+
+
+def worker(
+    blocks: int = 16, host_pages: int = 2048, tiers: tuple[dict, ...] = (), pin_share: float = 0.5
+) -> tuple[WorkerCache, dict[str, torch.Tensor]]:
     """A WorkerCache over two layers shaped as vLLM's CPU caches: (2, blocks, P, 8) float32."""
-    config = load_config({"tiers": [{"type": "host", "size": "1MiB"}]}, env={})
+    host = {"type": "host", "size": host_pages * PAGE_BYTES}
+    config = load_config({"tiers": [host, *tiers]}, env={})
     fields = dict(model="tiny", kv_dtype="float32", page_tokens=P, tp_rank=0, tp_size=1)
-    w = WorkerCache(config, {**fields, "kv_head_sharded": True})
+    w = WorkerCache(config, {**fields, "kv_head_sharded": True}, pin_share)
     kv = {f"layer.{i}": torch.zeros(2, blocks, P, 8) for i in range(2)}
     w.register(kv, blocks)
     return w, kv
@@ -222,3 +253,283 @@ def test_worker_reports_what_its_counters_gained_to_vllms_connector_stats():
         "hit_tokens_host": 12,
         "pages_loaded": 5,
     }
+
+
+# -- both halves, step by step ----------------------------------------------------------------
+
+
+class Engine:
+    """The scheduler half and one worker wired as vLLM wires them, one `step` at a time."""
+
+    def __init__(self, w: WorkerCache, books: SchedulerBooks | None = None) -> None:
+        self.books, self.w = books or SchedulerBooks(P, ranks=1), w
+        self.next_block = 0
+
+    def step(self, scheduled=None, tables=None, spec=None) -> StepMeta:
+        meta = self.books.build(sched(scheduled, tables, spec))
+        self.w.began(meta)
+        self.w.start(meta)
+        self.w.after(meta)
+        self.books.answered(SimpleNamespace(kv_connector_worker_meta=self.w.answers()))
+        return meta
+
+    def ask(self, r: Request, computed: int = 0) -> int:
+        """The hit granted to `r` once the worker has answered (vLLM takes none of it)."""
+        assert self.books.matched_tokens(r, computed) == (None, False)
+        self.step()
+        hit, _ = self.books.matched_tokens(r, computed)
+        self.books.allocated(r, 0)
+        return computed + hit
+
+    def prefill(self, r: Request) -> list[int]:
+        """vLLM prefills `r` in one step from scratch (no hit): its blocks, now stored."""
+        if self.books.matched_tokens(r, 0)[0] is None:
+            self.step()
+            self.books.matched_tokens(r, 0)
+        self.books.allocated(r, 0)
+        table = list(range(self.next_block, self.next_block + r.num_tokens // P + 1))
+        self.next_block += len(table)
+        self.step({r.request_id: r.num_tokens}, {r.request_id: table})
+        return table
+
+
+def test_two_lora_adapters_never_share_pages_and_an_adapter_is_its_name_and_path():
+    """The same prompt under adapter alpha, then asked under beta, under alpha re-pointed at
+    another path, without an adapter, and under alpha with another of vLLM's per-process ids."""
+    e = Engine(worker(blocks=32)[0])
+    prompt = list(range(13))
+    e.prefill(Req("a", prompt, lora=("alpha", "/adapters/alpha")))
+    assert e.ask(Req("b", prompt, lora=("beta", "/adapters/beta"))) == 0
+    assert e.ask(Req("c", prompt, lora=("alpha", "/adapters/alpha-v2"))) == 0
+    assert e.ask(Req("d", prompt)) == 0
+    again = Req("e", prompt, lora=("alpha", "/adapters/alpha"))
+    again.lora_request.lora_int_id = 77
+    assert e.ask(again) == 12
+    # a tenant salt and an adapter together: both must agree
+    e.prefill(Req("f", prompt, salt="t1", lora=("beta", "/adapters/beta")))
+    assert e.ask(Req("g", prompt, salt="t2", lora=("beta", "/adapters/beta"))) == 0
+    assert e.ask(Req("h", prompt, salt="t1", lora=("beta", "/adapters/beta"))) == 12
+
+
+def test_two_images_behind_the_same_placeholder_ids_share_only_the_pages_before_them():
+    """Tokens 4..11 are an image's placeholders (the same ids for every image): the first page
+    is text alone and shared; from the image's first page on, only the same image hits."""
+    e = Engine(worker(blocks=32)[0])
+    prompt = [7] * 4 + [99] * 8 + list(range(5))  # 17 tokens, 4 pages before the last token
+    e.prefill(Req("a", prompt, images=(("cat", 4, 8),)))
+    assert e.ask(Req("b", prompt, images=(("dog", 4, 8),))) == 4
+    assert e.ask(Req("c", prompt)) == 4  # the placeholder ids as text
+    assert e.ask(Req("d", prompt, images=(("cat", 4, 8),))) == 16
+    assert e.ask(Req("e", prompt, images=(("cat", 8, 4),))) == 4  # the same image, elsewhere
+
+
+def test_prompt_embeddings_are_refused_at_start_in_one_line():
+    config = SimpleNamespace(model_config=SimpleNamespace(enable_prompt_embeds=True))
+    with pytest.raises(ConfigError, match=r"^hicache: prompt embeddings .* not supported"):
+        refuse_unsupported(config)
+    refuse_unsupported(SimpleNamespace(model_config=SimpleNamespace(enable_prompt_embeds=False)))
+
+
+def test_a_question_vllms_own_cache_then_covers_lets_its_pins_go_and_stores_go_on():
+    """The question is out and answered by the worker, but before the scheduler reads the
+    answer vLLM's own prefix cache comes to cover the prompt: the question is withdrawn, the
+    worker's pins go, and the request's later stores are made."""
+    w, _ = worker(blocks=32)
+    e = Engine(w)
+    e.prefill(Req("a", list(range(13))))
+    q = Req("q", list(range(21)))
+    assert e.books.matched_tokens(q, 0) == (None, False)
+    meta = e.books.build(sched())
+    w.start(meta)  # the worker answers a hit of 12 and pins it
+    assert w.cache.stats()["host_pinned"] == 3
+    assert e.books.matched_tokens(q, 20) == (0, False)  # vLLM's own cache holds 20 tokens
+    e.books.allocated(q, 0)
+    e.books.answered(SimpleNamespace(kv_connector_worker_meta=w.answers()))  # too late
+    q.num_computed_tokens = 20
+    stored = w.cache.stats()["pages_stored"]
+    e.step({"q": 1}, {"q": list(range(20, 26))})
+    stats = w.cache.stats()
+    assert (stats["host_pinned"], stats["requests"]) == (0, 0)
+    assert stats["pages_stored"] - stored == 2  # pages 3 and 4 of q
+
+
+def test_no_store_takes_a_block_whose_load_failed_nor_a_page_after_it_in_any_step():
+    """A load of pages 1-2 fails (the worker was never asked: nothing pinned), vLLM computed
+    page 0 itself. The same step's store, and a later one, store page 0 only: the failed
+    blocks hold what vLLM will recompute, and the pages after them were computed from them."""
+    w, _ = worker()
+    prompt = list(range(100, 117))
+    w.start(StepMeta(loads=[Load("b", 4, 12, [0, 1, 2])]))
+    assert w.load_errors() == {1, 2}
+    w.after(StepMeta(stores=[Store("b", 0, prompt[:13], 13, [0, 1, 2, 3])]))
+    w.start(StepMeta())
+    w.after(StepMeta(stores=[Store("b", 13, prompt[13:], 17, [0, 1, 2, 3, 4])]))
+    w.start(StepMeta(lookups=[Lookup("c", prompt, 0)]))
+    assert w.answers() == Answers({0: [Answer("c", 0, 4, (("host", 4),))]})
+    assert w.cache.stats()["pages_stored"] == 1
+
+
+def test_a_request_sharing_a_failed_block_in_that_step_does_not_store_from_it():
+    w, _ = worker()
+    w.start(StepMeta(loads=[Load("b", 0, 8, [5, 6])]))
+    assert w.load_errors() == {5, 6}
+    # another request whose table holds block 6 (vLLM's prefix cache shared it) in that step
+    w.after(StepMeta(stores=[Store("o", 0, list(range(16)), 16, [4, 6, 7, 8])]))
+    w.start(StepMeta(lookups=[Lookup("c", list(range(17)), 0)]))
+    assert w.answers().by_rank[0][0].hit == 4
+
+
+class LyingTier(MemoryTier):
+    """A shared in-memory store whose reads return `code(n)` for an object of n bytes
+    without filling it: 0 (a miss said as zero bytes) or a short count."""
+
+    code = staticmethod(lambda n: 0)
+
+    def get_into(self, keys, buffers) -> list[int]:
+        self._check("get", len(keys))
+        return [self.code(buffers.nbytes(i)) if k in self.objects else MISSING
+                for i, k in enumerate(keys)]  # fmt: skip
+
+
+class LyingConfig(MemoryConfig):
+    type: Literal["lying"] = "lying"  # type: ignore[assignment]
+
+
+register_tier("lying", LyingConfig)(LyingTier)
+
+
+@pytest.mark.parametrize("code", [lambda n: 0, lambda n: n - 1], ids=["zero", "short"])
+def test_a_read_counts_only_where_it_returned_the_objects_exact_size(code, monkeypatch):
+    """A first worker puts a prompt's groups to the store; a second (its own empty host tier)
+    reads them back through a tier that answers 0, or a byte short, without filling the
+    buffers: no hit, nothing published in the host tier."""
+    monkeypatch.setattr(LyingTier, "code", staticmethod(code))
+    tier = {"type": "lying", "space": uuid.uuid4().hex, "group_pages": 1}
+    first, _ = worker(tiers=(tier,))
+    prompt = list(range(100, 113))
+    first.start(StepMeta())
+    first.after(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2])]))
+    deadline = time.monotonic() + 60
+    while not first.cache.tiers_idle and time.monotonic() < deadline:
+        first.cache.poll()
+        time.sleep(0.01)
+    assert len(LyingTier.spaces[tier["space"]]) == 3
+    second, _ = worker(tiers=(tier,))
+    second.start(StepMeta(lookups=[Lookup("b", prompt, 0)]))
+    got = second.answers()
+    while got is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+        second.start(StepMeta())
+        got = second.answers()
+    assert got == Answers({0: [Answer("b", 0, 0)]})
+    stats = second.cache.stats()
+    assert (stats["host_used"], stats["hit_tokens_host"]) == (0, 0)
+    first.close()
+    second.close()
+
+
+def test_answered_hits_pin_at_most_their_share_and_a_running_requests_store_is_kept():
+    """A host tier of 16 pages holds three stored prompts of 4 pages; three waiting requests
+    are answered hits of 4 pages each (12). With half the tier for answers, the third answer
+    is given unpinned, a running request's store of 8 new pages drops nothing, and the third
+    request's load finds its pages evicted: vLLM recomputes them, nothing wrong is served."""
+    w, kv = worker(blocks=64, host_pages=16)
+    e = Engine(w)
+    prompts = [[k * 1000 + i for i in range(17)] for k in range(3)]
+    stored = [e.prefill(Req(f"s{k}", p)) for k, p in enumerate(prompts)]
+    waiting = [Req(f"w{k}", p) for k, p in enumerate(prompts)]
+    for r in waiting:
+        assert e.books.matched_tokens(r, 0) == (None, False)
+    e.step()
+    assert [e.books.matched_tokens(r, 0) for r in waiting] == [(16, False)] * 3
+    assert w.cache.stats()["host_pinned"] == 8
+    dropped = w.cache.stats()["pages_dropped"]
+    e.prefill(Req("run", list(range(5000, 5033))))  # 8 new pages
+    assert w.cache.stats()["pages_dropped"] == dropped
+    for r in waiting:
+        e.books.allocated(r, 16)
+    tables = {r.request_id: list(range(40 + 5 * k, 45 + 5 * k)) for k, r in enumerate(waiting)}
+    e.step({r.request_id: 1 for r in waiting}, tables)
+    assert w.load_errors() == set(tables["w2"][:4])
+    for src, dst in zip(stored[0][:4] + stored[1][:4], tables["w0"][:4] + tables["w1"][:4]):
+        assert all(torch.equal(a, b) for a, b in zip(block(kv, src), block(kv, dst)))
+    assert (w.cache.stats()["host_pinned"], w.cache.stats()["requests"]) == (0, 0)
+
+
+def test_a_worker_out_of_step_asks_for_the_tokens_again_and_stores_again():
+    """A store the worker never saw (a lost step): it skips the next one and asks the
+    scheduler to send the request's tokens from the first; the store after that is made."""
+    w, _ = worker(blocks=32)
+    e = Engine(w)
+    r = Req("s", list(range(10)))
+    e.prefill(r)
+    advance(r, 10, 13)
+    e.books.build(sched({"s": 3}, {"s": [0, 1, 2, 3]}))  # this step never reaches the worker
+    advance(r, 13, 17)
+    e.step({"s": 4}, {"s": [0, 1, 2, 3, 4]})
+    assert w.cache.stats()["pages_stored"] == 2  # the prefill's pages only
+    advance(r, 17, 21)
+    meta = e.step({"s": 4}, {"s": [0, 1, 2, 3, 4, 5]})
+    assert (meta.stores[0].sent_before, len(meta.stores[0].new_tokens)) == (0, 21)
+    assert w.cache.stats()["pages_stored"] == 5
+
+
+def test_the_drafters_reprefillable_tokens_are_not_stored():
+    """With an EAGLE-style drafter vLLM holds the last computed token as not final (one
+    re-prefillable token): a prefill of 12 tokens stores 2 pages, not 3."""
+    books = SchedulerBooks(P, ranks=1, reprefillable=1)
+    r = Req("s", list(range(12)))
+    books.matched_tokens(r, 0)
+    books.allocated(r, 0)
+    assert books.build(sched({"s": 12}, {"s": [0, 1, 2]})).stores == [
+        Store("s", 0, list(range(11)), 11, [0, 1, 2])
+    ]
+
+
+def test_the_workers_feed_vllms_prefill_speed_to_the_cost_model():
+    tier = {"type": "memory", "space": uuid.uuid4().hex, "group_pages": 1}
+    w, _ = worker(tiers=(tier,))
+    e = Engine(w)
+    assert w.cache.stats()["prefill_tokens_per_s"] == 20_000  # the model's starting guess
+    r = Req("p", list(range(2000)))
+    e.books.matched_tokens(r, 0)
+    e.step()
+    e.books.matched_tokens(r, 0)
+    e.books.allocated(r, 0)
+    e.w.began = _slow(e.w.began)
+    e.step({"p": 2000}, {"p": list(range(16))})
+    e.step()  # the timed step is read at the next one
+    assert 0 < w.cache.stats()["prefill_tokens_per_s"] < 20_000
+    w.close()
+
+
+def _slow(began):
+    def wrapped(meta):
+        began(meta)
+        time.sleep(0.5 if meta.prefill_tokens else 0)  # a forward of 2000 tokens in 0.5 s
+
+    return wrapped
+
+
+def test_each_rank_gets_its_own_store_directory(tmp_path):
+    config = load_config({"tiers": [
+        {"type": "host", "size": "1MiB"},
+        {"type": "disk", "path": str(tmp_path / "d"), "size": "1GiB"},
+        {"type": "disk", "name": "other", "path": str(tmp_path / "e-{rank}"), "size": "1GiB"},
+    ], "metrics": {"port": 9400}}, env={})  # fmt: skip
+    paths = {r: [t.path for t in for_rank(config, r).tiers[1:]] for r in (0, 1)}
+    assert paths == {
+        r: [str(tmp_path / "d" / f"rank{r}"), str(tmp_path / f"e-{r}")] for r in (0, 1)
+    }
+    assert [for_rank(config, r).metrics.port for r in (0, 1)] == [9400, 9401]
+
+
+def test_a_start_error_is_logged_and_raised_as_one_line(caplog):
+    def start():
+        raise ValueError("size: 64 GiB is more than this machine has available (9 GiB)\nmore")
+
+    with caplog.at_level(logging.ERROR, logger="hicache.vllm"), pytest.raises(ConfigError) as err:
+        in_one_line("TP rank 1", start)
+    line = "hicache: TP rank 1: size: 64 GiB is more than this machine has available (9 GiB)"
+    assert str(err.value) == line
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(logging.ERROR, line)]

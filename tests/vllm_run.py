@@ -57,6 +57,38 @@ def make_model(path: Path, arch: str, size: str = "tiny") -> None:
     model.save_pretrained(path, safe_serialization=True)
 
 
+def make_adapters(model: Path, root: Path, count: int, rank: int = 8) -> list[Path]:
+    """`count` LoRA adapters of the model (q and v projections, random A and B, so that each
+    changes the answers), in PEFT's format that vLLM loads."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads(Path(model, "config.json").read_text())
+    hidden, head = config["hidden_size"], config["head_dim"]
+    outs = {
+        "q_proj": config["num_attention_heads"] * head,
+        "v_proj": config["num_key_value_heads"] * head,
+    }
+    paths = []
+    for k in range(count):
+        torch.manual_seed(100 + k)
+        weights = {}
+        for layer in range(config["num_hidden_layers"]):
+            for proj, out in outs.items():
+                name = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+                weights[f"{name}.lora_A.weight"] = torch.randn(rank, hidden) * 0.1
+                weights[f"{name}.lora_B.weight"] = torch.randn(out, rank) * 0.1
+        path = root / f"adapter{k}"
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(weights, path / "adapter_model.safetensors")
+        (path / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+            "bias": "none", "target_modules": list(outs), "base_model_name_or_path": str(model),
+        }))  # fmt: skip
+        paths.append(path)
+    return paths
+
+
 def conversations(args: argparse.Namespace) -> list[list[int]]:
     """The first prompt of each conversation (a shared system head, then its own message)."""
     rng = random.Random(args.seed)
@@ -105,6 +137,11 @@ def run(args: argparse.Namespace) -> dict:
         )
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+    from vllm.lora.request import LoRARequest
+
+    lora = {}
+    if args.lora_adapters:
+        lora = dict(enable_lora=True, max_lora_rank=8, max_loras=args.lora_adapters)
 
     transfer = None
     if args.hicache:
@@ -136,10 +173,21 @@ def run(args: argparse.Namespace) -> dict:
         tensor_parallel_size=args.tp,
         enforce_eager=True,
         seed=0,
+        **lora,
     )
     rng = random.Random(args.seed + 1)
     params = SamplingParams(temperature=0.0, max_tokens=args.output, ignore_eos=True)
     prompts = conversations(args)
+    adapters = None
+    if args.lora_adapters:  # every conversation once under each adapter: the same first prompts
+        root = Path(args.out).parent / "adapters"
+        paths = make_adapters(Path(args.model), root, args.lora_adapters)
+        adapters = [
+            LoRARequest(f"adapter{k}", k + 1, str(path))
+            for k, path in enumerate(paths)
+            for _ in prompts
+        ]
+        prompts = prompts * args.lora_adapters
     answers: list[list[list[int]]] = [[] for _ in prompts]
     ttft: list[float] = []
     started = time.perf_counter()
@@ -149,7 +197,10 @@ def run(args: argparse.Namespace) -> dict:
                 p + answers[i][-1] + [rng.randrange(VOCAB) for _ in range(args.user)]
                 for i, p in enumerate(prompts)
             ]
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+            lora_request=adapters,
+        )  # fmt: skip
         if args.kill_pid and turn + 1 == args.kill_after_turn:
             os.kill(args.kill_pid, signal.SIGKILL)
         for i, out in enumerate(outs):
@@ -212,6 +263,10 @@ def main() -> None:
     p.add_argument("--user", type=int, default=40)
     p.add_argument("--output", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--lora-adapters", type=int, default=0,
+        help="run every conversation under each of this many LoRA adapters (made beside --out)",
+    )  # fmt: skip
     p.add_argument("--kill-pid", type=int, help="SIGKILL this process (a Mooncake master)...")
     p.add_argument("--kill-after-turn", type=int, default=0, help="...after this turn")
     args = p.parse_args()

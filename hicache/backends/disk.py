@@ -37,6 +37,7 @@ import errno
 import fcntl
 import logging
 import os
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -81,6 +82,37 @@ class DiskTierConfig(StoreTierConfig):
     """Sync each record to the device before publishing it, so that a power loss cannot leave a
     named record with unwritten blocks. Off, a killed process still never leaves a wrong record
     (the rename comes after every write), but a host crash might."""
+
+    def check_machine(self) -> None:
+        super().check_machine()
+        problem = directory_problem(Path(self.path))
+        if problem:
+            raise ValueError(f"path: {problem}")
+
+
+def directory_problem(root: Path) -> str | None:
+    """Why `root` cannot serve as a disk tier's directory here, or None: it (or, where it is
+    absent, its parent) must be a directory in which this process can create and remove a
+    file. Leaves nothing behind: a directory made for the test is removed again."""
+    made = False
+    try:
+        if not root.exists():
+            if not root.parent.is_dir():
+                return f"{root}: its parent {root.parent} is not a directory"
+            root.mkdir()
+            made = True
+        elif not root.is_dir():
+            return f"{root} is not a directory"
+        fd, probe = tempfile.mkstemp(dir=root, prefix=".hicache-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        return f"{root}: cannot create files there: {_why(err)}"
+    finally:
+        if made:
+            with contextlib.suppress(OSError):
+                root.rmdir()
+    return None
 
 
 class DiskTierError(RuntimeError):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import enum
 import logging
 import math
@@ -76,9 +77,10 @@ _MIN_SEGMENT = 16 << 20  # Mooncake 0.3.13 fails setup (INVALID_PARAMS) below th
 class MooncakeConfig(StoreTierConfig):
     """``- type: mooncake``: a Mooncake Store below the host tier.
 
-    The defaults reach a master on this host over TCP (``mooncake_master --rpc_port=50051``).
-    Across hosts set `master_address` to the master and `local_hostname` to this host's address
-    that the other clients can reach.
+    The defaults reach a master on this host over TCP (``mooncake_master --rpc_port=50051``),
+    and contribute no memory: the store nodes beside the master hold the objects. Across hosts
+    set `master_address` to the master and `local_hostname` to this host's address that the
+    other clients can reach.
     """
 
     type: Literal["mooncake"] = "mooncake"
@@ -93,9 +95,10 @@ class MooncakeConfig(StoreTierConfig):
     """RDMA devices, comma separated (``mlx5_0,mlx5_1``); empty lets Mooncake choose."""
     local_hostname: str = "127.0.0.1"
     """This client's address as the other clients reach it (host or host:port)."""
-    global_segment_size: Bytes = Field(default=4 << 30, ge=0)
-    """Memory this process contributes to the store (``4GiB``); 0 contributes none, otherwise at
-    least 16 MiB (Mooncake refuses smaller segments)."""
+    global_segment_size: Bytes = Field(default=0, ge=0)
+    """Memory this process contributes to the store; otherwise at least 16 MiB (Mooncake refuses
+    smaller segments). The objects put into a segment go away with the process that mounted
+    it, so engines mount none (0) and store nodes hold the memory (docs/mooncake.md)."""
     local_buffer_size: Bytes = Field(default=16 << 20, ge=0)
     """Mooncake's own staging buffer; hicache's transfers are zero-copy and do not use it."""
     replicas: int = Field(default=1, ge=1, le=16)
@@ -245,6 +248,33 @@ class StoreStats:
 
 
 # -- environment ---------------------------------------------------------------------------------
+
+SHOW_NATIVE_LOG = "HICACHE_MOONCAKE_LOG"
+"""Set (to anything but ``0``) to let Mooncake's own log lines through to stderr."""
+
+
+def _quiet_native_log() -> None:
+    """Keep Mooncake's own log lines (glog, written to stderr: "Logging before
+    InitGoogleLogging()", and ``E… Local segment descriptor not found`` in runs that succeed)
+    off the embedding process's stderr: hicache reports what matters through its own logger and
+    stats. Left alone where the operator asked for them (`SHOW_NATIVE_LOG`, or Mooncake's own
+    MC_LOG_LEVEL). glog ignores its GLOG_* variables here and Mooncake sets its level from
+    MC_LOG_LEVEL when it loads, so the level is set in the loaded glog itself (every later
+    message is dropped, fatal ones excepted)."""
+    if os.environ.get(SHOW_NATIVE_LOG, "0") != "0" or "MC_LOG_LEVEL" in os.environ:
+        return
+    try:
+        with open("/proc/self/maps") as maps:
+            lib = next(
+                (line.split()[-1] for line in maps if "libglog" in line.rsplit("/", 1)[-1]),
+                None,
+            )
+        if lib is None:
+            return
+        level = ctypes.c_int.in_dll(ctypes.CDLL(lib), "_ZN3fLI17FLAGS_minloglevelE")
+    except (OSError, ValueError):  # not Linux, or a glog built otherwise: leave it
+        return
+    level.value = 3  # FATAL
 
 _ENV_LOCK = threading.Lock()
 _ENV_OURS: set[str] = set()
@@ -455,9 +485,10 @@ class MooncakeStore(StoreTier):
         }
         if cfg.protocol == "tcp":
             env["MC_TCP_BIND_ADDRESS"] = cfg.local_hostname.rsplit(":", 1)[0]
-        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
         if self._client_factory is None:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+            _quiet_native_log()
 
             if self._replicate is None:
                 rep = ReplicateConfig()

@@ -410,13 +410,19 @@ class CudaRoute:
     the ids during the call and keeps the GIL.
     """
 
-    def __init__(self, src: PagedBuffer, dst: PagedBuffer) -> None:
+    def __init__(self, src: PagedBuffer, dst: PagedBuffer, path: str = "auto") -> None:
+        """`path`: "auto" (`choose_path`) or one path forced (tests and benchmarks)."""
+        if path not in _PATHS:
+            raise ValueError(f"path must be one of {_PATHS}, got {path!r}")
         self.device = _device(src, dst)
         if max(src.num_pages, dst.num_pages) > 2**31 - 1:
             raise ValueError("a CUDA page copy addresses at most 2**31 - 1 pages per buffer")
         self.src, self.dst = src, dst
         self._ext = extension()
-        self.path = choose_path(src, dst) if self._ext is not None else "torch"
+        if self._ext is None:
+            self.path = "torch"
+        else:
+            self.path = choose_path(src, dst) if path == "auto" else path
         if self._ext is None:
             return
         on = self.device if self.path == "kernel" else None

@@ -23,7 +23,10 @@ POISON = 0xA5
 """Byte written into blocks before a load: a correct load overwrites all of it."""
 
 PENDING_WAIT_S = 5.0
-"""How long the replay asks again while a match is pending (an L3 lookup in flight)."""
+"""How long the replay asks again while a match is pending (a store tier lookup in flight)."""
+
+SETTLE_WAIT_S = 30.0
+"""How long a settling replay waits at most for the store tiers' writes after a request."""
 
 
 def truth_pages(tokens: np.ndarray, page_tokens: int, page_bytes: int) -> np.ndarray:
@@ -75,10 +78,14 @@ class ReplayEngine:
     """Embeds a `HiCache` over a CPU pool of `num_blocks` pages of `layout.page_bytes`.
 
     One request runs at a time, in blocks 0..k-1 of the pool; `num_blocks` must cover the
-    longest prompt. Call `close` at the end.
+    longest prompt. `settle`: after each request, wait until the store tiers have no work
+    queued or running (their writes done), so that the next request sees them: a replay whose
+    outcome does not depend on the machine's speed. Call `close` at the end.
     """
 
-    def __init__(self, config: HiCacheConfig, layout: Layout, num_blocks: int) -> None:
+    def __init__(
+        self, config: HiCacheConfig, layout: Layout, num_blocks: int, settle: bool = False
+    ) -> None:
         if layout.segments:
             raise ValueError("the replay engine uses a page-first pool: give page_bytes")
         if layout.page_bytes % 16:
@@ -92,6 +99,7 @@ class ReplayEngine:
         self.blocks = torch.arange(num_blocks, dtype=torch.int64)
         self.timings = Timings()
         self.wrong_bytes = 0
+        self.settle = settle
         self.requests = 0
         self.timeouts = 0
         """Matches still pending after PENDING_WAIT_S; those requests were recomputed."""
@@ -114,7 +122,7 @@ class ReplayEngine:
         t.match_ns.append(time.thread_time_ns() - t0)
         t.match_pages.append(n_full)
         m = self._settle(rid, tokens, m)
-        if m.pending:  # L3 too slow to answer: recompute, as an engine would
+        if m.pending:  # the store tiers too slow to answer: recompute, as an engine would
             self.timeouts += 1
 
         truth = truth_pages(tokens, P, page_bytes)
@@ -140,17 +148,26 @@ class ReplayEngine:
         finally:
             cache.release(rid)
             cache.poll()
+            if self.settle:
+                self._settle_writes()
         self.wrong_bytes += wrong
         return Outcome(m, n_tokens, hit_pages * P, wrong)
 
     def _settle(self, rid: str, tokens: np.ndarray, m: Match) -> Match:
-        """Ask again while the match is pending (an L3 lookup in flight), up to PENDING_WAIT_S."""
+        """Ask again while the match is pending (a store tier lookup in flight), up to
+        PENDING_WAIT_S."""
         deadline = time.monotonic() + PENDING_WAIT_S
         while m.pending and time.monotonic() < deadline:
             time.sleep(0.0002)
             self.cache.poll()
             m = self.cache.match(rid, tokens)
         return m
+
+    def _settle_writes(self) -> None:
+        deadline = time.monotonic() + SETTLE_WAIT_S
+        while not self.cache.tiers_idle and time.monotonic() < deadline:
+            time.sleep(0.0002)
+            self.cache.poll()
 
     def close(self) -> None:
         self.cache.close()

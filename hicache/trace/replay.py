@@ -8,9 +8,11 @@ capacities. Shares are hit tokens over prompt tokens.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,16 +20,11 @@ from hicache import HiCacheConfig, Layout, load_config
 from hicache.backends.host import HostTierConfig
 from hicache.eviction import DEFAULT_POLICY, make_policy, policy_names
 from hicache.trace.engine import ReplayEngine, Timings
-from hicache.trace.simulate import (
-    FarthestNextUse,
-    LruSim,
-    OracleSim,
-    PolicySim,
-    SimResult,
-    block_ceiling,
-    next_uses,
-)
-from hicache.trace.workload import BLOCK_TOKENS, TraceRequest, page_ids, prompt_tokens
+from hicache.trace.fastsim import OFFLINE, simulate
+from hicache.trace.simulate import OracleSim, block_ceiling
+from hicache.trace.workload import BLOCK_TOKENS, Workload, prompt_tokens
+
+__all__ = ["DEFAULT_FRACTIONS", "ReplaySetup", "Workload", "replay", "run_hicache", "sweep"]
 
 DEFAULT_FRACTIONS = (0.02, 0.05, 0.1, 0.25, 1.0)
 """Host capacities of the sweep, as fractions of the trace's distinct pages."""
@@ -45,6 +42,8 @@ class ReplaySetup:
     block_tokens: int = BLOCK_TOKENS
     policy: str | None = None
     """The host tier's eviction policy; None: the base config's, else the default."""
+    settle: bool = False
+    """Wait for the store tiers' writes after each request (`ReplayEngine`'s `settle`)."""
 
     def __post_init__(self) -> None:
         make_policy(self.eviction, 0)  # a ValueError naming the known ones
@@ -92,48 +91,6 @@ class ReplaySetup:
 
 
 @dataclass
-class Workload:
-    """A trace prepared once: its requests and the page ids of every prompt."""
-
-    requests: list[TraceRequest]
-    page_tokens: int
-    block_tokens: int = BLOCK_TOKENS
-    pages: list[list[int]] = field(init=False)
-    _next_uses: list | None = field(default=None, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.pages = [page_ids(r, self.page_tokens, self.block_tokens) for r in self.requests]
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(r.input_length for r in self.requests)
-
-    @property
-    def unique_pages(self) -> int:
-        return len({p for ids in self.pages for p in ids})
-
-    @property
-    def max_blocks(self) -> int:
-        return max((-(-r.input_length // self.page_tokens) for r in self.requests), default=1)
-
-    def simulate(self, sim: PolicySim | OracleSim) -> SimResult:
-        for req, ids in zip(self.requests, self.pages):
-            sim.request(ids, req.input_length)
-        return sim.result
-
-    def offline(self, capacity: int, min_recompute_tokens: int = 1) -> SimResult:
-        """The offline reference (farthest next use first) at `capacity` pages."""
-        if self._next_uses is None:
-            self._next_uses = next_uses(self.pages)
-        policy = FarthestNextUse(capacity)
-        sim = PolicySim(capacity, self.page_tokens, min_recompute_tokens, policy)
-        for req, ids, upcoming in zip(self.requests, self.pages, self._next_uses):
-            policy.upcoming = upcoming
-            sim.request(ids, req.input_length)
-        return sim.result
-
-
-@dataclass
 class HiCacheRun:
     """What hicache served over a trace at one host capacity."""
 
@@ -160,7 +117,9 @@ def run_hicache(
     progress: Callable[[int], None] | None = None,
 ) -> HiCacheRun:
     """Replay every request of `workload` through a fresh HiCache with `host_pages` slots."""
-    engine = ReplayEngine(setup.config(host_pages), setup.layout, workload.max_blocks)
+    engine = ReplayEngine(
+        setup.config(host_pages), setup.layout, workload.max_blocks, settle=setup.settle
+    )
     run = HiCacheRun(host_pages=host_pages, hit_tokens={"host": 0})
     start = time.perf_counter()
     try:
@@ -203,31 +162,40 @@ def sweep(
     policies: Sequence[str] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Rows {policy, host_fraction, host_pages, hit_share, lru_share, belady_share}: each
+    """Rows {policy, host_fraction, capacity_pages, hit_share, lru_share, belady_share}: each
     policy's simulated hit share at each capacity (fractions of the distinct pages), beside
     LRU's and the offline reference's at that capacity. `policies`: all registered ones."""
-    unique, P, floor = workload.unique_pages, setup.page_tokens, setup.min_recompute_tokens
+    unique, floor = workload.unique_pages, setup.min_recompute_tokens
     names = list(policies) if policies is not None else policy_names()
+    runs = [
+        (max(1, round(frac * unique)), name)
+        for frac in fractions
+        for name in dict.fromkeys(["lru", *names, OFFLINE])
+    ]
+    shares: dict[tuple[int, str], float] = {}
+    # the compiled simulations drop the GIL: one per core at a time
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        jobs = {
+            pool.submit(simulate, workload, name, pages, floor): (pages, name)
+            for pages, name in runs
+        }
+        for job in as_completed(jobs):
+            shares[jobs[job]] = job.result().share
+            if progress is not None:
+                progress(1)
     rows = []
     for frac in fractions:
         pages = max(1, round(frac * unique))
-        shares = {}
-        for name in dict.fromkeys(["lru", *names]):
-            shares[name] = workload.simulate(PolicySim(pages, P, floor, name)).share
-            if progress is not None:
-                progress(1)
-        belady = workload.offline(pages, floor).share
-        if progress is not None:
-            progress(1)
         for name in names:
             rows.append(
                 {
                     "policy": name,
                     "host_fraction": frac,
                     "host_pages": pages,
-                    "hit_share": shares[name],
-                    "lru_share": shares["lru"],
-                    "belady_share": belady,
+                    "capacity_pages": pages,
+                    "hit_share": shares[pages, name],
+                    "lru_share": shares[pages, "lru"],
+                    "belady_share": shares[pages, OFFLINE],
                 }
             )
     return rows
@@ -235,7 +203,31 @@ def sweep(
 
 def sweep_steps(fractions: Sequence[float], policies: Sequence[str]) -> int:
     """How many simulations `sweep` runs (for a progress bar)."""
-    return len(fractions) * (len(dict.fromkeys(["lru", *policies])) + 1)
+    return len(fractions) * len(dict.fromkeys(["lru", *policies, OFFLINE]))
+
+
+def simulated(
+    workload: Workload,
+    setup: ReplaySetup,
+    fractions: Sequence[float] = DEFAULT_FRACTIONS,
+    policies: Sequence[str] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """The sweep without the real cache (`policies`: all registered ones): the trace's figures,
+    the infinite cache, and the `sweep` rows."""
+    P, floor = setup.page_tokens, setup.min_recompute_tokens
+    return {
+        "requests": len(workload.requests),
+        "prompt_tokens": workload.prompt_tokens,
+        "page_tokens": P,
+        "page_visits": workload.visits,
+        "min_recompute_tokens": floor,
+        "unique_pages": workload.unique_pages,
+        "default_policy": DEFAULT_POLICY,
+        "oracle_share": workload.simulate(OracleSim(P, floor)).share,
+        "block_ceiling": block_ceiling(workload.requests, setup.block_tokens),
+        "sweep": sweep(workload, setup, fractions, policies, progress),
+    }
 
 
 def replay(
@@ -250,9 +242,9 @@ def replay(
     those the sweep runs (None: only the host tier's)."""
     P, floor = setup.page_tokens, setup.min_recompute_tokens
     run = run_hicache(workload, setup, host_pages, progress)
-    lru = workload.simulate(LruSim(host_pages, P, floor))
-    same = workload.simulate(PolicySim(host_pages, P, floor, setup.eviction))
-    belady = workload.offline(host_pages, floor)
+    lru = simulate(workload, "lru", host_pages, floor)
+    same = simulate(workload, setup.eviction, host_pages, floor)
+    belady = simulate(workload, OFFLINE, host_pages, floor)
     oracle = workload.simulate(OracleSim(P, floor))
     total = workload.prompt_tokens
     t = run.timings

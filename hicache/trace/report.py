@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,14 @@ def table(result: dict[str, Any]) -> str:
             f"  {name:<18} {c['total']:9.3f} µs {c['median']:9.3f} µs   "
             f"({c['calls']:,} calls, {c['pages']:,} pages)"
         )
-    lines += ["", "capacity sweep (fraction of distinct pages: simulated hit share)"]
+    lines += ["", *sweep_lines(r)]
+    return "\n".join(lines)
+
+
+def sweep_lines(r: dict[str, Any]) -> list[str]:
+    """The capacity sweep of a report (its `sweep` rows and `oracle_share`) as lines."""
+    pct = "{:6.2%}".format
+    lines = ["capacity sweep (fraction of distinct pages: simulated hit share)"]
     names = list(dict.fromkeys(row["policy"] for row in r["sweep"]))
     lines.append("  capacity " + "".join(f"{n:>9}" for n in names) + "  offline")
     for frac in dict.fromkeys(row["host_fraction"] for row in r["sweep"]):
@@ -56,7 +64,20 @@ def table(result: dict[str, Any]) -> str:
         belady = next(iter(rows.values()))["belady_share"]
         lines.append(f"  {frac:7.0%}  {cells}  {pct(belady)}")
     lines.append(f"  infinite cache: {pct(r['oracle_share'])}")
-    return "\n".join(lines)
+    return lines
+
+
+def write_problem(path: str | Path | None, what: str) -> str | None:
+    """Why `path` (an output file) cannot be written, checked before any work; None if it can
+    (or no path is given)."""
+    if path is None:
+        return None
+    folder = Path(path).resolve().parent
+    if not folder.is_dir():
+        return f"{what} {path}: the folder {folder} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"{what} {path}: the folder {folder} is not writable"
+    return None
 
 
 def _points(diff: float) -> str:
@@ -91,17 +112,18 @@ def plot(result: dict[str, Any], path: str | Path, title: str = "") -> None:
         ms=4,
         label="offline (farthest next use)",
     )
-    ax.plot(
-        [result["host_fraction"] * 100],
-        [result["hit_share"] * 100],
-        "x",
-        markersize=9,
-        mew=2,
-        label=f"hicache replayed ({result['policy']})",
-    )
+    if "hit_share" in result:  # a replay, not the simulations alone
+        ax.plot(
+            [result["host_fraction"] * 100],
+            [result["hit_share"] * 100],
+            "x",
+            markersize=9,
+            mew=2,
+            label=f"hicache replayed ({result['policy']})",
+        )
     ax.axhline(result["oracle_share"] * 100, color="gray", ls=":", label="infinite cache")
     ax.set_xscale("log")
-    ticks = sorted({f * 100 for f in first} | {result["host_fraction"] * 100})
+    ticks = sorted({f * 100 for f in first} | {result.get("host_fraction", first[0]) * 100})
     ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
     ax.minorticks_off()
     ax.set_xlabel("host capacity, % of the trace's distinct pages (log)")

@@ -1,8 +1,12 @@
 """A Mooncake-format request trace and the prompts it stands for.
 
-A trace is JSON Lines, one request a line::
+A trace is JSON Lines (plain, or gzip-compressed when the name ends in ``.gz``), one request a
+line::
 
     {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, 2353]}
+
+Optional fields: `session` (a client's session or cache key) and `stop` (the stop reason of the
+request's own answer, e.g. ``tool_use`` or ``end_turn``); both are carried on each request.
 
 `hash_ids` name the prompt's blocks of `block_tokens` (512) tokens, each id standing for the
 whole prefix up to the end of its block: equal ids mean equal prefixes. The last block may be
@@ -15,11 +19,21 @@ each full page of a prompt by the trace's own ids (no hashing), for the simulato
 
 from __future__ import annotations
 
+import gzip
+import itertools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from hicache.trace.simulate import (
+    FarthestNextUse,
+    OracleSim,
+    PolicySim,
+    SimResult,
+    next_uses,
+)
 
 BLOCK_TOKENS = 512
 """Tokens per hash id in the Mooncake traces."""
@@ -36,6 +50,17 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    session: str = ""
+    """The session the request belongs to ("" when the trace does not say)."""
+    stop: str = ""
+    """The stop reason of this request's answer ("" when the trace does not say)."""
+
+
+def open_trace(path: str | Path, mode: str = "rt"):  # type: ignore[no-untyped-def]
+    """A text stream of a trace file, gzip-compressed when its name ends in ``.gz``."""
+    if str(path).endswith(".gz"):
+        return gzip.open(path, mode, encoding="utf-8")
+    return open(path, mode, encoding="utf-8")
 
 
 def read_trace(
@@ -49,12 +74,17 @@ def read_trace(
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
+    if block_tokens <= 0:
+        raise ValueError(f"block_tokens must be positive, got {block_tokens}")
     out: list[TraceRequest] = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            out.append(_parse(line, f"{path}:{lineno}", block_tokens))
+    try:
+        with open_trace(path) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                out.append(_parse(line, f"{path}:{lineno}", block_tokens))
+    except (gzip.BadGzipFile, EOFError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not a readable trace ({err})") from None
     out.sort(key=lambda r: r.timestamp)  # stable: ties keep file order
     return out if limit is None else out[:limit]
 
@@ -67,6 +97,8 @@ def _parse(line: str, where: str, block_tokens: int) -> TraceRequest:
             input_length=int(obj["input_length"]),
             output_length=int(obj.get("output_length", 0)),
             hash_ids=tuple(int(h) for h in obj["hash_ids"]),
+            session=str(obj.get("session") or ""),
+            stop=str(obj.get("stop") or ""),
         )
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{where}: not a trace request ({type(err).__name__}: {err})") from None
@@ -129,3 +161,96 @@ def page_ids(req: TraceRequest, page_tokens: int, block_tokens: int = BLOCK_TOKE
     offsets = ends - blocks * block_tokens  # 1 .. block_tokens
     ids = np.asarray(req.hash_ids, dtype=np.int64)[blocks]
     return (ids * (block_tokens + 1) + offsets).tolist()
+
+
+def flat_page_ids(
+    requests: list[TraceRequest], page_tokens: int, block_tokens: int = BLOCK_TOKENS
+) -> tuple[np.ndarray, np.ndarray]:
+    """`page_ids` of every request at once: (ids, starts), int64 arrays where request r's page
+    ids are ``ids[starts[r]:starts[r + 1]]`` (the same numbers as `page_ids`)."""
+    lengths = np.fromiter((r.input_length for r in requests), np.int64, len(requests))
+    n_ids = np.fromiter((len(r.hash_ids) for r in requests), np.int64, len(requests))
+    hashes = np.fromiter((h for r in requests for h in r.hash_ids), np.int64, int(n_ids.sum()))
+    hash_start = np.zeros(len(requests), np.int64)
+    np.cumsum(n_ids[:-1], out=hash_start[1:])
+    n_pages = lengths // page_tokens
+    starts = np.zeros(len(requests) + 1, np.int64)
+    np.cumsum(n_pages, out=starts[1:])
+    owner = np.repeat(np.arange(len(requests)), n_pages)
+    ends = (np.arange(starts[-1], dtype=np.int64) - starts[owner] + 1) * page_tokens
+    blocks = (ends - 1) // block_tokens
+    ids = hashes[hash_start[owner] + blocks] * (block_tokens + 1) + (ends - blocks * block_tokens)
+    return ids, starts
+
+
+@dataclass
+class Workload:
+    """A trace prepared once: its requests and the page ids of every prompt.
+
+    `ids`/`starts` hold every prompt's page ids in one array (request r's are
+    ``ids[starts[r]:starts[r + 1]]``); `dense` numbers the distinct pages 0, 1, ... in the
+    order of their ids (what the compiled simulations take); `pages` is the same as lists."""
+
+    requests: list[TraceRequest]
+    page_tokens: int
+    block_tokens: int = BLOCK_TOKENS
+    ids: np.ndarray = field(init=False, repr=False)
+    starts: np.ndarray = field(init=False, repr=False)
+    tokens: np.ndarray = field(init=False, repr=False)
+    """Prompt tokens of each request (int64)."""
+    _dense: tuple[np.ndarray, int] | None = field(default=None, init=False, repr=False)
+    _pages: list[list[int]] | None = field(default=None, init=False, repr=False)
+    _next_uses: list | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.ids, self.starts = flat_page_ids(self.requests, self.page_tokens, self.block_tokens)
+        self.tokens = np.fromiter((r.input_length for r in self.requests), np.int64)
+
+    @property
+    def pages(self) -> list[list[int]]:
+        """Each prompt's page ids as a list (built on first use)."""
+        if self._pages is None:
+            flat, s = self.ids.tolist(), self.starts.tolist()
+            self._pages = [flat[a:b] for a, b in itertools.pairwise(s)]
+        return self._pages
+
+    @property
+    def dense(self) -> tuple[np.ndarray, int]:
+        """(int32 dense page numbers parallel to `ids`, how many distinct pages)."""
+        if self._dense is None:
+            uniq, inverse = np.unique(self.ids, return_inverse=True)
+            self._dense = (inverse.astype(np.int32), len(uniq))
+        return self._dense
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.tokens.sum())
+
+    @property
+    def unique_pages(self) -> int:
+        return self.dense[1]
+
+    @property
+    def visits(self) -> int:
+        """Page visits over the trace: every full page of every prompt."""
+        return int(self.starts[-1])
+
+    @property
+    def max_blocks(self) -> int:
+        return max((-(-r.input_length // self.page_tokens) for r in self.requests), default=1)
+
+    def simulate(self, sim: PolicySim | OracleSim) -> SimResult:
+        for req, ids in zip(self.requests, self.pages):
+            sim.request(ids, req.input_length)
+        return sim.result
+
+    def offline(self, capacity: int, min_recompute_tokens: int = 1) -> SimResult:
+        """The offline reference (farthest next use first) at `capacity` pages."""
+        if self._next_uses is None:
+            self._next_uses = next_uses(self.pages)
+        policy = FarthestNextUse(capacity)
+        sim = PolicySim(capacity, self.page_tokens, min_recompute_tokens, policy)
+        for req, ids, upcoming in zip(self.requests, self.pages, self._next_uses):
+            policy.upcoming = upcoming
+            sim.request(ids, req.input_length)
+        return sim.result

@@ -12,12 +12,17 @@ worker: docs/vllm.md.
 
 Extra config keys: `config` (a hicache YAML file) or `hicache` (the same, inline); `model_id`
 (optional: names the weights in the page keys, instead of vLLM's model name and a digest of
-its config). The config has no `layout` section: the layout comes from vLLM.
+its config); `pin_share` (optional, default 0.5: the share of a rank's host tier that answered
+hits waiting for their load may keep pinned). The config has no `layout` section: the layout
+comes from vLLM.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -26,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from hicache.config import ConfigError, HiCacheConfig, load_config
+from hicache.integrations.vllm.inputs import refuse_unsupported
 from hicache.integrations.vllm.meta import HiCacheStats, StepMeta
 from hicache.integrations.vllm.scheduler import SchedulerBooks
 from hicache.integrations.vllm.worker import WorkerCache, layout_fields
@@ -39,6 +45,26 @@ if TYPE_CHECKING:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+log = logging.getLogger("hicache.vllm")
+T = TypeVar("T")
+
+RANK = "{rank}"
+"""In a store tier's `path`: replaced by the TP rank (else each rank gets a subdirectory)."""
+
+
+def in_one_line(what: str, start: Callable[[], T]) -> T:
+    """Run a step of the connector's start; a configuration or machine error in it reaches the
+    operator as one line: logged at error level (before vLLM's traceback), and raised as a
+    ConfigError with that line as its message (the cause chained)."""
+    try:
+        return start()
+    except (ValueError, RuntimeError, OSError) as err:
+        text = str(err).strip()
+        cause = text.splitlines()[0] if text else type(err).__name__
+        line = cause if cause.startswith("hicache") else f"hicache: {what}: {cause}"
+        log.error("%s", line)
+        raise ConfigError(line) from err
 
 
 def hicache_config(extra: dict[str, Any]) -> HiCacheConfig:
@@ -57,14 +83,36 @@ def hicache_config(extra: dict[str, Any]) -> HiCacheConfig:
     return config
 
 
-def _for_rank(config: HiCacheConfig, rank: int) -> HiCacheConfig:
-    """Each TP rank serves its metrics on its own port: the configured one plus the rank."""
-    port = config.metrics.port
-    if not port or not rank:
-        return config
-    return config.model_copy(
-        update={"metrics": config.metrics.model_copy(update={"port": port + rank})}
-    )
+def pin_share(extra: dict[str, Any]) -> float:
+    """The extra config's `pin_share`: a number in (0, 1]."""
+    share = extra.get("pin_share", 0.5)
+    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+        raise ConfigError(f"hicache: pin_share must be a number in (0, 1], got {share!r}")
+    return float(share)
+
+
+def rank_path(path: str, rank: int) -> str:
+    """A store tier's directory for TP rank `rank`: `{rank}` in `path` replaced, or else the
+    subdirectory ``rank<r>`` of `path` (`path` made here if absent: its parent must exist)."""
+    if RANK in path:
+        return path.replace(RANK, str(rank))
+    Path(path).mkdir(exist_ok=True)
+    return str(Path(path) / f"rank{rank}")
+
+
+def for_rank(config: HiCacheConfig, rank: int) -> HiCacheConfig:
+    """The config of TP rank `rank`: each store tier with a directory gets one of its own (one
+    process a directory), and the metrics are on the configured port plus the rank."""
+    tiers = [
+        tier.model_copy(update={"path": rank_path(tier.path, rank)})
+        if isinstance(getattr(tier, "path", None), str)
+        else tier
+        for tier in config.tiers
+    ]
+    update: dict[str, Any] = {"tiers": tiers}
+    if config.metrics.port and rank:
+        update["metrics"] = config.metrics.model_copy(update={"port": config.metrics.port + rank})
+    return config.model_copy(update=update)
 
 
 class HiCacheConnector(KVConnectorBase_V1):
@@ -76,17 +124,25 @@ class HiCacheConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        config = hicache_config(extra)  # in both roles: a bad config stops vLLM at start
         self._books: SchedulerBooks | None = None
         self._worker: WorkerCache | None = None
+        in_one_line("configuration", lambda: self._start(vllm_config, role, kv_cache_config))
+
+    def _start(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        config = hicache_config(extra)  # in both roles: a bad config stops vLLM at start
+        share = pin_share(extra)
+        refuse_unsupported(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             block = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
             ranks = vllm_config.parallel_config.tensor_parallel_size
-            self._books = SchedulerBooks(block, ranks)
+            reprefillable = max(0, vllm_config.num_prefill_lookahead_tokens - 1)
+            self._books = SchedulerBooks(block, ranks, reprefillable)
         else:
             fields = layout_fields(vllm_config, kv_cache_config, extra)
-            self._worker = WorkerCache(_for_rank(config, fields["tp_rank"]), fields)
+            self._worker = WorkerCache(for_rank(config, fields["tp_rank"]), fields, share)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -95,7 +151,14 @@ class HiCacheConnector(KVConnectorBase_V1):
     # -- worker role ----------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker_side().register(kv_caches, self._kv_cache_config.num_blocks)
+        worker = self._worker_side()
+        blocks = self._kv_cache_config.num_blocks
+        in_one_line(f"TP rank {worker.rank}", lambda: worker.register(kv_caches, blocks))
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, StepMeta):
+            self._worker.began(connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._worker_side().start(self._step())

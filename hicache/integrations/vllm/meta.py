@@ -53,14 +53,16 @@ class Store:
 
 @dataclass
 class StepMeta(KVConnectorMetadata):
-    """Scheduler -> every worker, for one step: new questions, granted loads, answers not taken
-    (their pins can go), stores, and requests the scheduler has forgotten."""
+    """Scheduler -> every worker, for one step: new questions, granted loads, questions closed
+    without a load (their pins can go), stores, requests the scheduler has forgotten, and the
+    prompt tokens the step computes."""
 
     lookups: list[Lookup] = field(default_factory=list)
     loads: list[Load] = field(default_factory=list)
     unused: list[str] = field(default_factory=list)
     stores: list[Store] = field(default_factory=list)
     forget: list[str] = field(default_factory=list)
+    prefill_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,9 +78,11 @@ class Answer:
 
 @dataclass
 class Answers(KVConnectorWorkerMetadata):
-    """Worker(s) -> scheduler, for one step: the answers of each TP rank, by rank."""
+    """Worker(s) -> scheduler, for one step: the answers of each TP rank, by rank, and the
+    requests whose stores a worker lost step with (`resync`: send their tokens from the first)."""
 
     by_rank: dict[int, list[Answer]] = field(default_factory=dict)
+    resync: list[str] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, Answers):
@@ -86,7 +90,7 @@ class Answers(KVConnectorWorkerMetadata):
         merged = {rank: list(answers) for rank, answers in self.by_rank.items()}
         for rank, answers in other.by_rank.items():
             merged.setdefault(rank, []).extend(answers)
-        return Answers(merged)
+        return Answers(merged, [*self.resync, *(r for r in other.resync if r not in self.resync)])
 
 
 @dataclass

@@ -5,6 +5,10 @@ workers (a `Lookup` in the next step's metadata) and answers "not yet" (None) un
 rank has answered; vLLM asks again on a later step, so the scheduler never waits. The hit it
 grants is the smallest of the ranks' answers. After vLLM has allocated blocks, a granted hit
 becomes a `Load`; each step that completes a page of a running request becomes a `Store`.
+
+Every question the workers were sent ends in exactly one of: a `Load` (the grant was taken),
+`unused` (vLLM took none of it, or its own prefix cache came to cover the prompt meanwhile) or
+`forget` (the request finished): each lets the worker's pins of that question go.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hicache.integrations.vllm.inputs import keyed_tokens, request_salt
 from hicache.integrations.vllm.meta import Answer, Answers, Load, Lookup, StepMeta, Store
 
 if TYPE_CHECKING:
@@ -28,17 +33,21 @@ class _Tracked:
     how many pages of it were stored."""
 
     request: Request
+    salt: str | None
     sent: int = 0
     stored_pages: int = 0
 
 
 class SchedulerBooks:
     """The connector's scheduler role. `page_tokens` is vLLM's block size; `ranks` the number of
-    TP ranks whose answers are awaited."""
+    TP ranks whose answers are awaited; `reprefillable` the last computed tokens whose KV is not
+    final yet (a speculative drafter's prefill lookahead, vLLM's `num_prefill_lookahead_tokens`
+    less one): they are not stored, as vLLM does not cache them."""
 
-    def __init__(self, page_tokens: int, ranks: int) -> None:
+    def __init__(self, page_tokens: int, ranks: int, reprefillable: int = 0) -> None:
         self._page = page_tokens
         self._ranks = ranks
+        self._reprefillable = reprefillable
         self._tracked: dict[str, _Tracked] = {}
         self._asked: dict[str, int] = {}  # request -> the computed tokens of its open question
         self._answers: dict[str, dict[int, Answer]] = {}  # open question -> answers by rank
@@ -51,9 +60,12 @@ class SchedulerBooks:
         """vLLM's `get_num_new_matched_tokens`: tokens hicache can load beyond `computed`, or
         None while the ranks have not all answered. Loads are synchronous (False)."""
         rid = request.request_id
-        self._tracked.setdefault(rid, _Tracked(request))
+        tracked = self._tracked.get(rid)
+        if tracked is None:
+            tracked = self._tracked[rid] = _Tracked(request, request_salt(request))
         # vLLM computes at least the prompt's last token: a hit ends a page before it
         if (request.num_tokens - 1) // self._page * self._page <= computed:
+            self._withdraw(rid)  # vLLM's own cache came to cover what was asked
             return 0, False
         granted = self._granted.get(rid)
         if granted is not None and granted.computed == computed:
@@ -62,19 +74,31 @@ class SchedulerBooks:
             self._granted.pop(rid, None)
             self._answers.pop(rid, None)
             self._asked[rid] = computed
-            tokens = list(request.all_token_ids)
-            self._step.lookups.append(Lookup(rid, tokens, computed, request.cache_salt))
+            tokens = keyed_tokens(request, 0, request.num_tokens)
+            self._step.lookups.append(Lookup(rid, tokens, computed, tracked.salt))
         return None, False
+
+    def _withdraw(self, rid: str) -> None:
+        """Close `rid`'s question, if one is open: unsent, it is dropped; sent, the workers
+        let its pins go (`unused`)."""
+        asked = self._asked.pop(rid, None) is not None
+        granted = self._granted.pop(rid, None) is not None
+        self._answers.pop(rid, None)
+        if asked or granted:
+            step = self._step
+            step.lookups = [q for q in step.lookups if q.request_id != rid]
+            step.unused.append(rid)
 
     def allocated(self, request: Request, external_tokens: int) -> None:
         """vLLM's `update_state_after_alloc`: load the granted hit, or let its pins go."""
         rid = request.request_id
-        granted = self._granted.pop(rid, None)
-        self._asked.pop(rid, None)
+        granted = self._granted.get(rid)
         if external_tokens and granted is not None:
+            del self._granted[rid]
+            self._asked.pop(rid, None)
             self._loads[rid] = self._sources[rid] = granted
-        elif granted is not None:
-            self._step.unused.append(rid)
+        else:
+            self._withdraw(rid)
 
     def hit_sources(self, request: Request, external_tokens: int) -> dict[CacheHitSource, int]:
         """vLLM's `get_external_cache_hit_sources`: the granted hit split by kind of tier."""
@@ -87,6 +111,7 @@ class SchedulerBooks:
         """vLLM's `build_connector_meta`: this step's loads and stores, and what was asked."""
         step, self._step = self._step, StepMeta()
         blocks = out.kv_connector_block_state
+        step.prefill_tokens = self._prefill_tokens(out)
         for rid, answer in self._loads.items():
             table = blocks.get_block_ids(rid) if blocks is not None else None
             if table is None:  # allocated but not scheduled this step: keep it for the next
@@ -100,6 +125,16 @@ class SchedulerBooks:
                 step.stores.append(store)
         return step
 
+    def _prefill_tokens(self, out: SchedulerOutput) -> int:
+        """Prompt tokens this step computes (for the workers' measure of prefill speed)."""
+        total = 0
+        for rid, scheduled in out.num_scheduled_tokens.items():
+            tracked = self._tracked.get(rid)
+            if tracked is not None:
+                req = tracked.request
+                total += max(0, min(scheduled, req.num_prompt_tokens - req.num_computed_tokens))
+        return total
+
     def _store(self, rid: str, scheduled: int, out: SchedulerOutput, blocks) -> Store | None:
         """A Store when this step completes a page of `rid` that was not stored yet."""
         tracked = self._tracked.get(rid)
@@ -107,23 +142,30 @@ class SchedulerBooks:
             return None
         req = tracked.request
         speculative = len(out.scheduled_spec_decode_tokens.get(rid, ()))
-        # the KV written this step, capped at the tokens known (async scheduling samples later)
-        upto = min(req.num_computed_tokens + scheduled - speculative, len(req.all_token_ids))
+        # the KV final after this step (a drafter may re-prefill the last `reprefillable`),
+        # capped at the tokens known (async scheduling samples later)
+        final = req.num_computed_tokens + scheduled - speculative - self._reprefillable
+        upto = min(final, len(req.all_token_ids))
         if upto // self._page <= tracked.stored_pages:
             return None
         table = blocks.get_block_ids(rid)
         if table is None:
             return None
         sent = tracked.sent
-        new = list(req.all_token_ids[sent:upto]) if upto > sent else []
+        new = keyed_tokens(req, sent, upto) if upto > sent else []
         tracked.sent, tracked.stored_pages = max(sent, upto), upto // self._page
-        return Store(rid, sent, new, upto, list(table[0]), req.cache_salt)
+        return Store(rid, sent, new, upto, list(table[0]), tracked.salt)
 
     def answered(self, output: KVConnectorOutput) -> None:
-        """vLLM's `update_connector_output`: take the ranks' answers to open questions."""
+        """vLLM's `update_connector_output`: take the ranks' answers to open questions, and
+        send again from the first token the stores of a request a worker lost step with."""
         answers = output.kv_connector_worker_meta
         if not isinstance(answers, Answers):
             return
+        for rid in answers.resync:
+            tracked = self._tracked.get(rid)
+            if tracked is not None:
+                tracked.sent = 0
         for rank, items in answers.by_rank.items():
             for answer in items:
                 rid = answer.request_id

@@ -10,6 +10,8 @@ the next step, and only then answered.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,23 +70,44 @@ class WorkerCache:
     """The connector's worker role over one HiCache (made when vLLM registers its KV tensors).
 
     Contract with the scheduler half: every `Lookup` is answered exactly once (in the step its
-    match stops being pending), unless the request is forgotten first; a `Load` is made only as
-    granted, else its blocks are reported through `load_errors` and vLLM recomputes them; the
-    hicache request of an id is released after each load and store, and when it is forgotten.
+    match stops being pending), unless the request is forgotten or its question closed first
+    (`unused`); a `Load` loads at most what was granted, and the granted blocks it could not
+    fill are reported through `load_errors` (vLLM recomputes them); the hicache request of an
+    id is released after each load and store, when its question is closed unused, and when it
+    is forgotten.
+
+    Pins: an answered hit stays pinned until its load, its `unused` or its `forget`, as long as
+    the answers' pins stay within `pin_share` of the host tier; an answer past that share is
+    given unpinned and matched again when it loads (a page evicted meanwhile is then recomputed,
+    not served). No store takes a block whose load failed in its step, nor any page after it:
+    the request's stores stop before that page for the rest of its life (`_bad_from`).
     """
 
-    def __init__(self, config: HiCacheConfig, layout: dict[str, Any]) -> None:
+    def __init__(
+        self, config: HiCacheConfig, layout: dict[str, Any], pin_share: float = 0.5
+    ) -> None:
         self.config = config
         self._layout = layout
+        self._pin_share = pin_share
         self.layout: Layout | None = None
         self.cache: HiCache | None = None
         self._asking: dict[str, Lookup] = {}
-        self._matched: dict[str, tuple[Match, Lookup]] = {}
+        # answered, not yet loaded: the match holding its pins, or None (given unpinned)
+        self._matched: dict[str, tuple[Match | None, Lookup]] = {}
         self._tokens: dict[str, list[int]] = {}
         self._answers: list[Answer] = []
+        self._resync: list[str] = []
         self._load_errors: set[int] = set()
+        self._failed_blocks: set[int] = set()  # this step's blocks whose load failed
+        self._bad_from: dict[str, int] = {}  # request -> its first page not to store
         self._kinds: dict[str, str] = {}
         self._reported: dict[str, int] = {}
+        self._clock: PrefillClock | None = None
+
+    @property
+    def rank(self) -> int:
+        """This worker's TP rank."""
+        return self._layout["tp_rank"]
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         """Build the layout and the HiCache over vLLM's KV tensors (`num_blocks` blocks each),
@@ -100,6 +123,12 @@ class WorkerCache:
         self._kinds = {
             name: "p2p" if tier.shared else "disk" for name, tier in self.cache.store_tiers.items()
         }
+        self._clock = PrefillClock(self.cache.report_prefill, next(iter(kv_caches.values())))
+
+    def began(self, step: StepMeta) -> None:
+        """vLLM bound this step's metadata, before its forward: time its prefill."""
+        if self._clock is not None and step.prefill_tokens >= self._layout["page_tokens"]:
+            self._clock.begin(step.prefill_tokens)
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -108,13 +137,15 @@ class WorkerCache:
         the questions whose matches are no longer pending."""
         cache = self._cache()
         cache.poll()
+        if self._clock is not None:
+            self._clock.poll()
         for rid in step.forget:
-            self._asking.pop(rid, None)
-            self._matched.pop(rid, None)
-            self._tokens.pop(rid, None)
+            for books in (self._asking, self._matched, self._tokens, self._bad_from):
+                books.pop(rid, None)
             cache.release(rid)
-        for rid in step.unused:
-            if self._matched.pop(rid, None) is not None:
+        for rid in step.unused:  # a question closed without a load, answered or not
+            asked = self._asking.pop(rid, None) is not None
+            if self._matched.pop(rid, None) is not None or asked:
                 cache.release(rid)
         for load in step.loads:
             self._load(load)
@@ -126,18 +157,34 @@ class WorkerCache:
             if m is None or not m.pending:
                 del self._asking[rid]
                 self._answers.append(self._answer(lookup, m))
+                if m is not None:
+                    self._hold(lookup, m)
+
+    def _hold(self, lookup: Lookup, m: Match) -> None:
+        """Keep the answered hit's pins while the answers' pins stay within their share of
+        the host tier; past it, let them go (the load matches again)."""
+        held = sum(h.load_pages for h, _ in self._matched.values() if h is not None and h is not m)
+        budget = int(self._pin_share * self._cache().host.page_slots.capacity)
+        if m.load_pages and held + m.load_pages > budget:
+            self._cache().release(lookup.request_id)
+            self._matched[lookup.request_id] = (None, lookup)
 
     def after(self, step: StepMeta) -> None:
         """After the forward is enqueued: store the pages this step completed."""
         for store in step.stores:
             self._store(store)
+        self._failed_blocks = set()
         self._cache().poll()
 
     def answers(self) -> Answers | None:
-        """This step's answers, for the scheduler half (None when there are none)."""
-        if not self._answers:
+        """This step's answers and resyncs, for the scheduler half (None when there are none).
+        vLLM asks for them once the step's forward is done (enqueued, on an accelerator)."""
+        if self._clock is not None:
+            self._clock.end()
+        if not self._answers and not self._resync:
             return None
-        out, self._answers = Answers({self._layout["tp_rank"]: self._answers}), []
+        out = Answers({self._layout["tp_rank"]: self._answers} if self._answers else {})
+        out.resync, self._answers, self._resync = self._resync, [], []
         return out
 
     def load_errors(self) -> set[int]:
@@ -191,44 +238,107 @@ class WorkerCache:
         return Answer(lookup.request_id, lookup.computed, m.hit_tokens, tuple(sources.items()))
 
     def _load(self, load: Load) -> None:
-        """Copy the granted hit into its blocks; where that cannot be done as granted, report
-        the blocks so that vLLM recomputes them. Never serves more or less than granted."""
+        """Copy the granted hit into its blocks, or as much of its head as hicache still holds;
+        report the granted blocks it did not fill so that vLLM recomputes them. Never serves
+        more than granted."""
         cache, P = self._cache(), self._layout["page_tokens"]
-        m, lookup = self._matched.pop(load.request_id, (None, None))
-        if m is not None and lookup is not None and m.hit_tokens > load.hit:
-            # another rank holds less: ask again for no more than the grant
-            cache.release(load.request_id)
+        rid = load.request_id
+        m, lookup = self._matched.pop(rid, (None, None))
+        if lookup is not None and (m is None or m.hit_tokens > load.hit):
+            # given unpinned, or another rank holds less: match again, no further than granted
+            cache.release(rid)
             m = self._match(lookup, load.hit + self.config.policy.min_recompute_tokens)
-            self._matched.pop(load.request_id, None)
-        loaded = False
-        if m is not None and m.computed_tokens == load.computed and m.hit_tokens == load.hit:
+            self._matched.pop(rid, None)
+        filled = load.computed
+        usable = m is not None and not m.pending and m.computed_tokens == load.computed
+        if m is not None and usable and m.hit_tokens <= load.hit:
             try:
                 cache.load(m, load.block_ids[m.first_page : m.first_page + m.load_pages])
-                loaded = True
+                filled = m.hit_tokens
             except (ValueError, HiCacheError) as err:
-                log.warning("hicache: load of request %s: %s", load.request_id, err)
-        if not loaded:
-            self._load_errors.update(load.block_ids[load.computed // P : load.hit // P])
-        cache.release(load.request_id)
+                log.warning("hicache: load of request %s: %s", rid, err)
+        if filled < load.hit:
+            failed = load.block_ids[filled // P : load.hit // P]
+            self._load_errors.update(failed)
+            self._failed_blocks.update(failed)
+            self._bad_from[rid] = min(filled // P, self._bad_from.get(rid, filled // P))
+        cache.release(rid)
 
     def _store(self, store: Store) -> None:
-        """Store the pages of the request's first `upto` tokens that hicache lacks."""
+        """Store the pages of the request's first `upto` tokens that hicache lacks, short of
+        any block whose load failed (in this step, or earlier for this request)."""
         rid = store.request_id
-        tokens = self._tokens.setdefault(rid, [])
-        if len(tokens) != store.sent_before:  # cannot happen unless a step was lost: skip
-            log.warning("hicache: store of request %s: tokens out of step", rid)
-            self._tokens.pop(rid)
+        tokens = self._tokens.get(rid)
+        if store.sent_before == 0:  # the first store, or a resent one: from the first token
+            tokens = self._tokens[rid] = []
+        elif tokens is None or len(tokens) != store.sent_before:
+            # a store not seen (a lost step): no store until the scheduler resends the tokens
+            self._tokens.pop(rid, None)
+            if rid not in self._resync:
+                log.warning("hicache: store of request %s: tokens out of step, resyncing", rid)
+                self._resync.append(rid)
             return
         tokens.extend(store.new_tokens)
-        if rid in self._asking or rid in self._matched:
+        P = self._layout["page_tokens"]
+        for i, block in enumerate(store.block_ids[: store.upto // P]):
+            if block in self._failed_blocks:
+                self._bad_from[rid] = min(i, self._bad_from.get(rid, i))
+                break
+        upto = min(store.upto, self._bad_from.get(rid, store.upto // P) * P)
+        if rid in self._asking or rid in self._matched or not upto:
             return  # its question is open (not scheduled, or preempted): store later
         cache = self._cache()
         try:
-            cache.store(rid, tokens[: store.upto], store.block_ids, salt=store.salt)
+            cache.store(rid, tokens[:upto], store.block_ids, salt=store.salt)
         except (ValueError, HiCacheError) as err:
             log.warning("hicache: store of request %s: %s", rid, err)
         finally:
             cache.release(rid)
+
+
+class PrefillClock:
+    """Times the steps that compute prompt tokens and feeds the speed to hicache's cost model
+    (`report`: `HiCache.report_prefill`). On an accelerator, with events on the model's stream
+    read once they have completed (never waited for); on the CPU, where vLLM's forward is
+    synchronous, with the wall clock. A step's time counts its decodes too: the speed it gives
+    errs on the slow side, so hicache fetches a little more than it would otherwise."""
+
+    def __init__(self, report: Callable[[int, float], None], like: torch.Tensor) -> None:
+        self._report = report
+        self._cuda = like.is_cuda
+        self._open: tuple[int, Any] | None = None
+        self._timed: list[tuple[int, Any, Any]] = []
+
+    def _mark(self) -> Any:
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def begin(self, tokens: int) -> None:
+        self._open = (tokens, self._mark())
+
+    def end(self) -> None:
+        if self._open is not None:
+            tokens, start = self._open
+            self._timed.append((tokens, start, self._mark()))
+            self._open = None
+        self.poll()
+
+    def poll(self) -> None:
+        """Report the timed steps that have completed."""
+        while self._timed:
+            tokens, start, end = self._timed[0]
+            if self._cuda:
+                if not end.query():
+                    return
+                seconds = start.elapsed_time(end) / 1000
+            else:
+                seconds = end - start
+            self._timed.pop(0)
+            if seconds > 0:
+                self._report(tokens, seconds)
 
 
 def layout_fields(vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any]) -> dict:
