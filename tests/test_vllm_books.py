@@ -668,3 +668,26 @@ def test_loads_go_layer_by_layer_unless_layers_share_one_tensor():
     assert shared.cache.layers == 0
     shared.close()
     w.close()
+
+
+def test_the_view_walks_long_prompts_and_bounds_what_it_keeps_of_store_tiers(monkeypatch):
+    """A 40-page prompt whose first 37 pages the host holds: the walk (in doubling steps) stops
+    at page 37; a store tier's group end past it sends the question to the workers; past
+    LOWER_KEYS_MAX group ends the rank's store tiers count as unknown (every miss is asked)."""
+    from hicache.integrations.vllm import view as view_module
+    from hicache.keys import chain_seed, page_keys
+
+    fp = b"\x07" * 16
+    tokens = list(range(40 * P + 1))
+    keys = page_keys(chain_seed(fp, None), torch.tensor(tokens, dtype=torch.int32).numpy(), P)
+    v = view_module.TierView(ranks=1, page_tokens=P)
+    v.update({0: RankNews(fp, False, stored=keys[:37])})
+    assert v.hit_pages(tokens, None, 0, 40) == 37
+    assert v.hit_pages(tokens, "other", 0, 40) == 0
+    v.update({0: RankNews(fp, False, removed=[keys[20]])})
+    assert v.hit_pages(tokens, None, 0, 40) == 20
+    v.update({0: RankNews(fp, False, lower=[keys[30]])})
+    assert v.hit_pages(tokens, None, 0, 40) is None
+    monkeypatch.setattr(view_module, "LOWER_KEYS_MAX", 2)
+    v.update({0: RankNews(fp, False, lower=[b"\x01" * 16, b"\x02" * 16])})
+    assert v.hit_pages(list(range(9000, 9041)), None, 0, 10) is None

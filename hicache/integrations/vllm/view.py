@@ -24,7 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hicache.keys import as_tokens, chain_seed, page_keys
+from hicache.keys import KeyChain, as_tokens, chain_seed
+
+LOWER_KEYS_MAX = 1 << 20
+"""Store-tier group ends kept per rank; past it the rank's store tiers count as unknown."""
 
 
 @dataclass
@@ -50,13 +53,14 @@ class RankNews:
 class _Rank:
     """What one rank's worker reported, and its key seeds by salt."""
 
-    __slots__ = ("fingerprint", "host", "lower", "lower_unknown", "seeds")
+    __slots__ = ("fingerprint", "forgot_lower", "host", "lower", "lower_unknown", "seeds")
 
     def __init__(self, news: RankNews) -> None:
         self.fingerprint = news.fingerprint
         self.host: set[bytes] = set()
         self.lower: set[bytes] = set()
         self.lower_unknown = news.lower_unknown
+        self.forgot_lower = False
         self.seeds: dict[str | None, bytes] = {}
 
     def seed(self, salt: str | None) -> bytes:
@@ -87,6 +91,10 @@ class TierView:
             view.host.update(got.stored)
             view.host.difference_update(got.removed)
             view.lower.update(got.lower)
+            if len(view.lower) > LOWER_KEYS_MAX:  # too many to keep: ask about its tiers
+                view.lower.clear()
+                view.lower_unknown = view.forgot_lower = True
+            view.lower_unknown |= view.forgot_lower
 
     def hit_pages(self, tokens: list[int], salt: str | None, first: int, cap: int) -> int | None:
         """The pages [first, h) every rank's host tier holds, as h, when the view can tell that
@@ -99,12 +107,18 @@ class TierView:
         for view in self._ranks.values():
             if view.lower_unknown:
                 return None
-            keys = page_keys(view.seed(salt), arr, self._page)
-            h = first
-            while h < hit and keys[h] in view.host:
-                h += 1
+            chain = KeyChain(view.seed(salt), self._page, arr)
+            h, step = first, 16
+            while h < hit:  # hash only as far as the host tier holds, in doubling steps
+                end = min(hit, h + step)
+                keys = chain.upto(end)
+                while h < end and keys[h] in view.host:
+                    h += 1
+                if h < end:
+                    break
+                step *= 2
             hit = h
-            if view.lower and any(k in view.lower for k in keys[h:]):
+            if view.lower and any(k in view.lower for k in chain.upto(cap)[h:]):
                 return None  # a store tier took a group past the host hit: fetch it
         return hit
 
