@@ -126,7 +126,8 @@ def _serve(rank: int, spec: EngineSpec, cache_config: dict[str, Any], conn: Conn
             _loop(rank, engine, conn)
             conn.send(("stats", engine.cache.stats()))
     except Exception as err:  # reported to the driver, which stops the run
-        conn.send(("error", f"rank {rank}: {type(err).__name__}: {err}"))
+        with contextlib.suppress(OSError):  # unless the driver is gone
+            conn.send(("error", f"rank {rank}: {type(err).__name__}: {err}"))
     finally:
         if engine is not None and engine.cache is not None:
             engine.cache.close()
