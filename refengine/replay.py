@@ -11,6 +11,7 @@ from the GPU prefix cache and each tier, and checks that every answer is token-i
 ``--floor`` adds, for the last turn of every conversation, the lowest TTFT a hit can have: the
 KV bytes loaded / host link bandwidth and the measured prefill of the recomputed suffix, summed
 when loads are whole, overlapped (their max + one layer's load) when they go by layer.
+``--dp N`` then replays the conversations over N engine ranks on one store (`refengine.dp`).
 """
 
 from __future__ import annotations
