@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -184,6 +184,10 @@ class ThrottledTier(MemoryTier):
     """The in-memory store tier of the tests, its reads held to `read_limit_gbps`: a store
     slower than the prefill, plugged in through hicache's tier registry as a backend is."""
 
+    reads: ClassVar[list[tuple[float, float, float, int]]] = []
+    """Every get: (start, copied, end) on `time.perf_counter`, and its bytes; the benchmark
+    reads and clears it around each request."""
+
     def __init__(self, config: ThrottledConfig) -> None:
         super().__init__(config)
         self._busy_until = 0.0
@@ -215,6 +219,7 @@ class ThrottledTier(MemoryTier):
         return out
 
     def get_into(self, keys, buffers):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
         nbytes = sum(buffers.nbytes(i) for i in range(len(keys)))
         with self._pace:  # the link is shared: reads queue behind each other
             done = max(time.perf_counter(), self._busy_until) + nbytes / (
@@ -232,7 +237,9 @@ class ThrottledTier(MemoryTier):
                 ctypes.memmove(ptr, base + at, size)
                 at += size
             out.append(len(data))
-        time.sleep(max(0.0, done - time.perf_counter()))
+        copied = time.perf_counter()
+        time.sleep(max(0.0, done - copied))
+        self.reads.append((start, copied, time.perf_counter(), nbytes))
         return out
 
 
@@ -290,14 +297,17 @@ def _slow_tier(
         reader.idle_sleep_s = 0.0002
         ttft: dict[str, list[float]] = {m: [] for m in modes}
         cached: dict[str, list[int]] = {m: [] for m in modes}  # tokens the cache supplied
+        reads: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
         heads: list[int] = []
         for r in range(-1, repeats):  # r = -1: a warm-up of each mode, not reported
             for mode in modes:
                 reader.partial = mode == "partial"
                 prompt = prefixes[(ratio, mode, r)] + _tokens(suffix, seed=77 + r)
+                ThrottledTier.reads.clear()
                 req = _serve(reader, Request(f"s{ratio}{mode}{r}", prompt, 1))
                 if r < 0:
                     continue
+                reads[mode].append(_read_times(req, ThrottledTier.reads))
                 ttft[mode].append(float(req.ttft or 0.0))
                 cached[mode].append(req.hit_tokens)
                 if mode == "partial":
@@ -320,10 +330,26 @@ def _slow_tier(
                 "ttft_partial_s": med["partial"],
                 "ttft_s": ttft,
                 "cached_tokens": cached,
+                "tier_reads": reads,
                 "partial_over_best": med["partial"] / best,
             }
         )
     return rows
+
+
+def _read_times(req: Request, reads: list[tuple[float, float, float, int]]) -> dict[str, float]:
+    """Where a request's time went on the tier's side, in seconds from its arrival: the first
+    get's start, the last get's end, the copies' own time and the bytes read (the TTFT less
+    the last get's end is the rest: applying the result, the load to the GPU, the prefill)."""
+    if not reads:
+        return {"gets": 0}
+    return {
+        "gets": len(reads),
+        "first_get_start_s": min(r[0] for r in reads) - req.arrival,
+        "last_get_end_s": max(r[2] for r in reads) - req.arrival,
+        "copy_s": sum(r[1] - r[0] for r in reads),
+        "bytes": sum(r[3] for r in reads),
+    }
 
 
 def _drain(engine: Engine, timeout_s: float = 120.0) -> None:
