@@ -292,8 +292,8 @@ def _slow_tier(
             _drain(writer)  # each prefix whole in the store before the host tier evicts it
     writer.cache.close()
     del writer
-    reserve = (hit // P + 8) * page_bytes
-    reader_host = {"type": "host", "size": 8 * reserve + host["size"]}
+    reserve = (hit // P + 4) * page_bytes  # the hit's groups, the last one partly past it
+    reader_host = {"type": "host", "size": 8 * reserve}
     rows = []
     for ratio in ratios:
         bps = hit // P * page_bytes / (ratio * recompute_s)
