@@ -9,11 +9,14 @@ one layer's load), and ``ratio_to_overlap_floor``.
 
 Part 2 (a slow tier): a hit of ``--slow-hit`` tokens followed by ``--slow-suffix`` new ones,
 held only by a store tier whose reads are throttled to B bytes/s (`ThrottledTier`, registered
-through hicache's tier registry). A writer engine stores the prefixes; per B, a reader engine
-with an empty host tier measures, in the same run: fetch all (``match``), recompute all (a
-prompt no tier holds) and the chain's own plan (``match(partial=True)``, the cost model given B
-and the measured prefill rate). B spans tiers whose time for the whole hit is
-``--tier-ratios`` times its recompute time. Every turn size and mode warms up once, unreported.
+through hicache's tier registry; its copies run on `COPY_THREADS` threads, so that the tier
+reaches B). A writer engine stores the prefixes; per B, a reader engine with an empty host tier
+and a fetch reserve the size of the hit (one get, no exists first) measures, in the same run:
+fetch all (``match``), recompute all (a prompt no tier holds) and the chain's own plan
+(``match(partial=True)``, the cost model given B and the measured prefill rate). B spans tiers
+whose time for the whole hit is ``--tier-ratios`` times its recompute time. Each row records
+the tokens each way got from the cache and the tier's gets. Every turn size and mode warms up
+once, unreported.
 
     python bench/replay.py               # GPU if there is one: llama-8b shape, 32K context
     python bench/replay.py --cpu         # a tiny model on the CPU (a check that it runs)
