@@ -223,7 +223,7 @@ def measure(run: dict, phases: dict[str, range], base: dict | None) -> dict:
     later = np.concatenate([first["ttft_s"][i] for i in list(phases["reuse"])[1:]]) * 1e3
     row["reuse_later_turns_ttft_p50_ms"] = float(np.percentile(later, 50))
     row["prompt_tokens_by_source"] = sources(first["vllm_metrics"])
-    base_answers = (base or first)["first"]["answers"]
+    base_answers = (base["first"] if base else first)["answers"]
     row["answers_identical_to_vllm"] = first["answers"] == base_answers
     if run["second"]:
         second = run["second"]
