@@ -57,7 +57,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, command, commit, cpu_model
 
-from hicache.trace.workload import BLOCK_TOKENS, block_tokens_of
+from hicache.tools.trace.workload import BLOCK_TOKENS, block_tokens_of
 
 RUNNER = Path(__file__).resolve().parent / "vllm_run.py"
 TRACE = ROOT.parent / "shared" / "traces" / "agentic_sessions.jsonl.gz"

@@ -27,21 +27,21 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from hicache import native, threads
-from hicache.backends.base import StoreTier
-from hicache.backends.gpu import GpuTier
-from hicache.backends.host import HostTier, HostTierConfig
-from hicache.chain import TierChain, adopt_keys
 from hicache.config import HiCacheConfig, Layout, StoreTierConfig
+from hicache.core import native, threads
+from hicache.core.keys import KeyChain, PrefixMemo, as_tokens, chain_seed, fingerprint
+from hicache.core.request import Match, Request
+from hicache.core.slots import Lease
 from hicache.errors import StateHookError
-from hicache.events import EventSink, emit
-from hicache.kernels import PagedBuffer, Route, prepare, route
-from hicache.keys import KeyChain, PrefixMemo, as_tokens, chain_seed, fingerprint
-from hicache.request import Match, Request
-from hicache.slots import Lease
-from hicache.stats import Stats
-from hicache.store_link import Fetch
-from hicache.transfers import DONE, Completion, Transfers
+from hicache.observability.events import EventSink, emit
+from hicache.observability.stats import Stats
+from hicache.tiers.base import StoreTier
+from hicache.tiers.chain import TierChain, adopt_keys
+from hicache.tiers.gpu import GpuTier
+from hicache.tiers.host import HostTier, HostTierConfig
+from hicache.tiers.link import Fetch
+from hicache.transfer.completions import DONE, Completion, Transfers
+from hicache.transfer.kernels import PagedBuffer, Route, prepare, route
 
 
 class StateHooks(Protocol):
@@ -72,7 +72,8 @@ class HiCache:
     `layout` describes its pages (defaults to the config's layout section); `states` are the
     engine's state hooks, required when the layout has state_bytes; `stream` is the CUDA stream
     of the engine's model kernels (default: the current stream at each call); `events` receives
-    a `KVEvent` whenever a tier stores or removes pages (see `hicache.events`); `wake` is called
+    a `KVEvent` whenever a tier stores or removes pages (see `hicache.observability.events`);
+    `wake` is called
     from a store tier's worker thread whenever it has posted a result for `poll` or `match` to
     apply (an engine whose loop sleeps while requests wait on a fetch sets an event or writes an
     eventfd there; it must be thread-safe and return at once). `layers` is the number of KV
@@ -142,7 +143,7 @@ class HiCache:
             )  # fmt: skip
         self.metrics_server = None
         if config.metrics.port is not None:
-            from hicache.metrics import register, serve
+            from hicache.observability.metrics import register, serve
 
             registry, _ = register(self)
             self.metrics_server = serve(registry, config.metrics.port, config.metrics.addr)
@@ -451,7 +452,7 @@ class HiCache:
         it. Every returned completion has ``wait_layer``; on the engine's stream it is a no-op.
         `from_token` (a page boundary in [computed_tokens, hit_tokens]) copies only the pages
         from there on: the engine computes the tokens before it itself (a partial fetch, see
-        `hicache.plan`), and must have enqueued that computation before this call when the hit
+        `hicache.core.plan`), and must have enqueued that computation before this call when the hit
         has a state (the state at `hit_tokens` then overwrites what it left). A match with
         `head_tokens` needs from_token >= head_tokens. The pins of the hit are released, all at
         once, when its last copy has completed.
@@ -682,11 +683,12 @@ class HiCache:
             self._chain.forget(req.fetch)
 
     def histograms(self) -> dict[str, dict[str, Any]]:
-        """Latency histograms by Prometheus family name (see `hicache.metrics`)."""
+        """Latency histograms by Prometheus family name (see `hicache.observability.metrics`)."""
         return self._stats.histograms()
 
     def stats(self) -> dict[str, int]:
-        """Counters and gauges as a plain dict (see `hicache.stats.Stats` for their meaning)."""
+        """Counters and gauges as a plain dict (see `hicache.observability.stats.Stats` for their
+        meaning)."""
         pages, states = self.host.page_slots, self.host.state_slots
         tiers = {} if self._chain is None else self._chain.gauges()
         return self._stats.as_dict(

@@ -47,7 +47,7 @@ def traced(run: Callable[[], None]) -> set[tuple[str, int, str]]:
     """The hicache functions `run` calls on this thread: (module file, first line, name)."""
     seen: set[tuple[str, int, str]] = set()
 
-    def hook(frame, event, arg):  # noqa: ANN001, ANN202
+    def hook(frame, event, arg):
         if event == "call" and not _paused[0]:
             code = frame.f_code
             if code.co_filename.startswith(PKG):

@@ -90,6 +90,6 @@ def test_the_wheel_carries_the_sources_compiled_at_first_use(tmp_path: Path):
     assert done.returncode == 0, done.stderr
     (wheel,) = tmp_path.glob("hicache-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    native = {f"hicache/native/{p.name}" for p in (ROOT / "hicache" / "native").glob("*.[ch]")}
-    assert native <= names and "hicache/kernels/page_copy.cu" in names
+    native = {f"hicache/core/native/{p.name}" for p in (ROOT / "hicache" / "native").glob("*.[ch]")}
+    assert native <= names and "hicache/transfer/kernels/page_copy.cu" in names
     assert any(n.endswith("LICENSE") for n in names)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from hicache.backends.mooncake_local import free_port
+from hicache.tools.mooncake_local import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -25,7 +25,6 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from hicache import load_config  # noqa: E402
-from hicache.backends.registry import register_tier  # noqa: E402
 from hicache.config import ConfigError  # noqa: E402
 from hicache.integrations.vllm.connector import for_rank, in_one_line  # noqa: E402
 from hicache.integrations.vllm.inputs import refuse_unsupported  # noqa: E402
@@ -40,6 +39,7 @@ from hicache.integrations.vllm.meta import (  # noqa: E402
 )
 from hicache.integrations.vllm.scheduler import SchedulerBooks  # noqa: E402
 from hicache.integrations.vllm.worker import WorkerCache  # noqa: E402
+from hicache.tiers.registry import register_tier  # noqa: E402
 
 P = 4  # tokens a block
 
