@@ -45,6 +45,10 @@ from pydantic import (
     model_validator,
 )
 
+from hicache.core.threads import check_cpus
+from hicache.errors import ConfigError
+from hicache.tiers.registry import tier_config_model
+
 ENV_PREFIX = "HICACHE__"
 
 _BYTES = TypeAdapter(ByteSize)
@@ -60,10 +64,6 @@ def _to_bytes(value: Any) -> int:
 
 Bytes = Annotated[int, BeforeValidator(_to_bytes), PlainSerializer(int)]
 """A size in bytes, written as an integer or with a unit: ``4096``, ``512MiB``, ``64GiB``."""
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot be used. The message names the file (if any) and the field."""
 
 
 class _Strict(BaseModel):
@@ -194,8 +194,6 @@ class StoreTierConfig(TierConfig):
     wherever the process may run."""
 
     def check_machine(self) -> None:
-        from hicache.core.threads import check_cpus
-
         check_cpus(self.worker_cpus, "worker_cpus")
 
 
@@ -247,8 +245,6 @@ class HiCacheConfig(_Strict):
     @field_validator("tiers", mode="before")
     @classmethod
     def _tier_models(cls, items: Any) -> Any:
-        from hicache.tiers.registry import tier_config_model
-
         if not isinstance(items, list | tuple):
             return items
         out = []

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from hicache.tools import docgen
 from hicache.tiers.registry import tier_types
+from hicache.tools import docgen
 
 ROOT = Path(__file__).resolve().parent.parent
 

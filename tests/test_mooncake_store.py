@@ -27,16 +27,12 @@ import torch
 from mooncake_master import MooncakeMaster
 
 from hicache.config import ConfigError, load_config
-from hicache.tiers.base import Buffers
+from hicache.tiers.base import Buffers, StoreUnavailable
 from hicache.tiers.breaker import BreakerState, CircuitBreaker
 from hicache.tiers.memory import HostMemory
-from hicache.tiers.mooncake.tier import (
-    MooncakeConfig,
-    MooncakeStore,
-    StoreCode,
-    StoreState,
-    StoreUnavailable,
-)
+from hicache.tiers.mooncake.codes import StoreCode, StoreState
+from hicache.tiers.mooncake.config import MooncakeConfig
+from hicache.tiers.mooncake.tier import MooncakeStore
 
 REPO = Path(__file__).resolve().parents[1]
 KiB, MiB = 1 << 10, 1 << 20
@@ -490,7 +486,8 @@ _READER = """
 import hashlib, json, sys
 import torch
 from hicache.tiers.base import Buffers
-from hicache.tiers.mooncake.tier import MooncakeConfig, MooncakeStore
+from hicache.tiers.mooncake.config import MooncakeConfig
+from hicache.tiers.mooncake.tier import MooncakeStore
 address, keys, size = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 store = MooncakeStore(MooncakeConfig(master_address=address, global_segment_size=0,
                                      local_buffer_size=1 << 20, call_timeout_s=5.0))

@@ -187,7 +187,7 @@ def test_the_engine_thread_hashes_a_fetch_only_up_to_its_bound(
 ):
     """The engine thread hashes the first ENGINE_PREP_PAGES pages of a fetch, the worker the
     rest (with the GIL dropped), and the hit is the same either way, every byte checked."""
-    import hicache.tiers.link as l3
+    import hicache.tiers.fetch as l3
     import hicache.tiers.worker as l3_worker
 
     monkeypatch.setattr(l3, "ENGINE_PREP_PAGES", prep)

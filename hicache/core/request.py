@@ -1,15 +1,9 @@
-"""What hicache remembers about one request, and the `Match` it answers with."""
+"""The `Match` that `HiCache.match` answers with (what hicache remembers of a request between
+its calls is `hicache.match.Request`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from hicache.core.keys import KeyChain
-from hicache.core.slots import Lease
-
-if TYPE_CHECKING:
-    from hicache.tiers.link import Fetch
 
 
 @dataclass(frozen=True)
@@ -50,29 +44,3 @@ class Match:
     def cached_tokens(self) -> int:
         """Tokens hicache supplies (hit_tokens less what the engine had)."""
         return self.hit_tokens - self.computed_tokens if self.load_pages else 0
-
-
-@dataclass
-class Request:
-    """hicache's state of one request between `match` and `release`."""
-
-    chain: KeyChain
-    match: Match | None = None
-    asked: int = 0
-    """The prompt length of the last `match`."""
-    pages: Lease | None = None
-    """Host page slots pinned by `match` for `load`."""
-    state: Lease | None = None
-    """The host state slot pinned by `match` for `load`."""
-    fetch: Fetch | None = None
-    """The first part of the request's walk down the store tiers, if one was started."""
-    head_pages: int = 0
-    """The walk is a partial fetch from this page on (`Match.head_tokens`); 0: none."""
-
-    def drop_pins(self) -> None:
-        """Release what `match` pinned and forget the match (it can no longer be loaded)."""
-        for lease in (self.pages, self.state):
-            if lease is not None:
-                lease.release()
-        self.pages = self.state = None
-        self.match = None

@@ -32,8 +32,9 @@ from hicache.core.plan import PrefillSpeed, plan_fetch
 from hicache.observability.events import EventSink
 from hicache.observability.stats import Stats
 from hicache.tiers.base import StoreTier
+from hicache.tiers.fetch import Fetch
 from hicache.tiers.host import HostTier
-from hicache.tiers.link import Fetch, LinkSettings, StoreLink
+from hicache.tiers.link import LinkSettings, StoreLink
 from hicache.tiers.registry import tier_class
 from hicache.transfer.completions import DONE, Completion
 

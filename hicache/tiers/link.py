@@ -5,24 +5,10 @@ The engine thread never calls the store. It hands jobs to worker threads — one
 `fetch_workers` for fetches, each fetch to the least busy of them — and applies their results in
 `poll` (and in `match`, for a request whose fetch is running):
 
-- a *fetch* (for one request whose prompt runs past the host tier's hit): the pages after the
-  host hit are hashed, by the engine thread for the first `ENGINE_PREP_PAGES` pages and by the
-  worker (from the key before them and their tokens) for the rest; the worker names their
-  groups. If the fetch fits the reserve of free host slots, it is one batched `get_into` those
-  slots, and the leading run that arrives is the hit. Otherwise one batched `exists` for the
-  groups (and, for state layouts, the states at the group ends), then — on the engine thread —
-  a choice (the leading run of groups, snapped to a state), fresh host slots reserved for it,
-  and one batched `get_into`. Pages become visible in the host index only after their get
-  succeeded, under the keys of the job: a failed transfer is never a hit. The slots stay pinned
-  by the fetch until the worker has returned, even if the request went away meanwhile, so no
-  transfer writes into a reused slot.
-- a *put*: with `write: behind`, queued by `store` with the completion of its host copy: the
-  worker waits for that copy, then sends the full page groups (and group-aligned states) that
-  the tier is not known to hold straight from the pinned host slots, which stay pinned until the
-  put returns. With `write: on_evict`, `store` only notes the new groups; once the host tier runs
-  short of free slots, `poll` puts the oldest of them (pinned until the put returns, so not
-  evicted before). The queue is bounded: when it is full, work is dropped and counted, never
-  queued without bound and never waited for.
+- a *fetch* (for one request whose prompt runs past the host tier's hit: `hicache.tiers.fetch`,
+  with the reserve of free host slots it may get into at once, `hicache.tiers.reserve`);
+- a *put* (`write: behind` from `store`, or `write: on_evict` once the host runs short of free
+  slots: `hicache.tiers.writes`).
 
 Both queues are bounded by a count of jobs queued or running (`queue_depth` puts,
 `fetch_depth` fetches); beyond it a put is dropped and a fetch not started, both counted. On
@@ -47,34 +33,24 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hicache.config import Layout, Policy
 from hicache.core import threads
 from hicache.core.cost import Rate, Verdict
-from hicache.core.keys import KeyChain
 from hicache.core.slots import Lease
 from hicache.errors import HiCacheError
-from hicache.observability.events import EventSink, emit
+from hicache.observability.events import EventSink
 from hicache.observability.stats import TierStats
 from hicache.tiers.base import StoreTier, StoreUnavailable
 from hicache.tiers.breaker import CircuitBreaker
+from hicache.tiers.fetch import Fetch, FetchSide
 from hicache.tiers.host import HostTier
+from hicache.tiers.reserve import ReserveSide
 from hicache.tiers.worker import Job, Worker
-from hicache.transfer.completions import DONE, Completion
+from hicache.tiers.writes import WriteSide
 
 log = logging.getLogger(__name__)
-
-
-ENGINE_PREP_PAGES = 128
-"""A fetch's first pages that the engine thread hashes itself, in `match` (~25 µs for 128 pages
-on a warm thread): a worker that has just woken runs slowly for its first few hundred µs (4-7
-times slower than warm on the machines measured), and the fill waits for the keys. The worker
-hashes the pages past these (GIL dropped), so the engine thread's share stays bounded however
-long the look-ahead."""
-
-WRITE_BACK_GROUPS = 64
-"""`write: on_evict`: page groups one write-back put takes at most."""
 
 _LATENCY = {
     "probe": "hicache_tier_exists_seconds",
@@ -108,94 +84,7 @@ class LinkSettings:
     breaker_reprobe_s: float = 5.0
 
 
-@dataclass
-class Fetch:
-    """One request's look-ahead from one tier. Engine thread only.
-
-    The chain links the fetches of one request's walk: where a tier's fetch fell short, the
-    next tier's fetch (`next`) asks for the pages after it."""
-
-    first_group: int
-    groups: int
-    """How many page groups, from `first_group` on, the fetch may bring."""
-    first_page: int
-    """The first page of `first_group`."""
-    host_pages: int
-    """The host hit when the fetch began: the fetch's pages before it (its first group may start
-    below it) were host hits already."""
-    deadline: float
-    started: float
-    link: StoreLink
-    """The tier it reads from."""
-    chain: KeyChain
-    """The request's keys (the next tier's fetch starts from them)."""
-    max_pages: int
-    """The cap of the hit: a state layout's fetch ends at a state no deeper than this."""
-    phase: str = "probe"  # probe -> get -> done
-    abandoned: bool = False
-    lease: Lease | None = None
-    """Fetched page slots (and reserved ones while the get runs); released when consumed."""
-    state_lease: Lease | None = None
-    pages: tuple[int, int] = (0, 0)
-    """[first, end) pages that arrived: in the host tier now, under this fetch's slots or (a
-    page the host tier held already) another slot."""
-    fresh: list[int] = field(default_factory=list)
-    """The slots this fetch published, in page order (a page the host tier held already is
-    not among them)."""
-    keys: list[bytes] = field(default_factory=list)
-    """Keys of the pages from the first group's first page on (those the worker hashed come
-    with its first result)."""
-    next: Fetch | None = None
-    """The next tier's fetch of the same walk, once this one has finished short."""
-
-    def key_before(self, pages: int) -> bytes:
-        """The key of page ``pages - 1`` (a group end inside the fetch)."""
-        return self.keys[pages - 1 - self.first_page]
-
-    @property
-    def running(self) -> bool:
-        """This tier's part is not done."""
-        return self.phase != "done"
-
-    @property
-    def busy(self) -> bool:
-        """Some part of the walk (this fetch, or one after it) is not done."""
-        fetch: Fetch | None = self
-        while fetch is not None:
-            if fetch.phase != "done":
-                return True
-            fetch = fetch.next
-        return False
-
-    def parts(self) -> list[Fetch]:
-        """This fetch and the ones after it, in walk order."""
-        out: list[Fetch] = []
-        fetch: Fetch | None = self
-        while fetch is not None:
-            out.append(fetch)
-            fetch = fetch.next
-        return out
-
-    def release(self) -> None:
-        """Release this fetch's own slots."""
-        for lease in (self.lease, self.state_lease):
-            if lease is not None:
-                lease.release()
-        self.lease = self.state_lease = None
-
-
-class _Leases:
-    """Two leases released together (a put pins page slots and state slots)."""
-
-    def __init__(self, *leases: Lease) -> None:
-        self._leases = leases
-
-    def release(self) -> None:
-        for lease in self._leases:
-            lease.release()
-
-
-class StoreLink:
+class StoreLink(FetchSide, ReserveSide, WriteSide):
     """Fetches and puts between the host tier and one `StoreTier`, off the engine thread."""
 
     def __init__(
@@ -281,279 +170,12 @@ class StoreLink:
         ]
         threads.start(self._register, f"hicache-{name}-register", cpus)
 
-    # -- engine thread: fetch ---------------------------------------------------------------------
-
     def usable(self) -> bool:
         """Whether the tier can be used now: the host pools are registered, the store answers
         and the breaker lets calls through (an open one, one probe per `breaker_reprobe_s`)."""
         if not (self._registered.is_set() and self.store.available):
             return False
         return self.breaker.closed or (self._own_breaker and self.breaker.allow())
-
-    def start_fetch(
-        self,
-        chain: KeyChain,
-        host_pages: int,
-        max_pages: int,
-        deadline: float | None = None,
-        planned: bool = False,
-    ) -> Fetch | None:
-        """Begin a fetch of the groups after `host_pages` of `chain`, up to `max_pages` pages.
-
-        `chain` has hashed at least `host_pages` pages; the worker hashes the rest it needs.
-        `deadline`: when a waiting request gives up (default: `policy.fetch_max_wait_ms` from
-        now). Returns None when no whole group lies in that range, the tier is not available or
-        busy, or fetching is slower than recomputing (see `hicache.core.cost`; not asked for a
-        `planned` partial fetch, whose plan weighed the tier's speed already).
-        """
-        G, P = self.G, chain.page_tokens
-        first = host_pages // G
-        # groups [first, last): every whole group that starts below max_pages (the hit is capped
-        # at max_pages afterwards, so a group may be fetched for only part of its pages)
-        last = min(-(-max_pages // G), chain.pages // G)
-        if last <= first:
-            return None
-        if not self.usable():
-            self.stats.skipped_down += 1
-            return None
-        if sum(self._fetch_load) >= self.settings.fetch_depth:
-            self.stats.skipped_busy += 1
-            return None
-        if not planned and not self._verdict.worth():
-            self.stats.skipped_slow += 1
-            return None
-        if self._trusted_books:
-            chain.hash_to((first + 1) * G)
-            if chain.hashed[(first + 1) * G - 1] not in self._groups_held:
-                self.stats.skipped_unheld += 1
-                return None
-        now = self.clock()
-        if deadline is None:
-            deadline = now + self.policy.fetch_max_wait_ms / 1e3
-        fetch = Fetch(
-            first, last - first, first * G, host_pages, deadline, now, self, chain, max_pages
-        )
-        self.stats.fetches += 1
-        pages = (last - first) * G
-        job = Job("probe", fetch=fetch, started=now)
-        if self._can_get_at_once(pages):
-            # One call: get every group into reserved slots; the leading run that arrives is the
-            # hit (a missing object reads as a miss). No exists, no second trip to this thread.
-            fetch.lease, fetch.phase = self._reserve.split(pages), "get"  # type: ignore[union-attr]
-            fetch.lease.slots.sort()  # runs of slots in order: a group in a run is one piece
-            self._lent += pages
-            job.kind, job.groups, job.unprobed = "get", last - first, True
-            job.page_slots = fetch.lease.slots
-        # The first ENGINE_PREP_PAGES pages are hashed here; the worker hashes the rest.
-        begin, end = first * G, last * G
-        own = min(end, begin + ENGINE_PREP_PAGES)
-        chain.hash_to(own)
-        job.page_keys = fetch.keys = chain.hashed[begin:own]
-        if own < end:
-            # bytes, not an array copy: the caller may reuse its tokens, and numpy releases the
-            # GIL to copy an array this long (a worker waiting for it would cut into this call)
-            job.hash_from = (job.page_keys[-1], chain.tokens[own * P : end * P].tobytes())
-        self._submit_fetch(job)
-        return fetch
-
-    def _can_get_at_once(self, pages: int) -> bool:
-        """Whether a fetch of `pages` pages can skip the exists: no states to find (a state's
-        boundary decides the run), a store that tells a miss from a failure, room in the
-        reserve."""
-        return (
-            not self.layout.state_bytes
-            and self.store.missing_code is not None
-            and self._reserve is not None
-            and len(self._reserve) >= pages
-        )
-
-    def refill(self) -> None:
-        """Top the fetch reserve up to `reserve_pages` free host slots (evicting if needed), at
-        most an eighth of the host tier."""
-        if not self.host.ready:
-            return
-        short = self._reserve_short()
-        if short > 0:
-            self._add_to_reserve(self.host.page_slots.reserve(short))
-
-    def _take_back(self, lease: Lease, keep: int) -> None:
-        """A get into slots lent by the reserve has read `keep` pages: the lease's other slots
-        (reserved, never published) return to the reserve, as far as it has room, and the rest
-        to the free list. A fetch of objects the store does not hold leaves nothing to refill,
-        so misses cost the engine thread no evictions and no refill."""
-        spare = lease.split(len(lease) - keep)
-        room = max(0, self._reserve_short())
-        if len(spare) > room:
-            spare.split(len(spare) - room).release()
-        self._add_to_reserve(spare)
-
-    def _add_to_reserve(self, lease: Lease) -> None:
-        """Move `lease`'s reserved slots, with their pins, into the reserve."""
-        if self._reserve is None:
-            self._reserve = lease
-        else:
-            self._reserve.absorb(lease)
-
-    def _reserve_short(self) -> int:
-        """Slots the reserve lacks: its size, less the slots lent to running gets and those it
-        holds (negative when it holds more)."""
-        return self._reserve_size() - self._lent - self._reserve_free()
-
-    def _reserve_free(self) -> int:
-        """Free slots in the reserve now (none before the first refill)."""
-        return len(self._reserve) if self._reserve is not None else 0
-
-    def _reserve_size(self) -> int:
-        """Free slots held for fetches when none is out: `reserve_pages`, at most an eighth of
-        the host tier."""
-        return min(self.settings.reserve_pages, self.host.page_slots.capacity // 8)
-
-    def forget(self, fetch: Fetch) -> None:
-        """The request is gone: drop the fetch (a running get still finishes into its slots)."""
-        fetch.abandoned = True
-        if not fetch.running:
-            fetch.release()
-
-    # -- engine thread: write-behind --------------------------------------------------------------
-
-    def stored(
-        self,
-        keys: list[bytes],
-        n_pages: int,
-        state_pages: Sequence[int],
-        ready: Completion = DONE,
-        slots: list[int] | None = None,
-    ) -> None:
-        """`store` has written `keys[:n_pages]` to the host: put them behind, or note them for
-        a write-back, as the tier's `write:` says."""
-        write = self.settings.write
-        if write == "behind":
-            self.write_behind(keys, n_pages, state_pages, ready, slots)
-        elif write == "on_evict":
-            G, held, dirty = self.G, self._groups_held, self._dirty
-            for g in range(n_pages // G):
-                end = keys[(g + 1) * G - 1]
-                if end not in held and end not in dirty:
-                    dirty[end] = keys[g * G : (g + 1) * G]
-
-    def write_behind(
-        self,
-        keys: list[bytes],
-        n_pages: int,
-        state_pages: Sequence[int],
-        ready: Completion = DONE,
-        slots: list[int] | None = None,
-    ) -> None:
-        """Queue puts of the full groups of `keys[:n_pages]` (and states) the tier does not hold.
-
-        Called by `store` at once, with `ready` marking the host write-through: the worker waits
-        for it before reading the slots, which stay pinned until the put has returned. On this
-        thread: which groups are new, their slots, their pins; the worker names them and finds
-        their bytes. `slots`, where the caller knows them: the host slot of each of `keys`
-        (all published), so that they need not be looked up.
-        """
-        G = self.G
-        if not self.usable():  # not connected, or the breaker is open: offer nothing
-            self.stats.puts_skipped += n_pages // G
-            return
-        held = self._groups_held
-        groups = [g for g in range(n_pages // G) if keys[(g + 1) * G - 1] not in held]
-        if self._puts_out >= self.settings.queue_depth:  # drop at once, build nothing
-            self.stats.puts_dropped += len(groups)
-            return
-        ends: list[bytes] = []
-        pins: list[int] = []
-        if slots is not None and len(groups) == n_pages // G:  # every group is new: no loop
-            ends, pins = keys[G - 1 : len(groups) * G : G], slots[: len(groups) * G]
-        elif groups:
-            page_slots: Sequence[int | None] = (
-                slots
-                if slots is not None
-                else self.host.page_slots.lookup(keys[: (groups[-1] + 1) * G])
-            )
-            for g in groups:
-                group = page_slots[g * G : (g + 1) * G]
-                if None in group:  # a page was evicted meanwhile: this group can't be put
-                    continue
-                ends.append(keys[(g + 1) * G - 1])
-                pins += group  # type: ignore[arg-type]
-        state_ends: list[bytes] = []
-        state_pins: list[int] = []
-        if self.layout.state_bytes:
-            wanted = [keys[p - 1] for p in state_pages if p % G == 0]
-            wanted = [k for k in wanted if k not in self._states_held]
-            for key, slot in zip(wanted, self.host.state_slots.lookup(wanted)):
-                if slot is not None:
-                    state_ends.append(key)
-                    state_pins.append(slot)
-        self._put(ends, pins, state_ends, state_pins, ready)
-
-    def _put(
-        self,
-        ends: list[bytes],
-        pins: list[int],
-        state_ends: list[bytes],
-        state_pins: list[int],
-        ready: Completion = DONE,
-    ) -> None:
-        """Queue one put of the groups named by `ends` (their pages in host slots `pins`, `G`
-        a group) and the states in `state_pins`; the slots stay pinned until it has returned."""
-        if not ends and not state_ends:
-            return
-        lease = _Leases(self.host.page_slots.lease(pins), self.host.state_slots.lease(state_pins))
-        job = Job("put", ends, state_ends, pins, state_pins, lease=lease, ready=ready)
-        job.started = self.clock()
-        self._puts_out += 1
-        self._submit(self._put_jobs, job)
-        self._groups_held.add_all(ends)
-        self._states_held.add_all(state_ends)
-
-    def write_back(self, force: bool = False) -> None:
-        """`write: on_evict`: once the host tier runs short of free slots (fewer than an eighth
-        of them free; `force`: at once), put the oldest groups noted by `stored` that it still
-        holds, up to `WRITE_BACK_GROUPS` in one put. A group the host evicted first is counted
-        lost (`evict_lost`)."""
-        dirty = self._dirty
-        if not dirty or self._puts_out >= self.settings.queue_depth or not self.usable():
-            return
-        pool = self.host.page_slots
-        if not force and pool.free >= pool.capacity // 8:
-            return
-        batch = [dirty.popitem(last=False) for _ in range(min(WRITE_BACK_GROUPS, len(dirty)))]
-        flat = [key for _, group in batch for key in group]
-        found = pool.lookup(flat)
-        G = self.G
-        ends: list[bytes] = []
-        pins: list[int] = []
-        for i, (end, _) in enumerate(batch):
-            group = found[i * G : (i + 1) * G]
-            if None in group:
-                self.stats.evict_lost += 1
-                continue
-            ends.append(end)
-            pins += group  # type: ignore[arg-type]
-        state_ends: list[bytes] = []
-        state_pins: list[int] = []
-        if self.layout.state_bytes and ends:
-            for key, slot in zip(ends, self.host.state_slots.lookup(ends)):
-                if slot is not None and key not in self._states_held:
-                    state_ends.append(key)
-                    state_pins.append(slot)
-        self._put(ends, pins, state_ends, state_pins)
-
-    def evicted(self, keys: Sequence[bytes]) -> None:
-        """The host evicted `keys`: groups noted for write-back whose end was among them are
-        lost to this tier (counted)."""
-        dirty = self._dirty
-        if dirty:
-            for key in keys:
-                if dirty.pop(key, None) is not None:
-                    self.stats.evict_lost += 1
-
-    @property
-    def dirty(self) -> int:
-        """Groups waiting for their write-back."""
-        return len(self._dirty)
 
     # -- engine thread: results -------------------------------------------------------------------
 
@@ -604,127 +226,6 @@ class StoreLink:
         if self.on_done is not None:
             self.on_done(fetch)
 
-    def _on_probe(self, job: Job, present: list[bool] | None) -> None:
-        fetch = job.fetch
-        n_groups = fetch.groups
-        if present is None or fetch.abandoned:
-            self._done(fetch)
-            return
-        run = 0
-        while run < n_groups and present[run]:
-            run += 1
-        state_here = False  # the run ends where this tier holds a state (the host tier has none)
-        if self.layout.state_bytes:
-            # snap to the deepest group end with a state somewhere, no deeper than the cap: a
-            # state past it (at the prompt's end) could not be used, one a group earlier can
-            G = self.G
-            run = min(run, (fetch.max_pages - fetch.first_page) // G)
-            states = self.host.state_slots
-            while run > 0:
-                key = fetch.key_before(fetch.first_page + run * G)
-                if key in states:
-                    break
-                if present[n_groups + run - 1]:
-                    state_here = True
-                    break
-                run -= 1
-        if run <= 0 or not self.host.ready:
-            self._done(fetch)
-            return
-        lease = self.host.page_slots.reserve(run * self.G)
-        run = len(lease) // self.G  # the whole groups that fit (the others' pages are pinned)
-        lease.split(len(lease) - run * self.G).release()
-        lease.slots.sort()  # runs of slots in order: a group in a run is one piece
-        state_lease = None
-        if state_here and run:
-            state_lease = self.host.state_slots.reserve(1)
-            if not len(state_lease):
-                run = 0
-        if run == 0:
-            lease.release()
-            if state_lease is not None:
-                state_lease.release()
-            self.stats.no_space += 1
-            self._done(fetch)
-            return
-        get = Job("get", job.ends[:run], page_slots=lease.slots, fetch=fetch, groups=run)
-        if state_lease is not None:
-            get.state_ends = [fetch.key_before(fetch.first_page + run * self.G)]
-            get.state_slots = state_lease.slots
-        get.started = self.clock()
-        fetch.lease, fetch.state_lease, fetch.phase = lease, state_lease, "get"
-        self._submit_fetch(get)
-
-    def _on_get(self, job: Job, codes: list[int] | None) -> None:
-        fetch = job.fetch
-        run = job.groups
-        if job.unprobed:  # its slots are the fetch's now (or free again): the reserve may refill
-            self._lent -= run * self.G
-        # a read counts only where it returned the object's exact size: a tier that answers 0
-        # (or a short count) for an object it did not fill must not make a hit
-        group_bytes = self.G * self.layout.page_size
-        ok = 0
-        if codes is not None:
-            while ok < run and codes[ok] == group_bytes:
-                ok += 1
-            if ok < run and not (job.unprobed and codes[ok] == self.store.missing_code):
-                self.stats.get_failed += run - ok
-        state_ok = (
-            fetch.state_lease is not None
-            and codes is not None
-            and codes[-1] == self.layout.state_bytes
-        )
-        if fetch.state_lease is not None and not state_ok:
-            ok = 0  # without its state the run can't be resumed from
-        if job.unprobed:  # the slots nothing was read into go back where they came from
-            self._take_back(fetch.lease, ok * self.G)  # type: ignore[arg-type]
-        first_page = fetch.first_page
-        if ok:
-            got = fetch.keys[: ok * self.G]
-            fresh = fetch.fresh = self.host.page_slots.publish(
-                fetch.lease.slots[: ok * self.G], got
-            )
-            if self.events is not None:
-                emit(self.events, "stored", "host", self.host.page_slots.keys_of(fresh))
-            self._groups_held.add_all(job.ends[:ok])
-            if fetch.state_lease is not None:
-                boundary_key = got[-1]
-                self.host.state_slots.publish(fetch.state_lease.slots, [boundary_key])
-            fetch.pages = (first_page, first_page + ok * self.G)
-            nbytes = ok * self.G * self.layout.page_size
-            self.stats.pages_fetched += ok * self.G
-            self.stats.get_bytes += nbytes
-            self.read.observe(nbytes, job.finished - job.started)
-        self.stats.latency["hicache_tier_fetch_seconds"].observe(self.clock() - fetch.started)
-        if fetch.abandoned or not ok:
-            fetch.release()
-        self._done(fetch)
-
-    def _on_put(self, job: Job, codes: list[int] | None) -> None:
-        job.release()
-        ends = job.ends + job.state_ends
-        codes = codes or [-1] * len(ends)
-        ok = [code >= 0 for code in codes]
-        if all(ok):  # the usual case: counted in one step
-            self.stats.objects_put += len(ok)
-            self.stats.put_bytes += (
-                len(job.page_slots) * self.layout.page_size
-                + len(job.state_slots) * self.layout.state_bytes
-            )
-        else:
-            groups = len(job.ends)
-            for i, (key, put) in enumerate(zip(ends, ok)):
-                if put:
-                    self.stats.objects_put += 1
-                    self.stats.put_bytes += (
-                        self.G * self.layout.page_size if i < groups else self.layout.state_bytes
-                    )
-                else:
-                    (self._groups_held if i < groups else self._states_held).discard(key)
-                    self.stats.put_failed += 1
-        if self.events is not None:
-            emit(self.events, "stored", self.name, [k for k, put in zip(job.ends, ok) if put])
-
     def gauges(self) -> dict[str, int]:
         """Gauges for `HiCache.stats`, each ``<gauge>_<name>``: availability (1 the store
         answers and the breaker is closed, 0 not), puts queued or running, jobs in flight, the
@@ -744,13 +245,6 @@ class StoreLink:
     def idle(self) -> bool:
         """No job is queued or running."""
         return self.jobs_in_flight == 0
-
-    def _submit_fetch(self, job: Job) -> None:
-        """Queue a fetch job for the least busy fetch worker (the first of equals)."""
-        load = self._fetch_load
-        job.worker = load.index(min(load))
-        load[job.worker] += 1
-        self._submit(self._fetch_jobs[job.worker], job)
 
     def _submit(self, jobs: queue.SimpleQueue[Job | None], job: Job) -> None:
         jobs.put(job)

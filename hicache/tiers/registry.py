@@ -24,16 +24,18 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import TypeVar
 
-from hicache.config import ConfigError, TierConfig
+from pydantic import BaseModel
+
+from hicache.errors import ConfigError
 
 T = TypeVar("T")
 
-_CONFIGS: dict[str, type[TierConfig]] = {}
+_CONFIGS: dict[str, type[BaseModel]] = {}
 _CLASSES: dict[str, type] = {}
 _BUILTIN = ("hicache.tiers.host", "hicache.tiers.disk.tier", "hicache.tiers.mooncake.tier")
 
 
-def register_tier(type_: str, config_model: type[TierConfig]) -> Callable[[type[T]], type[T]]:
+def register_tier(type_: str, config_model: type[BaseModel]) -> Callable[[type[T]], type[T]]:
     """Class decorator: make `cls` the tier built for YAML sections with ``type: <type_>``."""
 
     def wrap(cls: type[T]) -> type[T]:
@@ -99,7 +101,7 @@ def _resolve(type_: str, where: str) -> str:
     return type_
 
 
-def tier_config_model(type_: str, where: str = "type") -> type[TierConfig]:
+def tier_config_model(type_: str, where: str = "type") -> type[BaseModel]:
     """The config model registered for `type_` (a type name, or ``module:Class``);
     ConfigError naming the field if there is none."""
     return _CONFIGS[_resolve(type_, where)]
@@ -110,7 +112,7 @@ def tier_class(type_: str) -> type:
     return _CLASSES[_resolve(type_, "type")]
 
 
-def tier_types() -> dict[str, type[TierConfig]]:
+def tier_types() -> dict[str, type[BaseModel]]:
     """The built-in tier types and their config models (what this package documents)."""
     _load_builtins()
     return {t: m for t, m in _CONFIGS.items() if _CLASSES[t].__module__ in _BUILTIN}

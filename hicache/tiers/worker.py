@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -19,9 +19,6 @@ from hicache.core.keys import page_keys, store_key
 from hicache.tiers.base import Buffers, StoreTier
 from hicache.tiers.host import HostTier
 from hicache.transfer.completions import DONE, Completion
-
-if TYPE_CHECKING:
-    from hicache.tiers.link import Fetch
 
 
 class Releasable(Protocol):
@@ -47,8 +44,9 @@ class Job:
     """Object names (groups, then states), made by the worker."""
     buffers: Buffers = field(default_factory=lambda: Buffers([], []))
     """Where the objects lie in the host pools, found by the worker."""
-    fetch: Fetch = None  # type: ignore[assignment]
-    """For a probe or a get: the engine thread's `Fetch` (the worker never reads it)."""
+    fetch: Any = None
+    """For a probe or a get: the engine thread's `hicache.tiers.fetch.Fetch` (the worker never
+    reads it)."""
     lease: Releasable | None = None
     """What the job pins until its call has returned (released by the engine thread)."""
     groups: int = 0

@@ -37,22 +37,21 @@ import errno
 import fcntl
 import logging
 import os
-import tempfile
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, cast
+from typing import cast
 
 import torch
-from pydantic import Field
 
-from hicache.config import Bytes, Layout, StoreTierConfig
+from hicache.config import Layout
 from hicache.tiers.base import Buffers, StoreTier, StoreUnavailable
 from hicache.tiers.disk import records as rec
+from hicache.tiers.disk.config import DiskTierConfig, os_reason
+from hicache.tiers.disk.lru import LruBook
 from hicache.tiers.regions import Regions, check_keys, checked_tensor
 from hicache.tiers.registry import register_tier
 
@@ -62,57 +61,6 @@ MISSING = -errno.ENOENT
 
 _Object = tuple[list[memoryview], list[int]]
 """An object's pieces as memoryviews, and their addresses."""
-
-
-class DiskTierConfig(StoreTierConfig):
-    """``- type: disk``: objects as files in a directory of a local file system."""
-
-    type: Literal["disk"] = "disk"
-    path: str = Field(min_length=1)
-    """The directory (made if absent; its parent must exist). One process uses it at a time."""
-    size: Bytes = Field(gt=0)
-    """Bytes the records may take (``200GiB``); beyond, the least recently used are removed."""
-    io_threads: int = Field(default=8, ge=1, le=128)
-    """Threads that read and write objects in parallel (enough requests in flight to keep an
-    NVMe drive busy; each waits in the kernel without the GIL)."""
-    direct_io: Literal["auto", "off"] = "auto"
-    """auto: O_DIRECT (no page cache) where the file system takes it and an object's memory and
-    sizes are aligned; off: always through the page cache."""
-    sync: bool = True
-    """Sync each record to the device before publishing it, so that a power loss cannot leave a
-    named record with unwritten blocks. Off, a killed process still never leaves a wrong record
-    (the rename comes after every write), but a host crash might."""
-
-    def check_machine(self) -> None:
-        super().check_machine()
-        problem = directory_problem(Path(self.path))
-        if problem:
-            raise ValueError(f"path: {problem}")
-
-
-def directory_problem(root: Path) -> str | None:
-    """Why `root` cannot serve as a disk tier's directory here, or None: it (or, where it is
-    absent, its parent) must be a directory in which this process can create and remove a
-    file. Leaves nothing behind: a directory made for the test is removed again."""
-    made = False
-    try:
-        if not root.exists():
-            if not root.parent.is_dir():
-                return f"{root}: its parent {root.parent} is not a directory"
-            root.mkdir()
-            made = True
-        elif not root.is_dir():
-            return f"{root} is not a directory"
-        fd, probe = tempfile.mkstemp(dir=root, prefix=".hicache-probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as err:
-        return f"{root}: cannot create files there: {_why(err)}"
-    finally:
-        if made:
-            with contextlib.suppress(OSError):
-                root.rmdir()
-    return None
 
 
 class DiskTierError(RuntimeError):
@@ -138,92 +86,6 @@ class DiskStats:
     evicted: int
     direct_calls: int
     buffered_calls: int
-
-
-class LruBook:
-    """Which records the tier holds, their bytes, and the eviction order (least recently used
-    first). Eviction is decided here and nowhere else. Thread-safe."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._lock = threading.Lock()
-        self._held: OrderedDict[str, int] = OrderedDict()  # name -> bytes, oldest first
-        self._writing: dict[str, int] = {}  # name -> bytes reserved by a put in progress
-        self.used = 0  # bytes of held and reserved records
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._held
-
-    def add(self, name: str, nbytes: int) -> None:
-        """Record a held record as the most recently used (at start-up, oldest first)."""
-        with self._lock:
-            if name not in self._held:
-                self._held[name] = nbytes
-                self.used += nbytes
-
-    def touch(self, name: str) -> None:
-        """A hit: `name` becomes the most recently used."""
-        with self._lock:
-            if name in self._held:
-                self._held.move_to_end(name)
-
-    def reserve(self, name: str, nbytes: int) -> list[str] | None:
-        """Make room for a new record: returns the records to remove first (least recently used
-        first; already out of the book), or None when `name` is held or being written already.
-        ValueError if `nbytes` exceeds the capacity."""
-        if nbytes > self.capacity:
-            raise ValueError(f"{nbytes} bytes exceed the tier's size of {self.capacity}")
-        with self._lock:
-            if name in self._held or name in self._writing:
-                return None
-            victims = []
-            while self.used + nbytes > self.capacity and self._held:
-                victim, size = self._held.popitem(last=False)
-                self.used -= size
-                victims.append(victim)
-            if self.used + nbytes > self.capacity:  # the rest is reserved by puts in progress
-                raise ValueError("no room: the tier's size is taken by records being written")
-            self._writing[name] = nbytes
-            self.used += nbytes
-            return victims
-
-    def settle(self, name: str, written: bool) -> None:
-        """End a `reserve`: the record is now held (most recently used), or was not written."""
-        with self._lock:
-            nbytes = self._writing.pop(name)
-            if written:
-                self._held[name] = nbytes
-            else:
-                self.used -= nbytes
-
-    def drop(self, name: str) -> bool:
-        """Forget a record that is gone (damaged); whether it was held."""
-        with self._lock:
-            nbytes = self._held.pop(name, None)
-            if nbytes is not None:
-                self.used -= nbytes
-            return nbytes is not None
-
-    def lower(self) -> None:
-        """The file system ran out of space below the capacity: what is held and being written
-        now becomes the capacity (for the life of this book), so that later puts evict the least
-        recently used records instead of failing."""
-        with self._lock:
-            self.capacity = min(self.capacity, self.used)
-
-    def shrink(self) -> list[str]:
-        """Records to remove so that the held ones fit the capacity (after a restart with a
-        smaller size), least recently used first."""
-        with self._lock:
-            victims = []
-            while self.used > self.capacity and self._held:
-                victim, size = self._held.popitem(last=False)
-                self.used -= size
-                victims.append(victim)
-            return victims
 
 
 @register_tier("disk", DiskTierConfig)
@@ -287,7 +149,9 @@ class DiskTier(StoreTier):
             for i in range(256):
                 (self._objects / f"{i:02x}").mkdir(exist_ok=True)
         except OSError as err:
-            raise DiskTierError(f"{where}: cannot create its directories: {_why(err)}") from None
+            raise DiskTierError(
+                f"{where}: cannot create its directories: {os_reason(err)}"
+            ) from None
         self._lock_fd = _lock(self.root / "lock", where)
         try:
             self._direct_align = _probe(self._tmp, self.config.direct_io == "auto", where)
@@ -303,7 +167,7 @@ class DiskTier(StoreTier):
         try:
             self._list()
         except OSError as err:  # stays unavailable: nothing is stored or served
-            log.error("hicache disk: cannot list %s: %s", self._objects, _why(err))
+            log.error("hicache disk: cannot list %s: %s", self._objects, os_reason(err))
             return
         self._ready.set()
 
@@ -529,7 +393,7 @@ class DiskTier(StoreTier):
             except FileNotFoundError:
                 pass
             except OSError as err:
-                log.warning("hicache disk: cannot remove %s: %s", name, _why(err))
+                log.warning("hicache disk: cannot remove %s: %s", name, os_reason(err))
         if names:
             self._count(why, n=len(names))
 
@@ -552,16 +416,12 @@ class DiskTier(StoreTier):
         return DiskStats(records=len(book), bytes_used=book.used, capacity=book.capacity, **counts)
 
 
-def _why(err: OSError) -> str:
-    return err.strerror or str(err)
-
-
 def _lock(path: Path, where: str) -> int:
     """Take the directory's lock (flock, held until the fd closes or the process dies)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as err:
-        raise DiskTierError(f"{where}: cannot open its lock file: {_why(err)}") from None
+        raise DiskTierError(f"{where}: cannot open its lock file: {os_reason(err)}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -592,7 +452,7 @@ def _probe(tmp: Path, want_direct: bool, where: str) -> int | None:
             os.close(fd)
     except OSError as err:
         probe.unlink(missing_ok=True)
-        raise DiskTierError(f"{where}: cannot write a record: {_why(err)}") from None
+        raise DiskTierError(f"{where}: cannot write a record: {os_reason(err)}") from None
     found = None
     for align in (512, 4096) if want_direct else ():
         try:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import enum
 import logging
 import math
 import os
@@ -42,14 +41,14 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
-from pydantic import Field, field_validator
-
-from hicache.config import Bytes, Layout, StoreTierConfig
+from hicache.config import Layout
 from hicache.core import threads
 from hicache.tiers.base import Buffers, StoreTier, StoreUnavailable
-from hicache.tiers.breaker import BreakerState, BreakerStats, CircuitBreaker
+from hicache.tiers.breaker import BreakerState, CircuitBreaker
+from hicache.tiers.mooncake.codes import UNREACHABLE, StoreState, StoreStats, code_name
+from hicache.tiers.mooncake.config import MooncakeConfig
 from hicache.tiers.regions import Region, Regions, check_keys
 from hicache.tiers.registry import register_tier
 
@@ -69,184 +68,6 @@ def _close_at_exit(timeout_s: float = 5.0) -> None:
 
 
 T = TypeVar("T")
-
-_MIN_SEGMENT = 16 << 20  # Mooncake 0.3.13 fails setup (INVALID_PARAMS) below this
-
-# -- configuration -------------------------------------------------------------------------------
-
-
-class MooncakeConfig(StoreTierConfig):
-    """``- type: mooncake``: a Mooncake Store below the host tier.
-
-    The defaults reach a master on this host over TCP (``mooncake_master --rpc_port=50051``),
-    and contribute no memory: the store nodes beside the master hold the objects. Across hosts
-    set `master_address` to the master and `local_hostname` to this host's address that the
-    other clients can reach.
-    """
-
-    type: Literal["mooncake"] = "mooncake"
-    master_address: str = "127.0.0.1:50051"
-    """``host:port`` of mooncake_master (or an ``etcd://...`` list for an HA master set)."""
-    metadata_server: str = "P2PHANDSHAKE"
-    """Transfer-engine metadata service: ``P2PHANDSHAKE`` (none needed), ``etcd://…``,
-    ``http://…``."""
-    protocol: Literal["tcp", "rdma"] = "tcp"
-    """Transfer protocol between clients."""
-    device_names: str = ""
-    """RDMA devices, comma separated (``mlx5_0,mlx5_1``); empty lets Mooncake choose."""
-    local_hostname: str = "127.0.0.1"
-    """This client's address as the other clients reach it (host or host:port)."""
-    global_segment_size: Bytes = Field(default=0, ge=0)
-    """Memory this process contributes to the store; otherwise at least 16 MiB (Mooncake refuses
-    smaller segments). The objects put into a segment go away with the process that mounted
-    it, so engines mount none (0) and store nodes hold the memory (docs/mooncake.md)."""
-    local_buffer_size: Bytes = Field(default=16 << 20, ge=0)
-    """Mooncake's own staging buffer; hicache's transfers are zero-copy and do not use it."""
-    replicas: int = Field(default=1, ge=1, le=16)
-    """Copies of each object (Mooncake ``replica_num``)."""
-    call_timeout_s: float = Field(default=2.0, gt=0, le=600)
-    """A call still out after this long counts as a breaker failure (the watchdog's). Mooncake's
-    own master-RPC timeout (MC_RPC_TIMEOUT_MS) is set to 80 % of it, so that a stalled master's
-    call ends by itself just before."""
-    setup_retries: int = Field(default=1, ge=1, le=100)
-    """Mooncake's attempts inside one setup (MC_STORE_CLIENT_SETUP_RETRIES); each attempt
-    against an absent master takes about 4.4 s."""
-    reconnect_backoff_s: float = Field(default=1.0, gt=0, le=3600)
-    """Wait after the first failed setup; doubles after each failure."""
-    reconnect_backoff_max_s: float = Field(default=30.0, gt=0, le=3600)
-    """Upper bound of the wait between setups."""
-
-    @field_validator("master_address")
-    @classmethod
-    def _check_master(cls, v: str) -> str:
-        if "://" in v:
-            if v.split("://", 1)[1] == "":
-                raise ValueError(f"master_address {v!r} names no endpoint after the scheme")
-            return v
-        _split_host_port(v, "master_address", need_port=True)
-        return v
-
-    @field_validator("global_segment_size")
-    @classmethod
-    def _check_segment(cls, v: int) -> int:
-        if 0 < v < _MIN_SEGMENT:
-            raise ValueError(
-                f"global_segment_size must be 0 or at least 16MiB ({_MIN_SEGMENT}), got {v}"
-            )
-        return v
-
-    @field_validator("local_hostname")
-    @classmethod
-    def _check_local(cls, v: str) -> str:
-        _split_host_port(v, "local_hostname", need_port=False)
-        return v
-
-    @field_validator("metadata_server")
-    @classmethod
-    def _check_metadata(cls, v: str) -> str:
-        if not v or v != v.strip():
-            raise ValueError(f"metadata_server must be a non-empty string without spaces: {v!r}")
-        return v
-
-    @field_validator("device_names")
-    @classmethod
-    def _check_devices(cls, v: str) -> str:
-        if v and any(not d or d != d.strip() for d in v.split(",")):
-            raise ValueError(f"device_names must be comma-separated names without spaces: {v!r}")
-        return v
-
-    @field_validator("reconnect_backoff_max_s")
-    @classmethod
-    def _check_backoff(cls, v: float, info: Any) -> float:
-        first = info.data.get("reconnect_backoff_s")
-        if first is not None and v < first:
-            raise ValueError(
-                f"reconnect_backoff_max_s ({v}) is below reconnect_backoff_s ({first})"
-            )
-        return v
-
-
-def _split_host_port(v: str, field: str, need_port: bool) -> None:
-    if not v or v != v.strip() or " " in v:
-        raise ValueError(f"{field} must be a host or host:port without spaces: {v!r}")
-    host, sep, port = v.rpartition(":") if v.count(":") == 1 else (v, "", "")
-    if need_port and not sep:
-        raise ValueError(f"{field} must be host:port, got {v!r}")
-    if sep and (not host or not port.isdigit() or not 0 < int(port) < 65536):
-        raise ValueError(f"{field} has no valid host:port (port 1-65535): {v!r}")
-
-
-# -- return codes --------------------------------------------------------------------------------
-
-
-class StoreCode(enum.IntEnum):
-    """Mooncake Store's return codes that hicache meets (0.3.13; negative = failure).
-
-    `get_into` returns bytes read (>= 0) or one of the negative codes; `put_from` and `remove`
-    return OK or a negative code. Codes not listed here are passed through as plain ints.
-    """
-
-    OK = 0
-    INTERNAL_ERROR = -1
-    BUFFER_OVERFLOW = -10
-    SEGMENT_NOT_FOUND = -101
-    NO_SPACE = -200
-    """NO_AVAILABLE_HANDLE: no segment has room (the store is full, or the object is larger
-    than any segment). The master evicts in the background; a later put may succeed."""
-    INVALID_KEY = -400
-    INVALID_PARAMS = -600
-    """Also: the buffers of a get are smaller than the object."""
-    OBJECT_NOT_FOUND = -704
-    OBJECT_ALREADY_EXISTS = -705
-    OBJECT_HAS_LEASE = -706
-    """remove: someone read the object within the lease time (default 10 s)."""
-    LEASE_EXPIRED = -707
-    """get: the transfer outlasted the lease; the data must not be used."""
-    TRANSFER_FAIL = -800
-    """Also: the buffers of a get are larger than the object."""
-    RPC_FAIL = -900
-    """The master is unreachable."""
-    RPC_TIMEOUT = -901
-    """The master did not answer within MC_RPC_TIMEOUT_MS."""
-
-
-_UNREACHABLE = frozenset({StoreCode.RPC_FAIL, StoreCode.RPC_TIMEOUT})
-
-
-def code_name(code: int) -> str:
-    """``NAME`` of a known code, else the number (for logs and stats)."""
-    try:
-        return StoreCode(code).name
-    except ValueError:
-        return str(code)
-
-
-class StoreState(str, enum.Enum):
-    """Where the client stands."""
-
-    CONNECTING = "connecting"
-    READY = "ready"
-    DOWN = "down"
-    CLOSED = "closed"
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    """Counters of one `MooncakeStore`."""
-
-    state: StoreState
-    setups: int
-    setup_failures: int
-    calls: int
-    timeouts: int
-    unreachable: int
-    refused: int
-    keys_put: int
-    keys_got: int
-    bytes_put: int
-    bytes_got: int
-    breaker: BreakerStats
-
 
 # -- environment ---------------------------------------------------------------------------------
 
@@ -635,7 +456,7 @@ class MooncakeStore(StoreTier):
             self._breaker.record_failure()
             raise StoreUnavailable(f"mooncake {op}: {len(codes)} results for {n} keys")
         # every code >= 0 (the usual case): one pass in C, no scan for the unreachable ones
-        unreachable = 0 if min(codes, default=0) >= 0 else sum(c in _UNREACHABLE for c in codes)
+        unreachable = 0 if min(codes, default=0) >= 0 else sum(c in UNREACHABLE for c in codes)
         if unreachable:
             if not call.overdue:
                 self._breaker.record_failure()
