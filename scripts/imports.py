@@ -1,6 +1,6 @@
 """The `hicache` package's import graph: modules, edges, circles and levels.
 
-    python scripts/imports.py [--package hicache] [--edges]
+    python scripts/imports.py [--package hicache ...] [--without hicache.tools ...] [--edges]
 
 Every ``import`` and ``from ... import`` in a module counts, wherever it stands (at the top, in
 a function, under ``if TYPE_CHECKING``): a lazy import hides a dependency from Python, not from a
@@ -114,16 +114,23 @@ def levels(graph: dict[str, set[str]], sccs: list[list[str]]) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--package", default="hicache")
+    ap.add_argument("--package", action="append", help="a package to read (default: hicache)")
+    ap.add_argument("--without", action="append", default=[], help="leave out this subpackage")
     ap.add_argument("--edges", action="store_true", help="list every edge")
     args = ap.parse_args()
-    known = modules(args.package)
+    packages = args.package or ["hicache"]
+    known = {k: v for package in packages for k, v in modules(package).items()}
+    known = {
+        k: v
+        for k, v in known.items()
+        if not any(k == w or k.startswith(w + ".") for w in args.without)
+    }
     graph = {name: imports_of(name, path, known) for name, path in known.items()}
     sccs = circles(graph)
     n_edges = sum(len(v) for v in graph.values())
     print(
-        f"{args.package}: {len(known)} modules, {n_edges} import edges, {len(sccs)} circles, "
-        f"{levels(graph, sccs)} levels"
+        f"{' + '.join(packages)}: {len(known)} modules, {n_edges} import edges, "
+        f"{len(sccs)} circles, {levels(graph, sccs)} levels"
     )
     for scc in sccs:
         print("circle:", " ".join(scc))
