@@ -31,12 +31,20 @@ def make(pages: PagedBuffer, layout: Layout, layers: int, host_pages: int) -> Hi
 
 
 def build(shape: str, layers: int, layer_bytes: int, blocks: int = 32):
-    """A cache over a page-first pool (a page: layer after layer) or a layer-first one (a K and
-    a V tensor per layer)."""
+    """A cache over a page-first pool (a page: layer after layer), a layer-first one (a K and
+    a V tensor per layer) or vLLM's (one K/V tensor per layer, as its connector registers)."""
     if shape == "page_first":
         pool = torch.zeros(blocks, layers, layer_bytes, dtype=torch.uint8, device="cuda")
         pages = PagedBuffer.page_first(pool)
         layout = Layout(model="m", kv_dtype="uint8", page_tokens=P, page_bytes=pages.page_bytes)
+    elif shape == "vllm":  # vLLM's: one (2, blocks, P, heads, 128) bf16 tensor a layer
+        heads = layer_bytes // (2 * P * 128 * 2)
+        tensors = [
+            torch.zeros(2, blocks, P, heads, 128, dtype=torch.bfloat16, device="cuda")
+            for _ in range(layers)
+        ]
+        pages = PagedBuffer.from_kv_tensors(tensors, kv_dim=0)
+        layout = Layout(model="m", kv_dtype="bfloat16", page_tokens=P, segments=pages.seg_bytes)
     else:
         half = layer_bytes // 2
         tensors = [
@@ -54,7 +62,12 @@ def layer_rows(pages: PagedBuffer, layers: int, layer: int, blocks: list[int]) -
 @pytest.mark.parametrize("stream_kind", ["default", "side"])
 @pytest.mark.parametrize(
     ("shape", "layer_bytes"),
-    [("page_first", 512 << 10), ("page_first", 32 << 10), ("layer_first", 64 << 10)],
+    [
+        ("page_first", 512 << 10),
+        ("page_first", 32 << 10),
+        ("layer_first", 64 << 10),
+        ("vllm", 64 << 10),
+    ],
 )
 def test_a_load_by_layer_gives_exact_bytes_once_the_stream_waited_for_each_layer(
     stream_kind, shape, layer_bytes

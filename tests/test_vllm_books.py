@@ -38,6 +38,7 @@ from hicache.integrations.vllm.meta import (  # noqa: E402
     Store,
 )
 from hicache.integrations.vllm.scheduler import SchedulerBooks  # noqa: E402
+from hicache.integrations.vllm.view import RankNews  # noqa: E402
 from hicache.integrations.vllm.worker import WorkerCache  # noqa: E402
 from hicache.tiers.registry import register_tier  # noqa: E402
 
@@ -190,9 +191,9 @@ def test_worker_stores_answers_and_loads_the_bytes_granted():
     w.start(StepMeta())
     w.after(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2])]))  # blocks 0..2 hold 12 tokens
     w.start(StepMeta(lookups=[Lookup("b", [*prompt[:12], 7, 7], 0), Lookup("c", prompt, 0)]))
-    assert w.answers() == Answers(
-        {0: [Answer("b", 0, 12, (("host", 12),)), Answer("c", 0, 12, (("host", 12),))]}
-    )
+    assert w.answers().by_rank == {
+        0: [Answer("b", 0, 12, (("host", 12),)), Answer("c", 0, 12, (("host", 12),))]
+    }
     assert w.answers() is None
     # b gets all three blocks; c only two (another rank held less): block 13 stays untouched
     w.start(StepMeta(loads=[Load("b", 0, 12, [7, 8, 9, 10]), Load("c", 0, 8, [11, 12, 13])]))
@@ -207,7 +208,7 @@ def test_worker_stores_answers_and_loads_the_bytes_granted():
 def test_worker_reports_a_load_it_cannot_make_and_copies_nothing():
     w, kv = worker()
     w.start(StepMeta(lookups=[Lookup("d", list(range(13)), 0)]))
-    assert w.answers() == Answers({0: [Answer("d", 0, 0)]})  # nothing stored: a miss
+    assert w.answers().by_rank == {0: [Answer("d", 0, 0)]}  # nothing stored: a miss
     w.start(StepMeta(loads=[Load("d", 0, 8, [5, 6, 7]), Load("e", 4, 12, [1, 2, 3])]))
     assert w.load_errors() == {5, 6, 2, 3}
     assert w.load_errors() == set()
@@ -262,7 +263,7 @@ class Engine:
     """The scheduler half and one worker wired as vLLM wires them, one `step` at a time."""
 
     def __init__(self, w: WorkerCache, books: SchedulerBooks | None = None) -> None:
-        self.books, self.w = books or SchedulerBooks(P, ranks=1), w
+        self.books, self.w = books or SchedulerBooks(P, ranks=1, in_step=False), w
         self.next_block = 0
 
     def step(self, scheduled=None, tables=None, spec=None) -> StepMeta:
@@ -365,7 +366,7 @@ def test_no_store_takes_a_block_whose_load_failed_nor_a_page_after_it_in_any_ste
     w.start(StepMeta())
     w.after(StepMeta(stores=[Store("b", 13, prompt[13:], 17, [0, 1, 2, 3, 4])]))
     w.start(StepMeta(lookups=[Lookup("c", prompt, 0)]))
-    assert w.answers() == Answers({0: [Answer("c", 0, 4, (("host", 4),))]})
+    assert w.answers().by_rank == {0: [Answer("c", 0, 4, (("host", 4),))]}
     assert w.cache.stats()["pages_stored"] == 1
 
 
@@ -416,12 +417,12 @@ def test_a_read_counts_only_where_it_returned_the_objects_exact_size(code, monke
     assert len(LyingTier.spaces[tier["space"]]) == 3
     second, _ = worker(tiers=(tier,))
     second.start(StepMeta(lookups=[Lookup("b", prompt, 0)]))
-    got = second.answers()
-    while got is None and time.monotonic() < deadline:
+    got = second.answers().by_rank  # the first answers carry the rank's news: never None
+    while not got and time.monotonic() < deadline:
         time.sleep(0.01)
         second.start(StepMeta())
-        got = second.answers()
-    assert got == Answers({0: [Answer("b", 0, 0)]})
+        got = (second.answers() or Answers()).by_rank
+    assert got == {0: [Answer("b", 0, 0)]}
     stats = second.cache.stats()
     assert (stats["host_used"], stats["hit_tokens_host"]) == (0, 0)
     first.close()
@@ -533,3 +534,160 @@ def test_a_start_error_is_logged_and_raised_as_one_line(caplog):
     line = "hicache: TP rank 1: size: 64 GiB is more than this machine has available (9 GiB)"
     assert str(err.value) == line
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(logging.ERROR, line)]
+
+
+# -- answers in the step they are asked --------------------------------------------------------
+
+
+def in_step_engine(**kw) -> tuple[Engine, dict[str, torch.Tensor]]:
+    w, kv = worker(blocks=64, **kw)
+    return Engine(w, SchedulerBooks(P, ranks=1)), kv
+
+
+def test_a_host_hit_and_a_miss_are_answered_in_the_step_they_are_asked():
+    """Once the worker's news has reached the scheduler, a prompt whose pages the host tier
+    holds is granted at once (no question, nothing pinned until the load), the load matches and
+    copies the exact bytes, and a prompt with nothing to reuse is a miss at once."""
+    e, kv = in_step_engine()
+    for t in kv.values():
+        t[:, :8] = torch.randn(2, 8, P, 8)
+    prompt = list(range(100, 117))
+    stored = e.prefill(Req("a", prompt))
+    assert e.books.view.ready
+    b, c = Req("b", [*prompt, 5, 6]), Req("c", list(range(900, 917)))
+    assert e.books.matched_tokens(b, 0) == (16, False)
+    assert e.books.matched_tokens(c, 0) == (0, False)
+    assert e.w.cache.stats()["host_pinned"] == 0
+    e.books.allocated(b, 16)
+    e.books.allocated(c, 0)
+    assert e.books.hit_sources(b, 16) == {CacheHitSource.HOST: 16}
+    meta = e.step({"b": 3, "c": 17}, {"b": [40, 41, 42, 43, 44], "c": [50, 51, 52, 53, 54]})
+    assert (meta.lookups, meta.unused) == ([], [])
+    assert meta.loads == [Load("b", 0, 16, [40, 41, 42, 43, 44], [*prompt, 5, 6], None)]
+    assert e.w.load_errors() == set()
+    for src, dst in zip(stored[:4], [40, 41, 42, 43]):
+        assert all(torch.equal(x, y) for x, y in zip(block(kv, src), block(kv, dst)))
+    stats = e.w.cache.stats()
+    assert (stats["host_pinned"], stats["requests"], stats["hit_tokens_host"]) == (0, 0, 16)
+
+
+def test_the_view_keys_pages_by_salt_and_grants_no_more_than_a_rank_holds():
+    """The view's keys are the worker's: another tenant's salt misses; vLLM's own hit of the
+    first page leaves the next three to hicache; a prompt one page longer than what was stored
+    is granted what is stored."""
+    e, _ = in_step_engine()
+    prompt = list(range(100, 117))
+    e.prefill(Req("a", prompt, salt="t1"))
+    assert e.books.matched_tokens(Req("x", prompt, salt="t2"), 0) == (0, False)
+    assert e.books.matched_tokens(Req("y", prompt, salt="t1"), 4) == (12, False)
+    longer = Req("z", [*prompt[:16], *range(7, 12)], salt="t1")
+    assert e.books.matched_tokens(longer, 0) == (16, False)
+
+
+def test_a_page_gone_after_the_view_granted_it_is_recomputed_not_served():
+    """The view grants four pages; before the load, a flood of stores evicts them from the
+    host tier (8 pages): the load matches again, finds less, copies nothing wrong and reports
+    the granted blocks it did not fill; the scheduler learns of the eviction."""
+    e, kv = in_step_engine(host_pages=8)
+    prompt = list(range(100, 117))
+    e.prefill(Req("a", prompt))
+    b = Req("b", [*prompt, 1])
+    assert e.books.matched_tokens(b, 0) == (16, False)
+    e.books.allocated(b, 16)
+    for k in range(2):  # 8 pages of other prompts: a's four are evicted
+        e.prefill(Req(f"f{k}", [k * 1000 + i for i in range(17)]))
+    before = {i: block(kv, i) for i in (60, 61, 62, 63)}
+    e.step({"b": 1}, {"b": [60, 61, 62, 63, 20]})
+    assert e.w.load_errors() == {60, 61, 62, 63}
+    for i, held in before.items():
+        assert all(torch.equal(x, y) for x, y in zip(block(kv, i), held))
+    assert e.books.matched_tokens(Req("c", [*prompt, 2]), 0) == (0, False)
+    assert (e.w.cache.stats()["host_pinned"], e.w.cache.stats()["requests"]) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("tier", "asks"),
+    [("memory", True), ("memory_private", False)],
+    ids=["shared tier: asked", "private tier: answered"],
+)
+def test_a_store_tier_the_view_cannot_see_is_asked(tier, asks):
+    """A shared store tier may hold another instance's pages: a miss in the host tier is
+    asked of the workers. A private tier holds only what this process put: a miss is answered
+    at once, and a page it took (and the host tier then lost) is asked, to be fetched."""
+    store = {"type": tier, "space": uuid.uuid4().hex, "group_pages": 1}
+    e, _ = in_step_engine(host_pages=8, tiers=(store,))
+    e.prefill(Req("a", list(range(100, 117))))
+    got, _ = e.books.matched_tokens(Req("m", list(range(900, 917))), 0)
+    assert (got is None) == asks
+    if asks:
+        return
+    deadline = time.monotonic() + 60
+    while not e.w.cache.tiers_idle and time.monotonic() < deadline:
+        e.step()  # the write-behind's news reaches the scheduler
+        time.sleep(0.01)
+    for k in range(2):  # the host tier loses a's pages; the private tier keeps them
+        e.prefill(Req(f"f{k}", [k * 1000 + i for i in range(17)]))
+    assert e.books.matched_tokens(Req("b", list(range(100, 118))), 0) == (None, False)
+
+
+def test_with_two_ranks_the_view_answers_only_once_both_have_reported():
+    books = SchedulerBooks(P, ranks=2)
+    fp = b"\x01" * 16
+    r = Req("a", list(range(13)))
+    books.answered(SimpleNamespace(kv_connector_worker_meta=Answers(news={0: RankNews(fp, False)})))
+    assert books.matched_tokens(r, 0) == (None, False)
+    books.finished(r)
+    books.answered(SimpleNamespace(kv_connector_worker_meta=Answers(news={1: RankNews(fp, False)})))
+    assert books.matched_tokens(Req("b", list(range(13))), 0) == (0, False)
+
+
+def test_loads_go_layer_by_layer_unless_layers_share_one_tensor():
+    """Each layer with a tensor of its own: the HiCache loads by layer and vLLM's per-layer
+    waits reach it (no-ops on the CPU, where the copies are done when the load returns); two
+    layers over one tensor (vLLM's KV sharing): whole loads."""
+    w, kv = worker()
+    assert w.cache.layers == 2
+    prompt = list(range(100, 113))
+    for t in kv.values():
+        t[:, :3] = torch.randn(2, 3, P, 8)
+    w.start(StepMeta())
+    w.after(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2])]))
+    w.start(StepMeta(lookups=[Lookup("b", prompt, 0)]))
+    w.start(StepMeta(loads=[Load("b", 0, 12, [5, 6, 7])]))
+    for name in kv:
+        w.wait_layer(name)
+    w.wait_layer("not.a.layer")
+    w.after(StepMeta())
+    for src, dst in ((0, 5), (1, 6), (2, 7)):
+        assert all(torch.equal(a, b) for a, b in zip(block(kv, src), block(kv, dst)))
+    config = load_config({"tiers": [{"type": "host", "size": 64 * PAGE_BYTES}]}, env={})
+    fields = dict(model="tiny", kv_dtype="float32", page_tokens=P, tp_rank=0, tp_size=1)
+    shared = WorkerCache(config, {**fields, "kv_head_sharded": True})
+    one = torch.zeros(2, 16, P, 8)
+    shared.register({"layer.0": one, "layer.1": one}, 16)
+    assert shared.cache.layers == 0
+    shared.close()
+    w.close()
+
+
+def test_the_view_walks_long_prompts_and_bounds_what_it_keeps_of_store_tiers(monkeypatch):
+    """A 40-page prompt whose first 37 pages the host holds: the walk (in doubling steps) stops
+    at page 37; a store tier's group end past it sends the question to the workers; past
+    LOWER_KEYS_MAX group ends the rank's store tiers count as unknown (every miss is asked)."""
+    from hicache.core.keys import chain_seed, page_keys
+    from hicache.integrations.vllm import view as view_module
+
+    fp = b"\x07" * 16
+    tokens = list(range(40 * P + 1))
+    keys = page_keys(chain_seed(fp, None), torch.tensor(tokens, dtype=torch.int32).numpy(), P)
+    v = view_module.TierView(ranks=1, page_tokens=P)
+    v.update({0: RankNews(fp, False, stored=keys[:37])})
+    assert v.hit_pages(tokens, None, 0, 40) == 37
+    assert v.hit_pages(tokens, "other", 0, 40) == 0
+    v.update({0: RankNews(fp, False, removed=[keys[20]])})
+    assert v.hit_pages(tokens, None, 0, 40) == 20
+    v.update({0: RankNews(fp, False, lower=[keys[30]])})
+    assert v.hit_pages(tokens, None, 0, 40) is None
+    monkeypatch.setattr(view_module, "LOWER_KEYS_MAX", 2)
+    v.update({0: RankNews(fp, False, lower=[b"\x01" * 16, b"\x02" * 16])})
+    assert v.hit_pages(list(range(9000, 9041)), None, 0, 10) is None

@@ -103,6 +103,12 @@ class StoreTier(Tier):
     """The store's own circuit breaker, if it keeps one (and counts its failures itself);
     otherwise the tier chain keeps one for it, fed by the outcomes of its calls."""
 
+    def empty_at_start(self) -> bool:
+        """Whether the tier held nothing when it became ready, and no other process writes it:
+        then this process knows all it holds from what it put (vLLM's scheduler answers
+        questions about such tiers without asking the workers). False unless a tier knows."""
+        return False
+
     @abstractmethod
     def start(self) -> None:
         """Begin connecting in the background and return at once."""

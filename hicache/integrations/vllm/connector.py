@@ -91,6 +91,15 @@ def pin_share(extra: dict[str, Any]) -> float:
     return float(share)
 
 
+def answer_in_step(extra: dict[str, Any]) -> bool:
+    """The extra config's `answer_in_step` (default true): answer from the scheduler's view of
+    the workers' tiers where it can tell, instead of asking the workers every time."""
+    value = extra.get("answer_in_step", True)
+    if not isinstance(value, bool):
+        raise ConfigError(f"hicache: answer_in_step must be true or false, got {value!r}")
+    return value
+
+
 def rank_path(path: str, rank: int) -> str:
     """A store tier's directory for TP rank `rank`: `{rank}` in `path` replaced, or else the
     subdirectory ``rank<r>`` of `path` (`path` made here if absent: its parent must exist)."""
@@ -116,8 +125,9 @@ def for_rank(config: HiCacheConfig, rank: int) -> HiCacheConfig:
 
 
 class HiCacheConnector(KVConnectorBase_V1):
-    """hicache under vLLM. Loads are synchronous, on the model's stream before the forward;
-    stores are enqueued after it. A best-effort cache: a lost save is a future miss
+    """hicache under vLLM. Loads are enqueued before the forward, layer by layer on a copy
+    stream (each attention layer waits, on the device, for its own layer); stores are enqueued
+    after it. A best-effort cache: a lost save is a future miss
     (`requires_kv_delivery` is false), a failed load is recomputed by vLLM."""
 
     def __init__(
@@ -133,13 +143,14 @@ class HiCacheConnector(KVConnectorBase_V1):
     ) -> None:
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         config = hicache_config(extra)  # in both roles: a bad config stops vLLM at start
-        share = pin_share(extra)
+        share, in_step = pin_share(extra), answer_in_step(extra)
         refuse_unsupported(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             block = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
             ranks = vllm_config.parallel_config.tensor_parallel_size
             reprefillable = max(0, vllm_config.num_prefill_lookahead_tokens - 1)
-            self._books = SchedulerBooks(block, ranks, reprefillable)
+            floor = config.policy.min_recompute_tokens
+            self._books = SchedulerBooks(block, ranks, reprefillable, floor, in_step)
         else:
             fields = layout_fields(vllm_config, kv_cache_config, extra)
             self._worker = WorkerCache(for_rank(config, fields["tp_rank"]), fields, share)
@@ -164,7 +175,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._worker_side().start(self._step())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are enqueued whole before the forward, on its stream
+        self._worker_side().wait_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any

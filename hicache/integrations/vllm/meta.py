@@ -16,6 +16,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from hicache.integrations.vllm.view import RankNews
+
 
 @dataclass(frozen=True)
 class Lookup:
@@ -30,12 +32,16 @@ class Lookup:
 @dataclass(frozen=True)
 class Load:
     """Copy the granted hit into the request's blocks: tokens [computed, hit) of the prompt
-    asked about, into ``block_ids[computed // page : hit // page]``."""
+    asked about, into ``block_ids[computed // page : hit // page]``. A hit the scheduler
+    granted from its view, without asking, carries the prompt (`tokens`, `salt`): the worker
+    matches it when it loads."""
 
     request_id: str
     computed: int
     hit: int
     block_ids: list[int]
+    tokens: list[int] | None = None
+    salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -78,11 +84,13 @@ class Answer:
 
 @dataclass
 class Answers(KVConnectorWorkerMetadata):
-    """Worker(s) -> scheduler, for one step: the answers of each TP rank, by rank, and the
-    requests whose stores a worker lost step with (`resync`: send their tokens from the first)."""
+    """Worker(s) -> scheduler, for one step: the answers of each TP rank, by rank, the requests
+    whose stores a worker lost step with (`resync`: send their tokens from the first), and what
+    each rank's tiers gained and lost (`news`, for the scheduler's `TierView`)."""
 
     by_rank: dict[int, list[Answer]] = field(default_factory=dict)
     resync: list[str] = field(default_factory=list)
+    news: dict[int, RankNews] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, Answers):
@@ -90,7 +98,14 @@ class Answers(KVConnectorWorkerMetadata):
         merged = {rank: list(answers) for rank, answers in self.by_rank.items()}
         for rank, answers in other.by_rank.items():
             merged.setdefault(rank, []).extend(answers)
-        return Answers(merged, [*self.resync, *(r for r in other.resync if r not in self.resync)])
+        news = dict(self.news)
+        for rank, got in other.news.items():
+            if rank in news:
+                news[rank].merge(got)
+            else:
+                news[rank] = got
+        resync = [*self.resync, *(r for r in other.resync if r not in self.resync)]
+        return Answers(merged, resync, news)
 
 
 @dataclass

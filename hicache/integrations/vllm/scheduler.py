@@ -1,6 +1,9 @@
-"""The scheduler half: questions and answers, no cache.
+"""The scheduler half: a view of the workers' tiers, questions and answers, no pages.
 
-The scheduler process holds no pages and no index. For each waiting request it asks the
+The scheduler process holds no pages. For each waiting request it first consults its
+`TierView` (what the workers reported their tiers hold): when the view can tell the whole
+answer (a host-tier hit, or a miss no store tier can turn into a hit) it answers in the same
+step, and the worker matches and pins the pages only when it loads them. Otherwise it asks the
 workers (a `Lookup` in the next step's metadata) and answers "not yet" (None) until every TP
 rank has answered; vLLM asks again on a later step, so the scheduler never waits. The hit it
 grants is the smallest of the ranks' answers. After vLLM has allocated blocks, a granted hit
@@ -20,6 +23,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hicache.integrations.vllm.inputs import keyed_tokens, request_salt
 from hicache.integrations.vllm.meta import Answer, Answers, Load, Lookup, StepMeta, Store
+from hicache.integrations.vllm.view import TierView
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -42,12 +46,24 @@ class SchedulerBooks:
     """The connector's scheduler role. `page_tokens` is vLLM's block size; `ranks` the number of
     TP ranks whose answers are awaited; `reprefillable` the last computed tokens whose KV is not
     final yet (a speculative drafter's prefill lookahead, vLLM's `num_prefill_lookahead_tokens`
-    less one): they are not stored, as vLLM does not cache them."""
+    less one): they are not stored, as vLLM does not cache them; `min_recompute` the policy's
+    `min_recompute_tokens` (a hit leaves at least these to compute); `in_step` whether to answer
+    from the view where it can tell (else every question is asked)."""
 
-    def __init__(self, page_tokens: int, ranks: int, reprefillable: int = 0) -> None:
+    def __init__(
+        self,
+        page_tokens: int,
+        ranks: int,
+        reprefillable: int = 0,
+        min_recompute: int = 1,
+        in_step: bool = True,
+    ) -> None:
         self._page = page_tokens
         self._ranks = ranks
         self._reprefillable = reprefillable
+        self._min_recompute = min_recompute
+        self.view = TierView(ranks, page_tokens) if in_step else None
+        self._claims: dict[str, list[int]] = {}  # granted from the view: the prompt, for its Load
         self._tracked: dict[str, _Tracked] = {}
         self._asked: dict[str, int] = {}  # request -> the computed tokens of its open question
         self._answers: dict[str, dict[int, Answer]] = {}  # open question -> answers by rank
@@ -73,10 +89,30 @@ class SchedulerBooks:
         if self._asked.get(rid) != computed:  # a new question (or vLLM's own hit changed)
             self._granted.pop(rid, None)
             self._answers.pop(rid, None)
-            self._asked[rid] = computed
+            self._asked.pop(rid, None)
             tokens = keyed_tokens(request, 0, request.num_tokens)
+            hit = self._from_view(rid, tokens, tracked.salt, computed, request.num_tokens)
+            if hit is not None:
+                return hit - computed, False
+            self._asked[rid] = computed
             self._step.lookups.append(Lookup(rid, tokens, computed, tracked.salt))
         return None, False
+
+    def _from_view(
+        self, rid: str, tokens: list[int], salt: str | None, computed: int, n: int
+    ) -> int | None:
+        """The hit (in tokens, >= computed) the view can answer with, granted; None to ask."""
+        if self.view is None:
+            return None
+        cap = max(0, n - self._min_recompute) // self._page
+        pages = self.view.hit_pages(tokens, salt, computed // self._page, cap)
+        if pages is None:
+            return None
+        hit = pages * self._page
+        if hit > computed:
+            self._granted[rid] = Answer(rid, computed, hit, (("host", hit - computed),))
+            self._claims[rid] = tokens
+        return max(hit, computed)
 
     def _withdraw(self, rid: str) -> None:
         """Close `rid`'s question, if one is open: unsent, it is dropped; sent, the workers
@@ -84,6 +120,8 @@ class SchedulerBooks:
         asked = self._asked.pop(rid, None) is not None
         granted = self._granted.pop(rid, None) is not None
         self._answers.pop(rid, None)
+        if self._claims.pop(rid, None) is not None:
+            return  # granted from the view: nothing on the workers to let go
         if asked or granted:
             step = self._step
             step.lookups = [q for q in step.lookups if q.request_id != rid]
@@ -116,7 +154,9 @@ class SchedulerBooks:
             table = blocks.get_block_ids(rid) if blocks is not None else None
             if table is None:  # allocated but not scheduled this step: keep it for the next
                 continue
-            step.loads.append(Load(rid, answer.computed, answer.hit, list(table[0])))
+            claim = self._claims.pop(rid, None)
+            salt = self._tracked[rid].salt if claim is not None else None
+            step.loads.append(Load(rid, answer.computed, answer.hit, list(table[0]), claim, salt))
         for load in step.loads:
             del self._loads[load.request_id]
         for rid, scheduled in out.num_scheduled_tokens.items():
@@ -162,6 +202,8 @@ class SchedulerBooks:
         answers = output.kv_connector_worker_meta
         if not isinstance(answers, Answers):
             return
+        if self.view is not None and answers.news:
+            self.view.update(answers.news)
         for rid in answers.resync:
             tracked = self._tracked.get(rid)
             if tracked is not None:
@@ -181,7 +223,7 @@ class SchedulerBooks:
         """vLLM's `request_finished` (finished or aborted): forget it here and on the workers."""
         rid = request.request_id
         for books in (self._tracked, self._asked, self._answers, self._granted, self._loads,
-                      self._sources):  # fmt: skip
+                      self._sources, self._claims):  # fmt: skip
             books.pop(rid, None)
         step = self._step  # a question asked this step must not outlive the request
         step.lookups = [q for q in step.lookups if q.request_id != rid]

@@ -29,6 +29,9 @@ from hicache.integrations.vllm.meta import (
     StepMeta,
     Store,
 )
+from hicache.integrations.vllm.view import RankNews
+from hicache.observability.events import KVEvent
+from hicache.transfer.completions import Completion, LayerLoad
 from hicache.transfer.kernels import PagedBuffer
 
 log = logging.getLogger("hicache.vllm")
@@ -103,6 +106,10 @@ class WorkerCache:
         self._kinds: dict[str, str] = {}
         self._reported: dict[str, int] = {}
         self._clock: PrefillClock | None = None
+        self._news: RankNews | None = None  # what the tiers gained and lost since last sent
+        self._layer_of: dict[str, int] = {}  # vLLM's layer name -> its index, for layered loads
+        self._loading: list[Completion] = []  # this step's loads, arriving layer by layer
+        self._told = False  # whether the scheduler has had news from this rank yet
 
     @property
     def rank(self) -> int:
@@ -116,14 +123,34 @@ class WorkerCache:
         fields = {**self._layout, "model": f"{self._layout['model']}|kv{note}"}
         self.layout = Layout(**fields, segments=pool.seg_bytes)
         log.info("hicache: %d segments a page, %s", len(pool.segments), self.layout.model)
-        self.cache = HiCache(self.config, pool, layout=self.layout)
+        # loads layer by layer where each layer has a tensor of its own (not shared KV)
+        distinct = len({t.data_ptr() for t in kv_caches.values()}) == len(kv_caches)
+        if distinct:
+            self._layer_of = {name: i for i, name in enumerate(kv_caches)}
+        self.cache = HiCache(
+            self.config, pool, layout=self.layout, events=self._on_event,
+            layers=len(self._layer_of),
+        )  # fmt: skip
         # vLLM is still starting: let the first requests find the pools and the tiers ready
         if not self.cache.wait_ready(READY_TIMEOUT_S):
             log.warning("hicache: a store tier does not answer yet; lookups skip it until it does")
+        tiers = self.cache.store_tiers.values()
+        unknown = any(t.shared or (t.persistent and not t.empty_at_start()) for t in tiers)
+        self._news = RankNews(self.cache.fingerprint, unknown)  # sent with the first answers
         self._kinds = {
             name: "p2p" if tier.shared else "disk" for name, tier in self.cache.store_tiers.items()
         }
         self._clock = PrefillClock(self.cache.report_prefill, next(iter(kv_caches.values())))
+
+    def _on_event(self, event: KVEvent) -> None:
+        """hicache's KV events (on this thread), gathered for the scheduler's view."""
+        if self._news is None:
+            return  # before register has made the news: the tiers are empty
+        if event.tier == "host":
+            books = self._news.stored if event.kind == "stored" else self._news.removed
+            books.extend(event.keys)
+        elif event.kind == "stored":
+            self._news.lower.extend(event.keys)
 
     def began(self, step: StepMeta) -> None:
         """vLLM bound this step's metadata, before its forward: time its prefill."""
@@ -169,8 +196,22 @@ class WorkerCache:
             self._cache().release(lookup.request_id)
             self._matched[lookup.request_id] = (None, lookup)
 
+    def wait_layer(self, name: str) -> None:
+        """vLLM's attention is about to compute layer `name`: make the model's stream wait for
+        that layer of this step's loads (on the device; the host thread never waits)."""
+        i = self._layer_of.get(name)
+        if i is not None:
+            for loading in self._loading:
+                loading.wait_layer(i)
+
     def after(self, step: StepMeta) -> None:
-        """After the forward is enqueued: store the pages this step completed."""
+        """After the forward is enqueued: store the pages this step completed. The model's
+        stream first waits for every layer of this step's loads, whether or not the forward
+        asked for each (the blocks must be whole before any later kernel reads them)."""
+        for loading in self._loading:
+            if isinstance(loading, LayerLoad) and loading.layers:
+                loading.wait_layer(loading.layers - 1)  # one copy stream: the last is all
+        self._loading = []
         for store in step.stores:
             self._store(store)
         self._failed_blocks = set()
@@ -181,10 +222,17 @@ class WorkerCache:
         vLLM asks for them once the step's forward is done (enqueued, on an accelerator)."""
         if self._clock is not None:
             self._clock.end()
-        if not self._answers and not self._resync:
+        rank, news = self._layout["tp_rank"], self._news
+        if news is not None and (news.stored or news.removed or news.lower or not self._told):
+            self._news, self._told = RankNews(news.fingerprint, news.lower_unknown), True
+        else:
+            news = None
+        if not self._answers and not self._resync and news is None:
             return None
-        out = Answers({self._layout["tp_rank"]: self._answers} if self._answers else {})
-        out.resync, self._answers, self._resync = self._resync, [], []
+        out = Answers({rank: self._answers} if self._answers else {}, self._resync)
+        if news is not None:
+            out.news[rank] = news
+        self._answers, self._resync = [], []
         return out
 
     def load_errors(self) -> set[int]:
@@ -244,6 +292,8 @@ class WorkerCache:
         cache, P = self._cache(), self._layout["page_tokens"]
         rid = load.request_id
         m, lookup = self._matched.pop(rid, (None, None))
+        if lookup is None and load.tokens is not None:  # granted from the scheduler's view
+            lookup = Lookup(rid, load.tokens, load.computed, load.salt)
         if lookup is not None and (m is None or m.hit_tokens > load.hit):
             # given unpinned, or another rank holds less: match again, no further than granted
             cache.release(rid)
@@ -253,7 +303,8 @@ class WorkerCache:
         usable = m is not None and not m.pending and m.computed_tokens == load.computed
         if m is not None and usable and m.hit_tokens <= load.hit:
             try:
-                cache.load(m, load.block_ids[m.first_page : m.first_page + m.load_pages])
+                blocks = load.block_ids[m.first_page : m.first_page + m.load_pages]
+                self._loading.append(cache.load(m, blocks, by_layer=bool(self._layer_of)))
                 filled = m.hit_tokens
             except (ValueError, HiCacheError) as err:
                 log.warning("hicache: load of request %s: %s", rid, err)

@@ -114,6 +114,7 @@ class DiskTier(StoreTier):
         self._direct_align: int | None = None  # least alignment O_DIRECT takes here; None: off
         self._seq = 0
         self._clock = 0  # the last use stamped on a record (ns); see _stamp
+        self._found_empty = False  # set by the listing (see empty_at_start)
         self._count_lock = threading.Lock()
         self._counts = dict.fromkeys(
             (
@@ -183,6 +184,11 @@ class DiskTier(StoreTier):
             self.book.add(name, nbytes)
             self._clock = max(self._clock, stamp)
         self._remove(self.book.shrink())
+        self._found_empty = not found
+
+    def empty_at_start(self) -> bool:
+        """Its directory held no record when it was listed (one process a directory)."""
+        return self._ready.is_set() and self._found_empty
 
     @property
     def available(self) -> bool:
