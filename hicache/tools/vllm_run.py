@@ -1,13 +1,26 @@
-"""One vLLM instance through a multi-turn workload, for the vLLM tests and `bench/vllm.py`.
+"""One vLLM instance through a workload, for the vLLM tests and `bench/vllm.py`.
 
-    python tests/vllm_run.py --model DIR --out result.json [--hicache CONFIG_JSON] ...
+    python -m hicache.tools.vllm_run --model DIR --make-model llama [--size small]
+    python -m hicache.tools.vllm_run --model DIR --out R.json [--hicache CONFIG_JSON] ...
+    python -m hicache.tools.vllm_run --model DIR --out R.json --workload W.json --way W [--config J]
 
-Runs in its own process (vLLM keeps global state), with a tiny random-weight checkpoint that
-`--make-model` writes once (a Llama or a Qwen3 saved by transformers) and token-id prompts (no
-tokenizer). Each turn of each conversation is its prompt so far, the previous answer and a new
-user message; turns go to vLLM one round at a time, greedy. The result holds every answer,
-each request's time to first token, vLLM's preemptions and, where hicache runs with a metrics
-port, its counters scraped from the worker's endpoint at the end.
+Runs in its own process (vLLM keeps global state), with a random-weight checkpoint that
+`--make-model` writes once (a Llama or a Qwen3 saved by transformers; ``tiny`` for the tests,
+``small`` for the benchmark, whose prefill must cost something) and token-id prompts (no
+tokenizer). Two workloads:
+
+- conversations (the tests'): each turn of each conversation is its prompt so far, the previous
+  answer and a new user message; turns go to vLLM one round at a time, greedy. The result holds
+  every answer, each request's time to first token, vLLM's preemptions and, where hicache runs
+  with a metrics port, its counters scraped from the worker's endpoint at the end.
+- a workload file (`--workload`, the benchmark's): rounds of prompts
+  (``{"rounds": [[[token ids], ...], ...]}``); each round goes to vLLM as one `generate` call,
+  greedy, rounds in order. The result holds every answer, each request's time to first token by
+  round, the elapsed time, vLLM's own metrics and its OpenMP threads. `--way` names what sits
+  beside vLLM's own prefix cache: nothing (``vllm``), hicache's connector (``hicache``,
+  `--config` its configuration as JSON), LMCache in its multiprocess mode (``lmcache``,
+  `--config` ``{"port": P}`` of an `lmcache server` already running) or vLLM's
+  ``ExampleConnector`` (``example``, `--config` ``{"path": DIR}``).
 """
 
 from __future__ import annotations
@@ -129,14 +142,96 @@ def settle(llm, port: int, timeout_s: float = 60.0) -> dict[str, float]:
         llm.generate([{"prompt_token_ids": [1]}], SamplingParams(max_tokens=1), use_tqdm=False)
 
 
+def transfer_config(way: str, config: dict, model_id: dict | None = None):
+    """vLLM's `KVTransferConfig` for one way (see the module's docstring); None for vLLM
+    alone. `model_id`: extra settings of hicache's connector."""
+    from vllm.config import KVTransferConfig
+
+    if way == "hicache":
+        settings = dict(
+            kv_connector="HiCacheConnector",
+            kv_connector_module_path="hicache.integrations.vllm",
+            kv_connector_extra_config={"hicache": config, **(model_id or {})},
+        )
+    elif way == "lmcache":
+        settings = dict(
+            kv_connector="LMCacheMPConnector",
+            kv_connector_extra_config={
+                "lmcache.mp.host": "tcp://127.0.0.1",
+                "lmcache.mp.port": config["port"],
+            },
+        )
+    elif way == "example":
+        settings = dict(
+            kv_connector="ExampleConnector",
+            kv_connector_extra_config={"shared_storage_path": config["path"]},
+        )
+    else:
+        return None
+    return KVTransferConfig(kv_role="kv_both", **settings)
+
+
+def vllm_metrics(llm) -> dict[str, float]:
+    """vLLM's own metrics, as ``name{labels}: value``."""
+    metrics = {}
+    for m in llm.get_metrics():
+        value = getattr(m, "value", None)
+        labels = ",".join(
+            f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("engine", "model_name")
+        )
+        if isinstance(value, int | float):
+            metrics[f"{m.name}{{{labels}}}" if labels else m.name] = value
+    return metrics
+
+
+def run_workload(args: argparse.Namespace) -> dict:
+    """The benchmark's run: the rounds of `--workload`, one `generate` call each."""
+    from vllm import LLM, SamplingParams
+
+    rounds = json.loads(Path(args.workload).read_text())["rounds"]
+    llm = LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        block_size=args.block,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=args.kv_bytes,
+        kv_transfer_config=transfer_config(args.way, json.loads(args.config or "{}")),
+        disable_log_stats=False,
+        max_num_seqs=args.max_num_seqs,
+        enforce_eager=True,
+        seed=0,
+    )
+    import torch
+
+    threads = torch.get_num_threads()  # the engine runs in this process: its OMP threads
+    params = SamplingParams(temperature=0.0, max_tokens=args.output, ignore_eos=True)
+    answers: list[list[list[int]]] = []
+    ttft: list[list[float]] = []
+    started = time.perf_counter()
+    for prompts in rounds:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        answers.append([list(o.outputs[0].token_ids) for o in outs])
+        ttft.append([float(o.metrics.first_token_latency) for o in outs])
+    elapsed = time.perf_counter() - started
+    return {
+        "answers": answers,
+        "ttft_s": ttft,
+        "elapsed_s": elapsed,
+        "vllm_metrics": vllm_metrics(llm),
+        "omp_threads": threads,
+    }
+
+
 def run(args: argparse.Namespace) -> dict:
+    """The tests' run: multi-turn conversations."""
     if args.tp > 1:  # vLLM's CPU workers each bind to a NUMA node unless given CPUs
         cpus = os.cpu_count() or 1
         os.environ.setdefault(
             "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % cpus) for r in range(args.tp))
         )
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
     from vllm.lora.request import LoRARequest
 
     lora = {}
@@ -145,18 +240,9 @@ def run(args: argparse.Namespace) -> dict:
 
     transfer = None
     if args.hicache:
-        transfer = KVTransferConfig(
-            kv_connector="HiCacheConnector",
-            kv_connector_module_path="hicache.integrations.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config={"hicache": json.loads(args.hicache), **_model_id(args)},
-        )
+        transfer = transfer_config("hicache", json.loads(args.hicache), _model_id(args))
     elif args.disk_connector:
-        transfer = KVTransferConfig(
-            kv_connector="ExampleConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={"shared_storage_path": args.disk_connector},
-        )
+        transfer = transfer_config("example", {"path": args.disk_connector})
     llm = LLM(
         model=args.model,
         skip_tokenizer_init=True,
@@ -209,14 +295,7 @@ def run(args: argparse.Namespace) -> dict:
             if m is not None and getattr(m, "first_token_latency", None) is not None:
                 ttft.append(float(m.first_token_latency))
     elapsed = time.perf_counter() - started
-    metrics = {}
-    for m in llm.get_metrics():
-        value = getattr(m, "value", None)
-        labels = ",".join(
-            f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("engine", "model_name")
-        )
-        if isinstance(value, int | float):
-            metrics[f"{m.name}{{{labels}}}" if labels else m.name] = value
+    metrics = vllm_metrics(llm)
     result = {
         "answers": answers,
         "ttft_s": ttft,
@@ -240,6 +319,9 @@ def main() -> None:
     p.add_argument("--make-model", choices=["llama", "qwen3"])
     p.add_argument("--size", choices=sorted(SIZES), default="tiny", help="with --make-model")
     p.add_argument("--out")
+    p.add_argument("--workload", help="rounds of prompts (the benchmark's run), as JSON")
+    p.add_argument("--way", default="vllm", choices=["vllm", "hicache", "lmcache", "example"])
+    p.add_argument("--config", help="with --workload: the way's settings, as JSON")
     p.add_argument("--hicache", help="the hicache config, as JSON")
     p.add_argument("--model-id")
     p.add_argument("--disk-connector", help="run vLLM's ExampleConnector on this directory")
@@ -275,7 +357,7 @@ def main() -> None:
             make_model(Path(args.model), args.make_model, args.size)
         if not args.out:
             return
-    result = run(args)
+    result = run_workload(args) if args.workload else run(args)
     Path(args.out).write_text(json.dumps(result))
 
 
