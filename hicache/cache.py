@@ -69,14 +69,13 @@ class HiCache(MatchSide, StoreSide):
 
     `gpu` is the engine's KV pool (`PagedBuffer.page_first(pool)` or `.layer_first(tensors)`);
     `layout` describes its pages (defaults to the config's layout section); `states` are the
-    engine's state hooks, required when the layout has state_bytes; `stream` is the CUDA stream
-    of the engine's model kernels (default: the current stream at each call); `events` receives
-    a `KVEvent` whenever a tier stores or removes pages (see `hicache.observability.events`);
-    `wake` is called
-    from a store tier's worker thread whenever it has posted a result for `poll` or `match` to
-    apply (an engine whose loop sleeps while requests wait on a fetch sets an event or writes an
-    eventfd there; it must be thread-safe and return at once). `layers` is the number of KV
-    layers a page holds, for loads layer by layer (`load(..., by_layer=True)`; 0: none): the
+    engine's state hooks, required when the layout has state_bytes; `stream` is the CUDA stream of
+    the engine's model kernels (default: the current stream at each call); `events` receives a
+    `KVEvent` whenever a tier stores or removes pages (see `hicache.observability.events`); `wake`
+    is called from a store tier's worker thread whenever it has posted a result for `poll` or
+    `match` to apply (an engine whose loop sleeps while requests wait on a fetch sets an event or
+    writes an eventfd there; it must be thread-safe and return at once). `layers` is the number of
+    KV layers a page holds, for loads layer by layer (`load(..., by_layer=True)`; 0: none): the
     pool's segments split into that many equal runs, or a page-first pool's rows into that many
     equal column ranges.
 

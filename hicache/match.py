@@ -1,7 +1,7 @@
 """`HiCache.match`: how much of a prompt the engine may skip (`MatchSide`, a part of
 `hicache.cache.HiCache`; engine thread).
 
-One question, answered in one place (`MatchSide.match` builds every `Match`):
+One question, one answer (every `Match` is made by `_match_of`, from what the steps found):
 
 1. the prompt is hashed as far as needed (`hicache.core.keys.KeyChain`, the request's own,
    kept between questions in a `Request`);
@@ -60,7 +60,7 @@ class Request:
 
 
 class _Hit(NamedTuple):
-    """What a match found, in pages (`MatchSide.match` makes the `Match` of it)."""
+    """What a match found, in pages (`_match_of` makes the `Match` of it)."""
 
     end: int
     """The hit ends at this page (hit_tokens = end * page_tokens)."""
@@ -138,26 +138,15 @@ class MatchSide:
         first = computed_tokens // P
         cap = max(0, n - self.policy.min_recompute_tokens) // P
         done = walk if walk is not None and not walk.busy else None
-        hit = None
         if done is not None:
             for part in done.parts():
                 adopt_keys(req.chain, part)
             if again is not None and not req.head_pages:
-                hit = self._fetched(req, again, done, cap)
-        if hit is None:
-            hit = self._lookup(req, first, cap, partial, done)
-        m = Match(
-            request_id=request_id,
-            hit_tokens=hit.end * P,
-            computed_tokens=computed_tokens,
-            first_page=first,
-            load_pages=hit.load,
-            tier_tokens=hit.tiers,
-            needs_state=hit.state,
-            pending=hit.pending,
-            limited_tokens=hit.limited * P,
-            head_tokens=req.head_pages * P,
-        )
+                grown = self._fetched(req, again, done, cap)
+                if grown is not None:
+                    return self._answer(req, grown, n, started)
+        hit = self._lookup(req, first, cap, partial, done)
+        m = _match_of(request_id, computed_tokens, hit, req.head_pages, P)
         return self._answer(req, m, n, started)
 
     def _answer(self, req: Request, m: Match, n: int, started: float) -> Match:
@@ -256,7 +245,7 @@ class MatchSide:
             req.head_pages = head if req.fetch is not None else 0
         return req.fetch is not None and chain.waiting(req.fetch)
 
-    def _fetched(self, req: Request, pending: Match, walk: Fetch, cap: int) -> _Hit | None:
+    def _fetched(self, req: Request, pending: Match, walk: Fetch, cap: int) -> Match | None:
         """The `pending` answer grown by its finished walk, when one tier's fetch reached the
         cap: the host hit (still pinned) followed by the fetched pages up to the cap, whose pins
         move from the fetch to the request. Nothing is looked up or hashed. None when the
@@ -285,8 +274,10 @@ class MatchSide:
             req.pages = taken
         else:
             req.pages.absorb(taken)
-        tiers = ((fetch.link.name, (cap - found) * self.layout.page_tokens),)
-        return _Hit(cap, cap - pending.first_page, tiers, limited=hi - cap)
+        P = self.layout.page_tokens
+        tiers = ((fetch.link.name, (cap - found) * P),)
+        hit = _Hit(cap, cap - pending.first_page, tiers, limited=hi - cap)
+        return _match_of(pending.request_id, pending.computed_tokens, hit, 0, P)
 
     def _snap_to_state(self, keys: list[bytes], first: int, hit: int) -> tuple[int, int | None]:
         """The deepest page count in (first, hit] whose boundary has a stored state."""
@@ -340,3 +331,22 @@ def _tier_tokens(
             out.append((part.link.name, (end - begin) * page_tokens))
             done = end
     return tuple(out)
+
+
+def _match_of(
+    request_id: str, computed_tokens: int, hit: _Hit, head_pages: int, page_tokens: int
+) -> Match:
+    """The answer to a question (`request_id`, `computed_tokens`) that found `hit`: every
+    `Match` that `match` returns is made here."""
+    return Match(
+        request_id=request_id,
+        hit_tokens=hit.end * page_tokens,
+        computed_tokens=computed_tokens,
+        first_page=computed_tokens // page_tokens,
+        load_pages=hit.load,
+        tier_tokens=hit.tiers,
+        needs_state=hit.state,
+        pending=hit.pending,
+        limited_tokens=hit.limited * page_tokens,
+        head_tokens=head_pages * page_tokens,
+    )

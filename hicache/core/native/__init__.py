@@ -3,8 +3,7 @@
 What is in it, and who uses it:
 
 - the page-key chain (`chain_keys`, the fast path of `hicache.core.keys`): on x86-64 CPUs with the
-SHA
-  extensions it hashes pages two at a time with SHA-NI; elsewhere it uses OpenSSL's SHA-256
+  SHA extensions it hashes pages two at a time with SHA-NI; elsewhere it uses OpenSSL's SHA-256
   (`force_portable` makes it do so anyway, for tests);
 - the key index (`index.py` over ``keyindex.c``) and the host walk (`walk`), which hashes and
   looks up pairs of pages until the first miss;

@@ -7,8 +7,7 @@ C call per operation instead of a few Python operations per slot (a 64-page stor
 instead of ~150 µs).
 
 The books only keep accounts; `SlotPool` (hicache/core/slots.py) wraps them in leases and the
-eviction
-hook. Slot lists go in and come out as lists of ints. Engine thread only.
+eviction hook. Slot lists go in and come out as lists of ints. Engine thread only.
 """
 
 from __future__ import annotations

@@ -39,9 +39,8 @@ class EngineSpec:
     by_layer: bool = False  # load hits layer by layer under the prefill (needs a cache)
     partial: bool = False  # let the cache plan partial fetches from its store tiers
     # The engine's own GPU prefix cache (`hicache.tools.refengine.prefix`): at most this share of
-    # the pool's
-    # blocks kept for prefix hits, or `prefix_blocks` blocks where given; 0 turns it off. Off
-    # for models with sliding-window layers, whatever is asked.
+    # the pool's blocks kept for prefix hits, or `prefix_blocks` blocks where given; 0 turns it
+    # off. Off for models with sliding-window layers, whatever is asked.
     prefix_share: float = 1.0
     prefix_blocks: int | None = None
 

@@ -5,8 +5,7 @@ One `Engine.step()`:
 1. ``cache.poll()`` (when a cache is embedded);
 2. admit waiting requests in arrival order: look the prompt up in the engine's own GPU prefix
    cache (`hicache.tools.refengine.prefix`, when it has one), ask the cache for a hit past that
-   (``match``
-   with ``computed_tokens``), take blocks for the rest of the request (prompt +
+   (``match`` with ``computed_tokens``), take blocks for the rest of the request (prompt +
    max_new_tokens; the prefix cache's unpinned pages are evicted for them when the pool runs
    short) and a state slot, promote the hit (``load``). A
    request the cache defers (``pending``) is skipped this step without holding up the ones behind

@@ -1,8 +1,7 @@
 """``hicache replay``: a multi-turn agentic workload run by an engine alone and with hicache.
 
 The engine keeps a GPU prefix cache, as vLLM and SGLang do (`hicache.tools.refengine.prefix`), in a
-pool
-smaller than the workload's working set (``--pool-share``): the case hicache exists for. The
+pool smaller than the workload's working set (``--pool-share``): the case hicache exists for. The
 two runs use the same weights, the same engine and the same conversations (each turn's prompt =
 the previous prompt + the previous answer + a new message); the second adds hicache's tiers, and
 on a GPU loads its hits layer by layer under the prefill (``--whole-loads`` turns that off). The

@@ -10,10 +10,9 @@ A router picks the engine of every request (`ROUTERS`):
   session of its own);
 - ``cache-aware``: the engine that holds the longest prefix of the prompt in its host tier as
   the router knows it from hicache's KV events (`hicache.observability.events`: ``stored`` /
-  ``removed`` on
-  the host tier), which reach the router `event_delay_s` after the request that caused them;
-  among equals (no engine known to hold the first page: all of them) the one with the fewest
-  requests so far, then the lowest index.
+  ``removed`` on the host tier), which reach the router `event_delay_s` after the request that
+  caused them; among equals (no engine known to hold the first page: all of them) the one with the
+  fewest requests so far, then the lowest index.
 
 Each engine is `hicache.tools.trace.chainsim.ChainSim`, the tier chain as hicache runs it (the
 planner's, checked against the real cache): an LRU host tier, its own disk tier if any, then

@@ -1,8 +1,8 @@
 """`hicache trace TRACE --instances N,...`: the cluster sweep's options, table and plot.
 
 Every router of `--router` runs at every engine count of `--instances`
-(`hicache.tools.trace.cluster`);
-each engine's host (and disk) tier has the same size at every count, the store is shared.
+(`hicache.tools.trace.cluster`); each engine's host (and disk) tier has the same size at every
+count, the store is shared.
 """
 
 from __future__ import annotations

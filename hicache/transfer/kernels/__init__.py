@@ -4,9 +4,8 @@
 ``dst_ids[k]`` of `dst`. Where both buffers are on the CPU it runs the CPU twin, synchronously;
 where either is on a CUDA device it enqueues the copy on `stream` and returns without waiting
 (`hicache.transfer.kernels.cuda` says which CUDA path runs when). `route(src, dst)` checks two
-buffers
-once for a caller that copies between them again and again: its `copy` takes int32 numpy ids and
-a raw stream handle and does nothing but the copy.
+buffers once for a caller that copies between them again and again: its `copy` takes int32 numpy
+ids and a raw stream handle and does nothing but the copy.
 """
 
 from __future__ import annotations

@@ -265,8 +265,7 @@ def copy_pages_cuda(
 ) -> str:
     """Enqueue the copy on `stream` (default: the current stream of the CUDA device); returns the
     path taken. Arguments were checked by `hicache.transfer.kernels.copy_pages`, except what only
-    matters
-    here (pinned host memory, one device, the stream's device), checked now. The keyword
+    matters here (pinned host memory, one device, the stream's device), checked now. The keyword
     arguments after `path` are tuning knobs for the benchmark.
     """
     if path not in _PATHS:
