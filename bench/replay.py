@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import command, commit
 from memory_tier import MISSING, MemoryConfig, MemoryTier
 
-from hicache.tiers.registry import register_tier
+from hicache.registry import register_tier
 from hicache.tools.refengine.build import DTYPES, EngineSpec, build_engine, load_model
 from hicache.tools.refengine.engine import Engine, Request
 from hicache.tools.refengine.replay import _time_prefill  # the suffix prefill, as replay's floor

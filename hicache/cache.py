@@ -27,8 +27,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from hicache import threads
 from hicache.config import HiCacheConfig, Layout, StoreTierConfig
-from hicache.core import native, threads
+from hicache.core import native
 from hicache.core.keys import PrefixMemo, fingerprint
 from hicache.core.request import Match
 from hicache.match import MatchSide, Request

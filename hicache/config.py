@@ -15,7 +15,7 @@ A file has three sections::
 
 Every field is validated; an unknown key or a bad value is a `ConfigError` whose message names the
 file and the field (``configs/x.yaml: tiers.0.size: ...``). Tier sections are validated by the model
-their backend registered for its ``type`` (see `hicache.tiers.registry`).
+their backend registered for its ``type`` (see `hicache.registry`).
 
 Environment overrides have one form: ``HICACHE__<SECTION>__<FIELD>=value``, a double underscore
 between path parts, list items by index, the value parsed as a YAML scalar. For example
@@ -45,9 +45,9 @@ from pydantic import (
     model_validator,
 )
 
-from hicache.core.threads import check_cpus
 from hicache.errors import ConfigError
-from hicache.tiers.registry import tier_config_model
+from hicache.registry import tier_config_model
+from hicache.threads import check_cpus
 
 ENV_PREFIX = "HICACHE__"
 

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from typing import ClassVar, Literal
 
 from hicache.config import StoreTierConfig
+from hicache.registry import register_tier
 from hicache.tiers.base import Buffers, StoreTier, StoreUnavailable
-from hicache.tiers.registry import register_tier
 
 MISSING = -2
 

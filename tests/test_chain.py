@@ -350,7 +350,7 @@ def test_a_tier_from_an_entry_point_and_one_from_a_module_path(tmp_path, monkeyp
 
             from memory_tier import MemoryConfig, MemoryTier
 
-            from hicache.tiers.registry import register_tier
+            from hicache.registry import register_tier
 
 
             class EntryConfig(MemoryConfig):

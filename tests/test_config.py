@@ -211,7 +211,7 @@ def test_the_fetch_reserve_takes_a_byte_size(tmp_path: Path):
 
 
 def test_two_fetch_workers_by_default_only_with_four_cpus_or_more() -> None:
-    from hicache.core.threads import fetch_workers
+    from hicache.threads import fetch_workers
 
     assert [fetch_workers(frozenset(range(n))) for n in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 2]
     mine = len(os.sched_getaffinity(0))

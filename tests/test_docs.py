@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from hicache.tiers.registry import tier_types
+from hicache.registry import tier_types
 from hicache.tools import docgen
 
 ROOT = Path(__file__).resolve().parent.parent

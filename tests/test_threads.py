@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hicache.core.threads import irq_cpus
+from hicache.threads import irq_cpus
 
 INTERRUPTS = """\
             CPU0       CPU1       CPU2       CPU3

@@ -40,7 +40,7 @@ from hicache.integrations.vllm.meta import (  # noqa: E402
 from hicache.integrations.vllm.scheduler import SchedulerBooks  # noqa: E402
 from hicache.integrations.vllm.view import RankNews  # noqa: E402
 from hicache.integrations.vllm.worker import WorkerCache  # noqa: E402
-from hicache.tiers.registry import register_tier  # noqa: E402
+from hicache.registry import register_tier  # noqa: E402
 
 P = 4  # tokens a block
 

@@ -24,18 +24,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from hicache import threads
 from hicache.config import Layout, Policy, StoreTierConfig, tier_name
-from hicache.core import threads
 from hicache.core.cost import Rate
 from hicache.core.keys import KeyChain
 from hicache.core.plan import PrefillSpeed, plan_fetch
 from hicache.observability.events import EventSink
 from hicache.observability.stats import Stats
+from hicache.registry import tier_class
 from hicache.tiers.base import StoreTier
 from hicache.tiers.fetch import Fetch
 from hicache.tiers.host import HostTier
 from hicache.tiers.link import LinkSettings, StoreLink
-from hicache.tiers.registry import tier_class
 from hicache.transfer.completions import DONE, Completion
 
 

@@ -28,9 +28,9 @@ from hicache.config import Bytes, ConfigError, Layout, TierConfig
 from hicache.core.eviction import DEFAULT_POLICY, make_policy
 from hicache.core.slots import EvictHook, SlotPool
 from hicache.errors import HiCacheError
+from hicache.registry import register_tier
 from hicache.tiers.base import PoolTier
 from hicache.tiers.memory import Cancelled, HostMemory, available_bytes, describe
-from hicache.tiers.registry import register_tier
 from hicache.transfer.kernels import PagedBuffer
 
 log = logging.getLogger(__name__)

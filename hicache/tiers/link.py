@@ -35,8 +35,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from hicache import threads
 from hicache.config import Layout, Policy
-from hicache.core import threads
 from hicache.core.cost import Rate, Verdict
 from hicache.core.slots import Lease
 from hicache.errors import HiCacheError
@@ -75,7 +75,7 @@ class LinkSettings:
     reserve_pages: int = 0
     """Host page slots kept reserved for fetches that skip the exists (`fetch_reserve`)."""
     worker_cpus: frozenset[int] = frozenset()
-    """CPUs of the worker threads (`hicache.core.threads`); empty: no restriction."""
+    """CPUs of the worker threads (`hicache.threads`); empty: no restriction."""
     write: str = "behind"
     """behind | on_evict | off (see `StoreTierConfig.write`)."""
     read_gbps: float = 4.0

@@ -20,7 +20,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from hicache.config import Bytes, HiCacheConfig, Layout, MetricsConfig, Policy, TierConfig
-from hicache.tiers.registry import tier_types
+from hicache.registry import tier_types
 
 _HEADER = """\
 # Configuration reference

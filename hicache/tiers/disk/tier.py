@@ -48,12 +48,12 @@ from typing import cast
 import torch
 
 from hicache.config import Layout
+from hicache.registry import register_tier
 from hicache.tiers.base import Buffers, StoreTier, StoreUnavailable
 from hicache.tiers.disk import records as rec
 from hicache.tiers.disk.config import DiskTierConfig, os_reason
 from hicache.tiers.disk.lru import LruBook
 from hicache.tiers.regions import Regions, check_keys, checked_tensor
-from hicache.tiers.registry import register_tier
 
 log = logging.getLogger(__name__)
 

@@ -43,14 +43,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from hicache import threads
 from hicache.config import Layout
-from hicache.core import threads
+from hicache.registry import register_tier
 from hicache.tiers.base import Buffers, StoreTier, StoreUnavailable
 from hicache.tiers.breaker import BreakerState, CircuitBreaker
 from hicache.tiers.mooncake.codes import UNREACHABLE, StoreState, StoreStats, code_name
 from hicache.tiers.mooncake.config import MooncakeConfig
 from hicache.tiers.regions import Region, Regions, check_keys
-from hicache.tiers.registry import register_tier
 
 log = logging.getLogger(__name__)
 
