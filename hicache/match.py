@@ -9,7 +9,7 @@ One question, one answer (every `Match` is made by `_match_of`, from what the st
 3. where the prompt runs past that run, the walk down the store tiers starts
    (`_look_ahead` -> `hicache.tiers.chain.TierChain.start`): the answer is pending while it runs;
 4. the hit is capped (the engine recomputes at least `min_recompute_tokens`), snapped to a
-   stored state for hybrid models, and its pages pinned until `load` (`_pin`).
+   stored state for hybrid models, and its pages pinned until `load` (`_lookup`).
 
 Asked again while the walk runs, the same answer stands; once the walk is done, the hit grows by
 what it brought (`_fetched`, without a second lookup where one tier brought it all).
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -59,20 +59,10 @@ class Request:
         self.match = None
 
 
-class _Hit(NamedTuple):
-    """What a match found, in pages (`_match_of` makes the `Match` of it)."""
-
-    end: int
-    """The hit ends at this page (hit_tokens = end * page_tokens)."""
-    load: int
-    """Pages `load` copies."""
-    tiers: tuple[tuple[str, int], ...] = ()
-    """Tokens of the hit each store tier brought."""
-    state: bool = False
-    """The hit ends at a stored state."""
-    pending: bool = False
-    limited: int = 0
-    """Pages found that the cap or the snap to a state kept out of the hit."""
+_Hit = tuple[int, int, tuple[tuple[str, int], ...], bool, bool, int]
+"""What a match found, in pages (`_match_of` makes the `Match` of it): the page the hit ends at,
+the pages `load` copies, the tokens each store tier brought, whether it ends at a stored state,
+whether it is pending, and the pages found that the cap or the snap to a state kept out."""
 
 
 class MatchSide:
@@ -159,32 +149,25 @@ class MatchSide:
     def _lookup(
         self, req: Request, first: int, cap: int, partial: bool, done: Fetch | None
     ) -> _Hit:
-        """The host tier's hit from page `first`, the look-ahead started past it, and for a
-        partial fetch (`req.head_pages` = k) the pages from k on instead: while the walk is
-        pending, the head alone (nothing pinned); then the pages from k on that the host tier
-        holds now (up to the cap), whatever the walk brought."""
+        """The host tier's hit from page `first` (capped, snapped to a state where the layout has
+        them), pinned for `load`, and the look-ahead started past it; for a partial fetch
+        (`req.head_pages` = k) the pages from k on instead: while the walk is pending, the head
+        alone (nothing pinned), then the pages from k on that the host tier holds now. What a
+        finished walk still held is released (its pages are pinned by this match now, or not
+        needed)."""
         req.drop_pins()
         slots = self._host_prefix(req.chain, first)
         found = first + len(slots)
         pending = self._look_ahead(req, first, found, cap, partial)
         k = req.head_pages
-        if not k:
-            end, tiers, state = self._pin(req, slots, first, max(first, min(found, cap)), done)
-            return _Hit(end, end - first, tiers, state, pending, found - end)
-        if pending:
-            return _Hit(k, 0, pending=True)
-        keys = req.chain.hashed
-        slots = self.host.page_slots.prefix(keys[k:cap]) if len(keys) > k else []
-        end, tiers, state = self._pin(req, slots, k, k + len(slots), done)
-        return _Hit(end, end - first if end > k else 0, tiers, state)
-
-    def _pin(
-        self, req: Request, slots: list[int], start: int, end: int, done: Fetch | None
-    ) -> tuple[int, tuple[tuple[str, int], ...], bool]:
-        """Pin the hit of pages [start, end) (host `slots` from `start` on), snapped to a state
-        where the layout has them, for `load`; release what a finished walk still held (its pages
-        are pinned by this match now, or not needed). The hit's end, the tokens each store tier
-        brought, and whether it ends at a state."""
+        if k and pending:
+            return (k, 0, (), False, True, 0)
+        if k:
+            keys = req.chain.hashed
+            slots = self.host.page_slots.prefix(keys[k:cap]) if len(keys) > k else []
+            start, end = k, k + len(slots)
+        else:
+            start, end = first, max(first, min(found, cap))
         state_slot, tiers = None, ()
         if self._hooks is not None and end > start:
             end, state_slot = self._snap_to_state(req.chain.hashed, start, end)
@@ -197,7 +180,8 @@ class MatchSide:
         if done is not None:
             for part in done.parts():
                 part.release()
-        return end, tiers, state_slot is not None
+        load = end - first if end > start else 0
+        return (end, load, tiers, state_slot is not None, pending, 0 if k else found - end)
 
     def _host_prefix(self, chain: KeyChain, first: int) -> list[int]:
         """Host slots of the pages from `first` on, up to the first miss, hashing the prompt only
@@ -276,7 +260,7 @@ class MatchSide:
             req.pages.absorb(taken)
         P = self.layout.page_tokens
         tiers = ((fetch.link.name, (cap - found) * P),)
-        hit = _Hit(cap, cap - pending.first_page, tiers, limited=hi - cap)
+        hit = (cap, cap - pending.first_page, tiers, False, False, hi - cap)
         return _match_of(pending.request_id, pending.computed_tokens, hit, 0, P)
 
     def _snap_to_state(self, keys: list[bytes], first: int, hit: int) -> tuple[int, int | None]:
@@ -338,15 +322,16 @@ def _match_of(
 ) -> Match:
     """The answer to a question (`request_id`, `computed_tokens`) that found `hit`: every
     `Match` that `match` returns is made here."""
+    end, load, tiers, state, pending, limited = hit
     return Match(
         request_id=request_id,
-        hit_tokens=hit.end * page_tokens,
+        hit_tokens=end * page_tokens,
         computed_tokens=computed_tokens,
         first_page=computed_tokens // page_tokens,
-        load_pages=hit.load,
-        tier_tokens=hit.tiers,
-        needs_state=hit.state,
-        pending=hit.pending,
-        limited_tokens=hit.limited * page_tokens,
+        load_pages=load,
+        tier_tokens=tiers,
+        needs_state=state,
+        pending=pending,
+        limited_tokens=limited * page_tokens,
         head_tokens=head_pages * page_tokens,
     )
