@@ -402,6 +402,8 @@ def run(args: argparse.Namespace) -> dict:
     load_extension()  # the build is not part of any measurement
     bench = Bench(args.gib, args.reps, args.table)
     bench.contiguous()
+    if args.pages:  # only page-first pages of these sizes, each path, both ways
+        return _only_pages(bench, [int(k) * KiB for k in args.pages.split(",")])
     for page_bytes in PAGE_SIZES:
         for direction in ("h2d", "d2h"):
             for method in METHODS:
@@ -437,6 +439,20 @@ def run(args: argparse.Namespace) -> dict:
     bench.safely(bench.gemm, "auto", 2 * MiB, layers=64)  # the staged path
     if args.sweep:
         sweep(bench)
+    return _finish(bench, args)
+
+
+def _only_pages(bench: Bench, sizes: list[int]) -> dict:
+    """`--pages`: each path for page-first pages of `sizes` bytes, host→GPU and GPU→host."""
+    for page_bytes in sizes:
+        for direction in ("h2d", "d2h"):
+            for method in ("auto", "kernel", "copy_engine"):
+                bench.safely(bench.pages, method, page_bytes, direction)
+    return _finish(bench, argparse.Namespace(reps=bench.reps))
+
+
+def _finish(bench: Bench, args: argparse.Namespace) -> dict:
+    """The closing ceiling, every row's ratio to it, and the run's record."""
     bench.contiguous("memcpy_contiguous_end")
     bench.rescale()
     props = torch.cuda.get_device_properties(bench.device)
@@ -525,6 +541,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=7, help="timed runs per case (median)")
     parser.add_argument("--sweep", action="store_true", help="add kernel and copy-engine sweeps")
     parser.add_argument("--table", action="store_true", help="print each row on stderr as it comes")
+    parser.add_argument(
+        "--pages", help="only page-first pages of these KiB (e.g. 64,512): each path, both ways"
+    )
     parser.add_argument(
         "--out", help="also write the JSON here (bench/results/kernels_<machine>.json)"
     )

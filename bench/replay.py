@@ -9,11 +9,14 @@ one layer's load), and ``ratio_to_overlap_floor``.
 
 Part 2 (a slow tier): a hit of ``--slow-hit`` tokens followed by ``--slow-suffix`` new ones,
 held only by a store tier whose reads are throttled to B bytes/s (`ThrottledTier`, registered
-through hicache's tier registry). A writer engine stores the prefixes; per B, a reader engine
-with an empty host tier measures, in the same run: fetch all (``match``), recompute all (a
-prompt no tier holds) and the chain's own plan (``match(partial=True)``, the cost model given B
-and the measured prefill rate). B spans tiers whose time for the whole hit is
-``--tier-ratios`` times its recompute time. Every turn size and mode warms up once, unreported.
+through hicache's tier registry; its copies run on `COPY_THREADS` threads, so that the tier
+reaches B). A writer engine stores the prefixes; per B, a reader engine with an empty host tier
+and a fetch reserve the size of the hit (one get, no exists first) measures, in the same run:
+fetch all (``match``), recompute all (a prompt no tier holds) and the chain's own plan
+(``match(partial=True)``, the cost model given B and the measured prefill rate). B spans tiers
+whose time for the whole hit is ``--tier-ratios`` times its recompute time. Each row records
+the tokens each way got from the cache and the tier's gets. Every turn size and mode warms up
+once, unreported.
 
     python bench/replay.py               # GPU if there is one: llama-8b shape, 32K context
     python bench/replay.py --cpu         # a tiny model on the CPU (a check that it runs)
@@ -30,8 +33,9 @@ import sys
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -173,6 +177,9 @@ def _host_hits(
 # -- part 2: a slow tier ---------------------------------------------------------------------
 
 
+COPY_THREADS = 8
+
+
 class ThrottledConfig(MemoryConfig):
     type: Literal["throttled_memory"] = "throttled_memory"  # type: ignore[assignment]
     read_limit_gbps: float = 1.0
@@ -184,19 +191,53 @@ class ThrottledTier(MemoryTier):
     """The in-memory store tier of the tests, its reads held to `read_limit_gbps`: a store
     slower than the prefill, plugged in through hicache's tier registry as a backend is."""
 
+    reads: ClassVar[list[tuple[float, float, float, int]]] = []
+    """Every get: (start, copied, end) on `time.perf_counter`, and its bytes; the benchmark
+    reads and clears it around each request."""
+
     def __init__(self, config: ThrottledConfig) -> None:
         super().__init__(config)
         self._busy_until = 0.0
         self._pace = threading.Lock()
+        self._held = sum(len(v) for v in self.objects.values())
+        self._copiers = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="throttled-copy")
+
+    def put_from(self, keys, buffers):  # type: ignore[no-untyped-def]
+        """As the memory tier's, but each object is copied into a bytearray by `memmove`, which
+        lets go of the GIL, and the bytes held are counted, not summed at every put: the memory
+        tier's `string_at` and `join` hold the GIL for every byte, starving the engine thread's
+        prefill while the write-behind of a 16 MiB page runs."""
+        self._check("put", len(keys))
+        out = []
+        for i, key in enumerate(keys):
+            data = bytearray(buffers.nbytes(i))
+            base, at = np.frombuffer(data, dtype=np.uint8).ctypes.data, 0
+            for ptr, size in zip(buffers.ptrs[i], buffers.sizes[i]):
+                ctypes.memmove(base + at, ptr, size)
+                at += size
+            with self._lock:
+                old = self.objects.get(key)
+                grown = len(data) - (len(old) if old is not None else 0)
+                if old is None and self._held + grown > self.config.capacity:
+                    out.append(-1)
+                    continue
+                self.objects[key] = data
+                self._held += grown
+            out.append(0)
+        return out
 
     def get_into(self, keys, buffers):  # type: ignore[no-untyped-def]
+        """Reads at `read_limit_gbps` at most: the bytes are copied by `COPY_THREADS` threads
+        (one thread's `memmove` ran at 2-3 GB/s here beside the engine, below the limits the
+        benchmark asks for), then the call sleeps until the limit's time is up."""
+        start = time.perf_counter()
         nbytes = sum(buffers.nbytes(i) for i in range(len(keys)))
         with self._pace:  # the link is shared: reads queue behind each other
             done = max(time.perf_counter(), self._busy_until) + nbytes / (
                 self.config.read_limit_gbps * 1e9
             )
             self._busy_until = done
-        out = []
+        out, copies = [], []
         for i, key in enumerate(keys):  # copied from the object's own bytes (no slice copies)
             data = self.objects.get(key)
             if data is None or len(data) != buffers.nbytes(i):
@@ -204,11 +245,18 @@ class ThrottledTier(MemoryTier):
                 continue
             base, at = np.frombuffer(data, dtype=np.uint8).ctypes.data, 0
             for ptr, size in zip(buffers.ptrs[i], buffers.sizes[i]):
-                ctypes.memmove(ptr, base + at, size)
+                copies.append((ptr, base + at, size))
                 at += size
             out.append(len(data))
-        time.sleep(max(0.0, done - time.perf_counter()))
+        list(self._copiers.map(lambda c: ctypes.memmove(*c), copies))
+        copied = time.perf_counter()
+        time.sleep(max(0.0, done - copied))
+        self.reads.append((start, copied, time.perf_counter(), nbytes))
         return out
+
+    def close(self) -> None:
+        self._copiers.shutdown(wait=True)
+        super().close()
 
 
 def _slow_tier(
@@ -236,23 +284,32 @@ def _slow_tier(
         for r in range(-1, repeats)
     }
     host = {"type": "host", "size": 3 * (hit // P + 2) * page_bytes}
-    writer_tiers = {"tiers": [host, {"type": "throttled_memory", "space": space}]}
+    # room for every object of the run (the memory tier's default of 1 GiB held 64 pages of
+    # an 8B model: the other prefixes were refused, and every way recomputed)
+    store = {"type": "throttled_memory", "space": space, "capacity": 1 << 40}
+    writer_tiers = {"tiers": [host, store]}
     writer = build_engine(spec, writer_tiers, model=model)
     for key, prefix in prefixes.items():
         if key[1] != "recompute_all":
             _serve(writer, Request(f"w{len(writer.finished)}{key}", [*prefix, 1], 1))
-    _drain(writer)
+            _drain(writer)  # each prefix whole in the store before the host tier evicts it
     writer.cache.close()
     del writer
+    reserve = (hit // P + 4) * page_bytes  # the hit's groups, the last one partly past it
+    reader_host = {"type": "host", "size": 8 * reserve}
     rows = []
     for ratio in ratios:
         bps = hit // P * page_bytes / (ratio * recompute_s)
         config = {
             "tiers": [
-                host,
+                reader_host,
                 {
-                    "type": "throttled_memory",
-                    "space": space,
+                    **store,
+                    "write": "off",  # the reader only reads: no puts beside its gets
+                    # room to get the whole hit in one call, without an exists first (the
+                    # answer to an exists waits for the engine's next step: after the head's
+                    # prefill, in a partial fetch); the reserve is at most 1/8 of the host tier
+                    "fetch_reserve": reserve,
                     "read_limit_gbps": bps / 1e9,
                     "read_gbps": bps / 1e9,
                 },
@@ -262,19 +319,26 @@ def _slow_tier(
         reader = build_engine(spec, config, model=model)
         reader.idle_sleep_s = 0.0002
         ttft: dict[str, list[float]] = {m: [] for m in modes}
+        cached: dict[str, list[int]] = {m: [] for m in modes}  # tokens the cache supplied
+        reads: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
         heads: list[int] = []
         for r in range(-1, repeats):  # r = -1: a warm-up of each mode, not reported
             for mode in modes:
                 reader.partial = mode == "partial"
                 prompt = prefixes[(ratio, mode, r)] + _tokens(suffix, seed=77 + r)
+                ThrottledTier.reads.clear()
                 req = _serve(reader, Request(f"s{ratio}{mode}{r}", prompt, 1))
                 if r < 0:
                     continue
+                reads[mode].append(_read_times(req, ThrottledTier.reads))
                 ttft[mode].append(float(req.ttft or 0.0))
+                cached[mode].append(req.hit_tokens)
                 if mode == "partial":
                     heads.append(int(getattr(req.match, "head_tokens", 0) or 0))
         reader.cache.close()
         del reader
+        if any(t != hit for t in cached["fetch_all"]):
+            print(f"warning: fetch all got {cached['fetch_all']} of {hit} tokens from the tiers")
         med = {m: statistics.median(v) for m, v in ttft.items()}
         best = min(med["fetch_all"], med["recompute_all"])
         rows.append(
@@ -288,10 +352,27 @@ def _slow_tier(
                 "ttft_recompute_all_s": med["recompute_all"],
                 "ttft_partial_s": med["partial"],
                 "ttft_s": ttft,
+                "cached_tokens": cached,
+                "tier_reads": reads,
                 "partial_over_best": med["partial"] / best,
             }
         )
     return rows
+
+
+def _read_times(req: Request, reads: list[tuple[float, float, float, int]]) -> dict[str, float]:
+    """Where a request's time went on the tier's side, in seconds from its arrival: the first
+    get's start, the last get's end, the copies' own time and the bytes read (the TTFT less
+    the last get's end is the rest: applying the result, the load to the GPU, the prefill)."""
+    if not reads:
+        return {"gets": 0}
+    return {
+        "gets": len(reads),
+        "first_get_start_s": min(r[0] for r in reads) - req.arrival,
+        "last_get_end_s": max(r[2] for r in reads) - req.arrival,
+        "copy_s": sum(r[1] - r[0] for r in reads),
+        "bytes": sum(r[3] for r in reads),
+    }
 
 
 def _drain(engine: Engine, timeout_s: float = 120.0) -> None:

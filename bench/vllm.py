@@ -225,13 +225,15 @@ def measure(run: dict, phases: dict[str, range], base: dict | None) -> dict:
     later = np.concatenate([first["ttft_s"][i] for i in list(phases["reuse"])[1:]]) * 1e3
     row["reuse_later_turns_ttft_p50_ms"] = float(np.percentile(later, 50))
     row["prompt_tokens_by_source"] = sources(first["vllm_metrics"])
-    base_answers = (base or first)["first"]["answers"]
-    row["answers_identical_to_vllm"] = first["answers"] == base_answers
+    base_answers = base["first"]["answers"] if base else None  # None: vLLM alone not run
+    row["answers_identical_to_vllm"] = base_answers and first["answers"] == base_answers
     if run["second"]:
         second = run["second"]
         row["second_first_turns_ttft_p50_ms"] = float(np.median(second["ttft_s"][0]) * 1e3)
         row["second_prompt_tokens_by_source"] = sources(second["vllm_metrics"])
-        row["second_answers_identical_to_vllm"] = second["answers"][0] == base_answers[0]
+        row["second_answers_identical_to_vllm"] = (
+            base_answers and second["answers"][0] == base_answers[0]
+        )
         row["second_omp_threads"] = second["omp_threads"]
     return row
 

@@ -522,7 +522,9 @@ def test_another_process_reads_what_this_one_put(
         0,
         0,
     ]
-    env = dict(os.environ, PYTHONPATH=str(REPO), MC_LOG_LEVEL="ERROR")
+    # the repository first, then whatever the caller's path holds (packages installed there)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path, MC_LOG_LEVEL="ERROR")
     out = subprocess.run(
         [sys.executable, "-c", _READER, mooncake_master.address, json.dumps(keys), str(size)],
         capture_output=True,

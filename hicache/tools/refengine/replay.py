@@ -11,6 +11,8 @@ from the GPU prefix cache and each tier, and checks that every answer is token-i
 ``--floor`` adds, for the last turn of every conversation, the lowest TTFT a hit can have: the
 KV bytes loaded / host link bandwidth and the measured prefill of the recomputed suffix, summed
 when loads are whole, overlapped (their max + one layer's load) when they go by layer.
+``--dp N`` then replays the conversations over N engine ranks on one store
+(`hicache.tools.refengine.dp`).
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ from hicache.tools.mooncake_local import LocalMaster, master_problem, mooncake_m
 from hicache.tools.refengine.build import EngineSpec, build_engine, load_model
 from hicache.tools.refengine.engine import Engine, Request
 from hicache.tools.refengine.model import Item
+from hicache.tools.refengine.runs import LOCAL_STORE_BYTES, Progress, percentile, warmup
 from hicache.tools.refengine.workload import Conversation, drive, make_workload
 from hicache.tools.trace.report import write_problem
 
 DEFAULT_CACHE = {"tiers": [{"type": "host", "size": "2GiB"}]}
-LOCAL_STORE_BYTES = 1 << 30
 """The store node's segment under ``--store local``."""
 
 
@@ -106,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="measure the TTFT floor of the last turns (load at --link-gbps + suffix)",
     )
+    p.add_argument(
+        "--dp",
+        type=_positive,
+        metavar="N",
+        help="also run N engine ranks (processes; one per GPU on CUDA) on one Mooncake store "
+        "started for them, consecutive turns of a conversation on different ranks",
+    )
     p.add_argument("--link-gbps", type=float, default=55.0, help="host->GPU GB/s for --floor")
     p.add_argument("--plot", help="write a PNG of the TTFT per turn to this file (matplotlib)")
     p.add_argument("--json", help="write the results as JSON to this file")
@@ -156,53 +165,18 @@ def _problem(args: argparse.Namespace) -> str | None:
         config.check_machine(args.config or "")
     except ConfigError as err:
         return str(err)
+    if args.dp is not None:
+        from hicache.tools.refengine.dp import dp_problem
+
+        problem = dp_problem(args.dp, config, args.device)
+        if problem:
+            return problem
     for tier in config.tiers:  # a store that does not answer fails now, not in 120 s
         address = getattr(tier, "master_address", None)
         problem = address and master_problem(address)
         if problem:
             return f"{args.config}: {problem}"
     return None
-
-
-class Progress:
-    """Progress on stderr: a one-line bar on a terminal; elsewhere (a pipe, a log file) one
-    line as the phase starts and one as it ends."""
-
-    def __init__(self, total: int, label: str, enabled: bool) -> None:
-        self.total, self.label, self.n = total, label, 0
-        self.bar = enabled and sys.stderr.isatty()
-        self.lines = enabled and not self.bar
-        self.start = time.perf_counter()
-        if self.lines:
-            print(f"hicache replay: {label}: {total} requests", file=sys.stderr, flush=True)
-        self._draw()
-
-    def tick(self, _req: Request | None = None) -> None:
-        self.n += 1
-        self._draw()
-        if self.lines and self.n == self.total:
-            el = time.perf_counter() - self.start
-            print(f"hicache replay: {self.label}: done in {el:.1f} s", file=sys.stderr, flush=True)
-
-    def _draw(self) -> None:
-        if not self.bar:
-            return
-        width = 30
-        full = width * self.n // max(self.total, 1)
-        bar = "#" * full + "." * (width - full)
-        el = time.perf_counter() - self.start
-        sys.stderr.write(f"\r{self.label:>9} [{bar}] {self.n}/{self.total} requests {el:6.1f}s")
-        if self.n >= self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    if len(xs) == 1:
-        return xs[0]
-    return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1]
 
 
 def _run(engine: Engine, convs: list[Conversation], label: str, quiet: bool) -> dict[str, Any]:
@@ -223,8 +197,11 @@ def _run(engine: Engine, convs: list[Conversation], label: str, quiet: bool) -> 
         for t in range(turns)
     ]
     out: dict[str, Any] = {
-        "ttft_p50_s": _pct(ttft, 50),
-        "ttft_p90_s": _pct(ttft, 90),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p90_s": percentile(ttft, 90),
+        "later_turns_ttft_p50_s": percentile(
+            [float(r.ttft or 0.0) for c in done for r in c[1:]], 50
+        ),
         "e2e_s": e2e,
         "requests_per_hour": len(reqs) / e2e * 3600 if e2e > 0 else float("nan"),
         "prompt_tokens": prompt,
@@ -259,7 +236,7 @@ def _second_instance(
     second = build_engine(spec, cache_config, model=model)
     bar = Progress(len(done), "second instance", not quiet)
     try:
-        _warmup(second)
+        warmup(second)
         last = [conv[-1] for conv in done]
         again = [Request(f"again-{i}", r.prompt, r.max_new_tokens) for i, r in enumerate(last)]
         second.run(again)
@@ -270,7 +247,7 @@ def _second_instance(
     return {
         "prompt_tokens": sum(len(r.prompt) for r in again),
         "cached_tokens_store": sum(r.l3_tokens for r in again),
-        "ttft_p50_s": _pct([float(r.ttft or 0.0) for r in again], 50),
+        "ttft_p50_s": percentile([float(r.ttft or 0.0) for r in again], 50),
         "identical": all(a.output == r.output for a, r in zip(again, last)),
     }
 
@@ -355,18 +332,6 @@ def _time_prefill(engine: Engine, prompt: list[int], start: int, repeats: int = 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _warmup(engine: Engine) -> None:
-    """Run a short request, then one that starts with it (a hit; with hicache, hicache's: the
-    GPU prefix cache is emptied between them), so that first-call costs of the prefill, the
-    store and the load do not land in the first measured TTFT."""
-    prompt = list(range(1, 2 * engine.memory.page_tokens + 1))
-    engine.run([Request("warmup", prompt, 2)])
-    if engine.prefix is not None and engine.cache is not None:
-        engine.memory.free(engine.prefix.evict(len(engine.prefix)))
-    engine.run([Request("warmup-hit", [*prompt, *prompt], 2)])
-    engine.finished.clear()
 
 
 def _plot(
@@ -498,16 +463,16 @@ def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -
         none = None
         if args.no_prefix_row:
             none_engine = build_engine(replace(spec, prefix_share=0.0), model=model)
-            _warmup(none_engine)
+            warmup(none_engine)
             none = _run(none_engine, convs, "no prefix", args.quiet)
             del none_engine
             none.pop("_done")
         off_engine = build_engine(spec, model=model)
-        _warmup(off_engine)
+        warmup(off_engine)
         off = _run(off_engine, convs, "engine", args.quiet)
         del off_engine
         on_engine = build_engine(spec, cache_config, model=model)
-        _warmup(on_engine)
+        warmup(on_engine)
         on = _run(on_engine, convs, "+ hicache", args.quiet)
     pairs = [
         (a.output, b.output)
@@ -561,6 +526,16 @@ def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -
             res["second_instance"] = _second_instance(
                 spec, model, cache_config, on_engine, done_on, args.quiet
             )
+    if args.dp is not None:
+        from hicache.tools.refengine.dp import RankError, run_dp
+
+        reference = [[r.output for r in conv] for conv in done_on]
+        config = load_config(args.config or DEFAULT_CACHE)
+        try:
+            res["dp"] = run_dp(args.dp, spec, config, convs, reference, args.quiet)
+        except RankError as err:
+            print(f"hicache replay: {err}", file=sys.stderr)
+            return 1
     print(_table(res))
     print(
         f"last turn: TTFT {off['ttft_per_turn_s'][-1] * 1e3:.1f} ms (engine with its GPU prefix "
@@ -583,6 +558,11 @@ def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -
             f"{off['ttft_per_turn_s'][-1] * 1e3:.1f} ms), outputs identical: "
             f"{'yes' if second['identical'] else 'NO'}"
         )
+    if "dp" in res:
+        from hicache.tools.refengine.dp import dp_lines
+
+        lines = dp_lines(res["dp"], on["later_turns_ttft_p50_s"], off["later_turns_ttft_p50_s"])
+        print("\n".join(lines))
     for row in res.get("floor", []):
         print(
             f"floor at {row['prompt_tokens']} tokens: {row['floor_s'] * 1e3:.1f} ms "
