@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import ROOT, command, commit, cpu_model
 
-from hicache.trace.cli import main as trace_main
+from hicache.tools.trace.cli import main as trace_main
 
 COUNTS = "1,2,4,8,16,32,64"
 

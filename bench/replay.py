@@ -46,10 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import command, commit
 from memory_tier import MISSING, MemoryConfig, MemoryTier
 
-from hicache.backends.registry import register_tier
-from refengine.build import DTYPES, EngineSpec, build_engine, load_model
-from refengine.engine import Engine, Request
-from refengine.replay import _time_prefill  # the suffix prefill, as replay's floor
+from hicache.registry import register_tier
+from hicache.tools.refengine.build import DTYPES, EngineSpec, build_engine, load_model
+from hicache.tools.refengine.engine import Engine, Request
+from hicache.tools.refengine.replay import _time_prefill  # the suffix prefill, as replay's floor
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ O(1) policy: one LRU queue per class, the queues' heads compared). Classes:
   one lost already); with a negative bonus its pages go first, so that a cold context does not
   push out resident ones (a stable subset, as the offline reference keeps).
 
-All run under hicache's placement rules (`hicache.trace.simulate.PolicySim`) at the sweep's
+All run under hicache's placement rules (`hicache.tools.trace.simulate.PolicySim`) at the sweep's
 capacities (fractions of the trace's distinct pages). Writes
 bench/results/session_eviction_<machine>.json (with --half H: ..._half<H>.json).
 """
@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import command, commit, cpu_model
 
-from hicache.eviction import EvictionPolicy
-from hicache.trace.replay import DEFAULT_FRACTIONS, Workload
-from hicache.trace.simulate import PolicySim
-from hicache.trace.workload import read_trace
+from hicache.core.eviction import EvictionPolicy
+from hicache.tools.trace.replay import DEFAULT_FRACTIONS, Workload
+from hicache.tools.trace.simulate import PolicySim
+from hicache.tools.trace.workload import read_trace
 
 CLASSES = ("tool_use", "end_turn", "other", "cold")
 

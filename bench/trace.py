@@ -46,12 +46,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import command, commit, cpu_model
 
-from hicache import HiCache, PagedBuffer, load_config, native
-from hicache.eviction import policy_names
-from hicache.keys import _page_keys_python, chain_seed
-from hicache.trace.replay import ReplaySetup, Workload, per_page, replay, run_hicache, sweep
-from hicache.trace.report import plot
-from hicache.trace.workload import TraceRequest, read_trace
+from hicache import HiCache, PagedBuffer, load_config
+from hicache.core import native
+from hicache.core.eviction import policy_names
+from hicache.core.keys import _page_keys_python, chain_seed
+from hicache.tools.trace.replay import ReplaySetup, Workload, per_page, replay, run_hicache, sweep
+from hicache.tools.trace.report import plot
+from hicache.tools.trace.workload import TraceRequest, read_trace
 
 # -- sweep: eviction policies, a replay through hicache and match's cost on a trace ---------
 

@@ -30,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import command, commit, cpu_model
 
-from hicache.trace import fastsim, planreport
-from hicache.trace.chainsim import StoreSim
-from hicache.trace.planner import TierPlan, TtftModel, bytes_per_token, plan
-from hicache.trace.replay import DEFAULT_FRACTIONS, ReplaySetup, simulated
-from hicache.trace.report import plot
-from hicache.trace.workload import Workload, read_trace
+from hicache.tools.trace import fastsim, planreport
+from hicache.tools.trace.chainsim import StoreSim
+from hicache.tools.trace.planner import TierPlan, TtftModel, bytes_per_token, plan
+from hicache.tools.trace.replay import DEFAULT_FRACTIONS, ReplaySetup, simulated
+from hicache.tools.trace.report import plot
+from hicache.tools.trace.workload import Workload, read_trace
 
 PAGE_TOKENS = 512
 HOST, DISK = 512 << 30, 4 << 40

@@ -57,11 +57,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, command, commit, cpu_model
 
-from hicache.trace.workload import BLOCK_TOKENS, block_tokens_of
+from hicache.tools.trace.workload import BLOCK_TOKENS, block_tokens_of
 
-RUNNER = Path(__file__).resolve().parent / "vllm_run.py"
+RUNNER = ["-m", "hicache.tools.vllm_run"]  # one vLLM process (the tests run it too)
 TRACE = ROOT.parent / "shared" / "traces" / "agentic_sessions.jsonl.gz"
-VOCAB = 512  # the model's vocabulary (vllm_run.VOCAB)
+VOCAB = 512  # the model's vocabulary (hicache.tools.vllm_run.VOCAB)
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4  # 4 layers, K and V, 2 KV heads of 64, fp32
 NEW_IDS = 1 << 40  # hash ids above every id of the trace: blocks no other prompt has
 
@@ -152,13 +152,13 @@ class LMCacheServer:
 
 
 def run_vllm(way: str, config: dict, workload: Path, out: Path, args: argparse.Namespace) -> dict:
-    """One vLLM process through one workload file; its result (vllm_run's JSON)."""
+    """One vLLM process through one workload file; its result (`hicache.tools.vllm_run`'s JSON)."""
     kind = next((k for k in ("hicache", "lmcache") if way.startswith(k)), way)
     cmd = [
-        sys.executable, RUNNER, "--model", args.model, "--workload", workload, "--out", out,
+        sys.executable, *RUNNER, "--model", args.model, "--workload", workload, "--out", out,
         "--way", kind, "--config", json.dumps(config), "--block", str(args.block),
         "--kv-bytes", str(args.kv_tokens * KV_BYTES_PER_TOKEN), "--output", str(args.output),
-        "--max-model-len", str(args.max_tokens + args.output),
+        "--max-model-len", str(args.max_tokens + args.output), "--max-num-seqs", "16",
     ]  # fmt: skip
     env = {
         **os.environ,
@@ -167,7 +167,9 @@ def run_vllm(way: str, config: dict, workload: Path, out: Path, args: argparse.N
     }
     log = out.with_suffix(".log")
     with log.open("w") as f:
-        proc = subprocess.run([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.run(
+            [str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+        )
     if proc.returncode:
         raise SystemExit(f"{way}: vLLM failed:\n{log.read_text()[-4000:]}")
     return json.loads(out.read_text())
@@ -321,7 +323,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         args.work = Path(tmp)
         args.model = args.work / "model"
-        subprocess.run([sys.executable, RUNNER, "--model", args.model, "--make-model"], check=True)
+        make = ["--model", args.model, "--make-model", "llama", "--size", "small"]
+        subprocess.run([sys.executable, *RUNNER, *make], check=True, cwd=ROOT)
         files = {"first": args.work / "first.json", "second": args.work / "second.json"}
         files["first"].write_text(json.dumps({"rounds": loads["reuse"] + loads["no_reuse"]}))
         files["second"].write_text(json.dumps({"rounds": loads["second"]}))

@@ -6,9 +6,9 @@ with `load_config`. Page layouts are described by `Layout`; the engine's pool by
 
 from hicache.cache import HiCache, StateHooks
 from hicache.config import ConfigError, HiCacheConfig, Layout, load_config
+from hicache.core.request import Match
 from hicache.errors import HiCacheError, StateHookError
-from hicache.kernels import PagedBuffer
-from hicache.request import Match
+from hicache.transfer.kernels import PagedBuffer
 
 __all__ = [
     "ConfigError",

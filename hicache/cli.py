@@ -1,7 +1,7 @@
 """The `hicache` command.
 
     hicache config check FILE     validate a configuration (--strict: and that it fits here)
-    hicache trace FILE ...        replay a request trace through the cache (hicache.trace)
+    hicache trace FILE ...        replay a request trace through the cache (hicache.tools.trace)
     hicache replay ...            multi-turn replay on the reference engine (refengine)
 
 Subcommands other than `config` are found through the ``hicache.commands`` entry-point group, so

@@ -15,7 +15,7 @@ A file has three sections::
 
 Every field is validated; an unknown key or a bad value is a `ConfigError` whose message names the
 file and the field (``configs/x.yaml: tiers.0.size: ...``). Tier sections are validated by the model
-their backend registered for its ``type`` (see `hicache.backends.registry`).
+their backend registered for its ``type`` (see `hicache.registry`).
 
 Environment overrides have one form: ``HICACHE__<SECTION>__<FIELD>=value``, a double underscore
 between path parts, list items by index, the value parsed as a YAML scalar. For example
@@ -45,6 +45,10 @@ from pydantic import (
     model_validator,
 )
 
+from hicache.errors import ConfigError
+from hicache.registry import tier_config_model
+from hicache.threads import check_cpus
+
 ENV_PREFIX = "HICACHE__"
 
 _BYTES = TypeAdapter(ByteSize)
@@ -62,10 +66,6 @@ Bytes = Annotated[int, BeforeValidator(_to_bytes), PlainSerializer(int)]
 """A size in bytes, written as an integer or with a unit: ``4096``, ``512MiB``, ``64GiB``."""
 
 
-class ConfigError(ValueError):
-    """A configuration that cannot be used. The message names the file (if any) and the field."""
-
-
 class _Strict(BaseModel):
     # the docstring under a field is its description (docs/configuration.md is made from them)
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
@@ -81,7 +81,7 @@ class Layout(_Strict):
     """
 
     model: str = Field(min_length=1)
-    """Names the weights (``llama-3.1-8b@main``; `hicache.keys.model_digest` makes one from a
+    """Names the weights (``llama-3.1-8b@main``; `hicache.core.keys.model_digest` makes one from a
     model's config): pages of different models never mix."""
     kv_dtype: str = Field(min_length=1)
     """The KV cache's dtype (``bfloat16``, ``float8_e4m3fn``): bf16 and fp8 pages never mix."""
@@ -147,7 +147,7 @@ class TierConfig(_Strict):
 
 
 class StoreTierConfig(TierConfig):
-    """Base of the sections of keyed stores below the host tier (see `hicache.chain`)."""
+    """Base of the sections of keyed stores below the host tier (see `hicache.tiers.chain`)."""
 
     name: str | None = Field(default=None, max_length=32, pattern=r"^[a-z][a-z0-9_]*$")
     """The tier's name in stats keys (``hit_tokens_<name>``), metrics and events (``tier=<name>``);
@@ -194,8 +194,6 @@ class StoreTierConfig(TierConfig):
     wherever the process may run."""
 
     def check_machine(self) -> None:
-        from hicache.threads import check_cpus
-
         check_cpus(self.worker_cpus, "worker_cpus")
 
 
@@ -247,8 +245,6 @@ class HiCacheConfig(_Strict):
     @field_validator("tiers", mode="before")
     @classmethod
     def _tier_models(cls, items: Any) -> Any:
-        from hicache.backends.registry import tier_config_model
-
         if not isinstance(items, list | tuple):
             return items
         out = []

@@ -1,6 +1,10 @@
 """Exceptions hicache raises to the engine."""
 
 
+class ConfigError(ValueError):
+    """A configuration that cannot be used. The message names the file (if any) and the field."""
+
+
 class HiCacheError(RuntimeError):
     """Base of hicache's own runtime errors (bad arguments raise ValueError/TypeError)."""
 

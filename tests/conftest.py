@@ -2,7 +2,7 @@
 
 import pytest
 
-from hicache import native
+from hicache.core import native
 
 pytest_plugins = ["mooncake_master"]
 

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import pytest
 
-from hicache.backends.mooncake_local import LocalMaster, mooncake_missing
+from hicache.tools.mooncake_local import LocalMaster, mooncake_missing
 
 REQUIRE_ENV = "HICACHE_REQUIRE_MOONCAKE"
 

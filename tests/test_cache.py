@@ -45,7 +45,7 @@ def test_miss_then_full_hit_capped_to_leave_one_token():
 @pytest.mark.parametrize("walk", ["compiled", "steps"])
 def test_hits_stop_at_the_first_missing_page_with_or_without_the_compiled_walk(walk, monkeypatch):
     if walk == "steps":  # no compiled walk: match hashes in steps of 16, 32, ... pages
-        monkeypatch.setattr("hicache.slots.SlotPool.walk", lambda self, prev, pages: None)
+        monkeypatch.setattr("hicache.core.slots.SlotPool.walk", lambda self, prev, pages: None)
     e = FakeEngine(config(host_pages=256))
     long = toks((0, 200))  # 50 pages
     e.run("a", long)
@@ -325,8 +325,8 @@ def test_read_only_policy_never_stores():
 
 
 def test_kv_events_report_stored_and_evicted_pages():
-    from hicache.events import EventQueue, KVEvent
-    from hicache.keys import chain_seed, page_keys
+    from hicache.core.keys import chain_seed, page_keys
+    from hicache.observability.events import EventQueue, KVEvent
 
     sink = EventQueue()
     cfg = load_config(config(host_pages=4), env={})
@@ -350,8 +350,8 @@ def test_consecutive_blocks_are_stored_into_consecutive_slots(blocks_run):
     """Fresh host slots are ordered the way the block ids run, so that a copy of consecutive
     blocks is one row per run (the copy engines' cost is per row); on a full tier too, where
     the slots come from evicting earlier sequences (their last pages first)."""
-    from hicache import native
-    from hicache.keys import chain_seed, page_keys
+    from hicache.core import native
+    from hicache.core.keys import chain_seed, page_keys
 
     if native.library() is None:
         pytest.skip("no C compiler: slots are left as they come")

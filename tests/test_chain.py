@@ -221,7 +221,7 @@ def test_the_cost_model_follows_the_reported_prefill_speed(engines):
     """With the defaults a fetch is taken (reading 64 bytes beats computing 4 tokens); once the
     engine reports a prefill so fast that recomputing wins, the tier is skipped, but for one
     fetch in EXPLORE_EVERY that measures it again. A completed get teaches the tier's rate."""
-    from hicache.cost import EXPLORE_EVERY
+    from hicache.core.cost import EXPLORE_EVERY
 
     space = uuid.uuid4().hex
     writer = engines(chain_config(memory(space)))
@@ -350,7 +350,7 @@ def test_a_tier_from_an_entry_point_and_one_from_a_module_path(tmp_path, monkeyp
 
             from memory_tier import MemoryConfig, MemoryTier
 
-            from hicache.backends.registry import register_tier
+            from hicache.registry import register_tier
 
 
             class EntryConfig(MemoryConfig):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache.backends.mooncake_local import free_port
+from hicache.tools.mooncake_local import free_port
 
 TINY = [
     "--model", "tiny-llama", "--conversations", "1", "--turns", "2", "--first-tokens", "256",
@@ -127,8 +127,9 @@ def test_plot_without_matplotlib_fails_before_the_run(tmp_path: Path):
 
 
 def test_a_disk_directory_that_cannot_be_used_fails_before_the_run(tmp_path: Path):
-    path = config(tmp_path, "tiers: [{type: host, size: 64MiB}, {type: disk, path: /proc/x, "
-                  "size: 1GiB}]\n")
+    path = config(
+        tmp_path, "tiers: [{type: host, size: 64MiB}, {type: disk, path: /proc/x, size: 1GiB}]\n"
+    )
     done = hicache("replay", *TINY, "--config", path)
     assert (done.returncode, done.stderr) == (
         2,

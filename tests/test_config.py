@@ -173,8 +173,10 @@ def test_every_shipped_configuration_is_valid_anywhere(name: str):
     ("path", "why"),
     [
         ("/proc/x", "/proc/x: cannot create files there: No such file or directory"),
-        ("/no/such/mount/hicache", "/no/such/mount/hicache: its parent /no/such/mount is not a "
-         "directory"),
+        (
+            "/no/such/mount/hicache",
+            "/no/such/mount/hicache: its parent /no/such/mount is not a directory",
+        ),
         ("FILE", "FILE is not a directory"),
     ],
 )
@@ -182,16 +184,19 @@ def test_a_disk_directory_that_cannot_be_used_is_named_in_one_line(tmp_path: Pat
     afile = tmp_path / "a-file"
     afile.write_text("")
     path, why = path.replace("FILE", str(afile)), why.replace("FILE", str(afile))
-    bad = write(tmp_path, f"tiers: [{{type: host, size: 64MiB}}, {{type: disk, path: {path}, "
-                "size: 1GiB}]")
+    bad = write(
+        tmp_path, f"tiers: [{{type: host, size: 64MiB}}, {{type: disk, path: {path}, size: 1GiB}}]"
+    )
     strict = check("--strict", str(bad))
     assert (strict.returncode, strict.stderr) == (2, f"error: {bad}: tiers.1.path: {why}\n")
     assert check(str(bad)).returncode == 0  # valid: the directory may exist where it runs
 
 
 def test_a_disk_directory_that_can_be_made_passes_and_is_not_left_behind(tmp_path: Path):
-    good = write(tmp_path, f"tiers: [{{type: host, size: 64MiB}}, {{type: disk, path: "
-                 f"{tmp_path}/new, size: 1GiB}}]")
+    good = write(
+        tmp_path,
+        f"tiers: [{{type: host, size: 64MiB}}, {{type: disk, path: {tmp_path}/new, size: 1GiB}}]",
+    )
     done = check("--strict", str(good))
     assert (done.returncode, done.stderr) == (0, "")
     assert not (tmp_path / "new").exists()

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from hicache import docgen
-from hicache.backends.registry import tier_types
+from hicache.registry import tier_types
+from hicache.tools import docgen
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_the_configuration_reference_is_current():
     on_disk = (ROOT / "docs" / "configuration.md").read_text()
     assert on_disk == docgen.render(), (
-        "docs/configuration.md is stale: run python -m hicache.docgen > docs/configuration.md"
+        "docs/configuration.md is stale: run python -m hicache.tools.docgen > docs/configuration.md"
     )
 
 

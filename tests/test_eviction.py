@@ -8,9 +8,9 @@ import random
 import pytest
 
 from hicache.config import ConfigError, load_config
-from hicache.eviction import make_policy, policy_names
-from hicache.slots import SlotPool
-from hicache.trace.simulate import FarthestNextUse, PolicySim, next_uses
+from hicache.core.eviction import make_policy, policy_names
+from hicache.core.slots import SlotPool
+from hicache.tools.trace.simulate import FarthestNextUse, PolicySim, next_uses
 
 
 def evict_all(policy, busy=lambda _k: False) -> list:

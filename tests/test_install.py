@@ -54,7 +54,7 @@ def test_hicache_no_native_takes_the_python_paths_silently(tmp_path: Path):
     done = run_example(tmp_path, HICACHE_NO_NATIVE="1", CC="/no/such/cc")
     assert (done.returncode, done.stderr) == (0, "")
     assert done.stdout.splitlines()[0] == HIT
-    probe = "from hicache import native; print(native.available(), native.library())"
+    probe = "from hicache.core import native; print(native.available(), native.library())"
     out = subprocess.run(
         [sys.executable, "-c", probe],
         env={**os.environ, "HICACHE_NO_NATIVE": "1"},
@@ -67,7 +67,7 @@ def test_hicache_no_native_takes_the_python_paths_silently(tmp_path: Path):
 @pytest.mark.skipif(not (ROOT / "hicache").is_dir(), reason="needs the source tree")
 def test_the_wheel_carries_the_sources_compiled_at_first_use(tmp_path: Path):
     tree = tmp_path / "src"  # a copy: the build leaves build/ and egg-info behind it
-    for name in ("hicache", "refengine"):
+    for name in ("hicache",):
         shutil.copytree(ROOT / name, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, tree / name)
@@ -90,6 +90,9 @@ def test_the_wheel_carries_the_sources_compiled_at_first_use(tmp_path: Path):
     assert done.returncode == 0, done.stderr
     (wheel,) = tmp_path.glob("hicache-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    native = {f"hicache/native/{p.name}" for p in (ROOT / "hicache" / "native").glob("*.[ch]")}
-    assert native <= names and "hicache/kernels/page_copy.cu" in names
+    native = {
+        f"hicache/core/native/{p.name}"
+        for p in (ROOT / "hicache" / "core" / "native").glob("*.[ch]")
+    }
+    assert native <= names and "hicache/transfer/kernels/page_copy.cu" in names
     assert any(n.endswith("LICENSE") for n in names)

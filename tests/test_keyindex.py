@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from hicache.native.index import _DictIndex, _TableIndex, key_index
+from hicache.core.native.index import _DictIndex, _TableIndex, key_index
 
 
 def _kinds() -> list:
@@ -104,7 +104,7 @@ def test_the_table_refuses_to_fill_up() -> None:
 
 @pytest.mark.native
 def test_the_walk_hashes_pairs_until_the_first_missing_key():
-    from hicache.keys import page_keys
+    from hicache.core.keys import page_keys
 
     rng = np.random.default_rng(9)
     tokens = rng.integers(0, 50_000, 10 * 4, dtype=np.int32)

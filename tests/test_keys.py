@@ -10,8 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from hicache import Layout, native
-from hicache.keys import (
+from hicache import Layout
+from hicache.core import native
+from hicache.core.keys import (
     KeyChain,
     _page_keys_python,
     as_tokens,
@@ -104,7 +105,7 @@ def test_sha_ni_and_openssl_paths_agree(sha_ni_restored):
 
 def test_keys_are_the_same_in_other_interpreters():
     code = (
-        "import numpy as np;from hicache import Layout;from hicache.keys import *;"
+        "import numpy as np;from hicache import Layout;from hicache.core.keys import *;"
         "L=Layout(model='m',kv_dtype='bfloat16',page_tokens=4,page_bytes=64);"
         "print(page_keys(chain_seed(fingerprint(L),'t'),np.arange(1000,1018,dtype=np.int32),4)[-1].hex())"
     )
@@ -189,7 +190,7 @@ def test_store_key_format():
 
 
 def test_prefix_memo_reuses_exactly_the_keys_hashing_gives(monkeypatch):
-    from hicache.keys import PrefixMemo
+    from hicache.core.keys import PrefixMemo
 
     memo = PrefixMemo(page_tokens=4)
     rng = np.random.default_rng(5)
@@ -215,7 +216,7 @@ def test_prefix_memo_reuses_exactly_the_keys_hashing_gives(monkeypatch):
 
 
 def test_prefix_memo_is_bounded():
-    from hicache.keys import PrefixMemo
+    from hicache.core.keys import PrefixMemo
 
     def hashed(tokens: np.ndarray) -> KeyChain:
         chain = KeyChain(SEED, 4, tokens)
@@ -235,7 +236,7 @@ def test_prefix_memo_is_bounded():
 
 
 def test_the_memo_takes_the_longest_shared_run_not_the_most_recent_sequence(monkeypatch):
-    from hicache.keys import PrefixMemo
+    from hicache.core.keys import PrefixMemo
 
     memo = PrefixMemo(page_tokens=4)
     rng = np.random.default_rng(11)

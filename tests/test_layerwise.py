@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hicache import HiCache, Layout, PagedBuffer, load_config
-from hicache.plan import PrefillSpeed, plan_fetch
+from hicache.core.plan import PrefillSpeed, plan_fetch
 
 P = 4
 LAYERS = 4

@@ -129,9 +129,9 @@ def test_a_partial_load_by_layer_copies_the_tail_only():
 def test_refengine_on_the_gpu_answers_exactly_with_loads_by_layer_and_partial_fetches(family):
     from test_refengine_hicache import HOST, SHAPES
 
-    from refengine.build import EngineSpec, build_engine
-    from refengine.model import Transformer
-    from refengine.workload import drive, make_workload
+    from hicache.tools.refengine.build import EngineSpec, build_engine
+    from hicache.tools.refengine.model import Transformer
+    from hicache.tools.refengine.workload import drive, make_workload
 
     cfg = SHAPES[family]
     model = Transformer.random(cfg, seed=11, device="cuda"), f"{cfg.name}@random-seed11"

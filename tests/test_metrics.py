@@ -9,7 +9,7 @@ import pytest
 from fake_engine import FakeEngine, config
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from hicache.metrics import (
+from hicache.observability.metrics import (
     FAMILIES,
     METRICS,
     TIER_METRICS,

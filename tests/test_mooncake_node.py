@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from hicache.backends.mooncake import SHOW_NATIVE_LOG
-from hicache.backends.mooncake_local import LocalMaster
+from hicache.tiers.mooncake.tier import SHOW_NATIVE_LOG
+from hicache.tools.mooncake_local import LocalMaster
 
 pytestmark = pytest.mark.mooncake
 
@@ -182,9 +182,7 @@ def test_an_engine_restart_keeps_every_object_and_a_node_restart_loses_its_own(s
     assert reader.held(["after"]) == ["after"]
 
 
-def test_a_master_restart_loses_every_object_and_the_node_serves_the_new_master(
-    stored, engines
-):
+def test_a_master_restart_loses_every_object_and_the_node_serves_the_new_master(stored, engines):
     master, writer = stored
     keys = KEYS
     master.kill()

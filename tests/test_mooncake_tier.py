@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from fake_engine import FakeEngine, FakeStates, config, kv_bytes
 
-from hicache import native
+from hicache.core import native
 
 pytestmark = pytest.mark.mooncake
 
@@ -79,7 +79,7 @@ def remove_group(
 ) -> None:
     """Remove from the store the group of 2 pages that ends at `last_page` of `tokens` (with
     `group` None: the state there), as another client would."""
-    from hicache.keys import chain_seed, page_keys, store_key
+    from hicache.core.keys import chain_seed, page_keys, store_key
 
     fp = writer.cache.fingerprint
     keys = page_keys(chain_seed(fp), tokens, P)
@@ -187,8 +187,8 @@ def test_the_engine_thread_hashes_a_fetch_only_up_to_its_bound(
 ):
     """The engine thread hashes the first ENGINE_PREP_PAGES pages of a fetch, the worker the
     rest (with the GIL dropped), and the hit is the same either way, every byte checked."""
-    import hicache.store_link as l3
-    import hicache.store_worker as l3_worker
+    import hicache.tiers.fetch as l3
+    import hicache.tiers.worker as l3_worker
 
     monkeypatch.setattr(l3, "ENGINE_PREP_PAGES", prep)
     writer = engines()

@@ -21,10 +21,10 @@ from memory_tier import MemoryTier
 from test_refengine_hicache import PAGE, SHAPES
 from test_refengine_layerwise import _outputs, _spec
 
-from hicache import cost
-from refengine.build import build_engine
-from refengine.model import Transformer
-from refengine.workload import drive, make_workload
+from hicache.core import cost
+from hicache.tools.refengine.build import build_engine
+from hicache.tools.refengine.model import Transformer
+from hicache.tools.refengine.workload import drive, make_workload
 
 GROUP = 2  # pages per object of the store tier
 PREFILL = 20000.0  # tokens/s, the cost model's figure

@@ -15,11 +15,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from refengine.config import FULL, SLIDING, ModelConfig  # noqa: E402
-from refengine.engine import Engine, Request  # noqa: E402
-from refengine.memory import KVMemory, RingStates  # noqa: E402
-from refengine.model import Item, Transformer  # noqa: E402
-from refengine.workload import drive, make_workload  # noqa: E402
+from hicache.tools.refengine.config import FULL, SLIDING, ModelConfig  # noqa: E402
+from hicache.tools.refengine.engine import Engine, Request  # noqa: E402
+from hicache.tools.refengine.memory import KVMemory, RingStates  # noqa: E402
+from hicache.tools.refengine.model import Item, Transformer  # noqa: E402
+from hicache.tools.refengine.workload import drive, make_workload  # noqa: E402
 
 PAGE = 16
 WINDOW = 48

@@ -13,11 +13,11 @@ from fake_engine import PATIENT_WAIT_MS
 
 pytest.importorskip("hicache.cache")
 
-from refengine.build import EngineSpec, build_engine, load_model
-from refengine.config import FULL, SLIDING, ModelConfig
-from refengine.memory import RingStates
-from refengine.model import Transformer
-from refengine.workload import drive, make_workload
+from hicache.tools.refengine.build import EngineSpec, build_engine, load_model
+from hicache.tools.refengine.config import FULL, SLIDING, ModelConfig
+from hicache.tools.refengine.memory import RingStates
+from hicache.tools.refengine.model import Transformer
+from hicache.tools.refengine.workload import drive, make_workload
 
 PAGE = 16
 HOST = {"tiers": [{"type": "host", "size": "32MiB"}]}

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 from test_refengine_hicache import HOST, PAGE, SHAPES
 
-from refengine.build import EngineSpec, build_engine
-from refengine.model import Transformer
-from refengine.workload import drive, make_workload
+from hicache.tools.refengine.build import EngineSpec, build_engine
+from hicache.tools.refengine.model import Transformer
+from hicache.tools.refengine.workload import drive, make_workload
 
 
 @pytest.fixture(params=sorted(SHAPES), scope="module")

@@ -9,13 +9,13 @@ import itertools
 
 import pytest
 
-from refengine.build import EngineSpec, build_engine
-from refengine.config import FULL, SLIDING, ModelConfig
-from refengine.engine import Engine, Request
-from refengine.memory import KVMemory
-from refengine.model import Transformer
-from refengine.prefix import PrefixCache, PrefixHit
-from refengine.workload import drive, make_workload
+from hicache.tools.refengine.build import EngineSpec, build_engine
+from hicache.tools.refengine.config import FULL, SLIDING, ModelConfig
+from hicache.tools.refengine.engine import Engine, Request
+from hicache.tools.refengine.memory import KVMemory
+from hicache.tools.refengine.model import Transformer
+from hicache.tools.refengine.prefix import PrefixCache, PrefixHit
+from hicache.tools.refengine.workload import drive, make_workload
 
 PAGE = 16
 HOST = {"tiers": [{"type": "host", "size": "32MiB"}]}
@@ -179,7 +179,7 @@ def test_a_request_waiting_for_blocks_holds_no_pins(model):
 def test_replay_compares_the_engine_with_its_prefix_cache_against_it_plus_hicache(tmp_path):
     import json
 
-    from refengine.replay import main
+    from hicache.tools.refengine.replay import main
 
     out = tmp_path / "r.json"
     args = ["--model", "tiny-llama", "--conversations", "3", "--turns", "3", "--first-tokens",

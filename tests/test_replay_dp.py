@@ -15,7 +15,7 @@ import pytest
 from fake_engine import PATIENT_WAIT_MS
 from mooncake_master import require_mooncake
 
-from refengine.replay import main
+from hicache.tools.refengine.replay import main
 
 GROUP_TOKENS = 4 * 32  # the store's group of pages, in tokens
 ANSWER = 2

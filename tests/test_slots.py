@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hicache.slots import SlotPool
+from hicache.core.slots import SlotPool
 
 
 @pytest.fixture(params=["compiled", "python"])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from fake_engine import FakeEngine, FakeStates, config, kv_bytes
 
-from hicache.eviction import policy_names
+from hicache.core.eviction import policy_names
 
 P = 4
 

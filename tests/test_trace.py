@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from hicache import load_config
-from hicache.trace.cli import main, parse_host_size
-from hicache.trace.engine import ReplayEngine
-from hicache.trace.progress import Progress
-from hicache.trace.replay import ReplaySetup, Workload, replay, run_hicache, sweep
-from hicache.trace.simulate import LruSim, OracleSim, PolicySim, block_ceiling
-from hicache.trace.workload import TraceRequest, page_ids, prompt_tokens, read_trace
+from hicache.tools.trace.cli import main, parse_host_size
+from hicache.tools.trace.engine import ReplayEngine
+from hicache.tools.trace.progress import Progress
+from hicache.tools.trace.replay import ReplaySetup, Workload, replay, run_hicache, sweep
+from hicache.tools.trace.simulate import LruSim, OracleSim, PolicySim, block_ceiling
+from hicache.tools.trace.workload import TraceRequest, page_ids, prompt_tokens, read_trace
 
 SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/synthetic_trace.jsonl"
 
@@ -252,7 +252,7 @@ def test_plot_without_matplotlib_fails_before_the_run(
     """A child process where matplotlib cannot be imported: exit 2 at once, one line."""
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"
-        "from hicache.trace.cli import main\n"
+        "from hicache.tools.trace.cli import main\n"
         f"sys.exit(main([{str(trace)!r}, '--plot', {str(tmp_path / 'x.png')!r}]))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -326,7 +326,7 @@ def test_cli_takes_the_configs_host_size_over_its_page_size(
 def test_cli_fails_at_once_on_a_store_master_that_does_not_answer(
     trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    from hicache.backends.mooncake_local import free_port
+    from hicache.tools.mooncake_local import free_port
 
     config = tmp_path / "c.yaml"
     config.write_text(

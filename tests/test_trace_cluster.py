@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from hicache.trace.cli import main
-from hicache.trace.cluster import ClusterSetup, simulate_cluster
-from hicache.trace.replay import Workload
-from hicache.trace.simulate import LruSim
-from hicache.trace.workload import TraceRequest, read_trace
+from hicache.tools.trace.cli import main
+from hicache.tools.trace.cluster import ClusterSetup, simulate_cluster
+from hicache.tools.trace.replay import Workload
+from hicache.tools.trace.simulate import LruSim
+from hicache.tools.trace.workload import TraceRequest, read_trace
 
 SAMPLE = Path(__file__).resolve().parents[1] / "examples/traces/mooncake_synthetic_500.jsonl"
 P = 4  # tokens per page; every request below has one token more than its pages

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from test_trace import make_trace
 
-from hicache.eviction import policy_names
-from hicache.trace import fastsim
-from hicache.trace.chainsim import StoreSim
-from hicache.trace.simulate import PolicySim
-from hicache.trace.workload import Workload, page_ids, read_trace
+from hicache.core.eviction import policy_names
+from hicache.tools.trace import fastsim
+from hicache.tools.trace.chainsim import StoreSim
+from hicache.tools.trace.simulate import PolicySim
+from hicache.tools.trace.workload import Workload, page_ids, read_trace
 
 
 @pytest.fixture(scope="module")

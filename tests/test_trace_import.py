@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hicache.trace.cli import main
-from hicache.trace.importer import import_sessions
-from hicache.trace.workload import read_trace
+from hicache.tools.trace.cli import main
+from hicache.tools.trace.importer import import_sessions
+from hicache.tools.trace.workload import read_trace
 
 
 def _session(path: Path, sid: str, requests: list[dict]) -> None:

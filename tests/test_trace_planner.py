@@ -10,13 +10,13 @@ import pytest
 from test_trace import make_trace
 
 from hicache import load_config
-from hicache.backends.disk_records import HEADER
-from hicache.plan import PrefillSpeed
-from hicache.trace.cli import main
-from hicache.trace.plancli import parse_tier
-from hicache.trace.planner import TtftModel, bytes_per_token, chain_from_config, plan
-from hicache.trace.replay import ReplaySetup, run_hicache
-from hicache.trace.workload import Workload, read_trace
+from hicache.core.plan import PrefillSpeed
+from hicache.tiers.disk.records import HEADER
+from hicache.tools.trace.cli import main
+from hicache.tools.trace.plancli import parse_tier
+from hicache.tools.trace.planner import TtftModel, bytes_per_token, chain_from_config, plan
+from hicache.tools.trace.replay import ReplaySetup, run_hicache
+from hicache.tools.trace.workload import Workload, read_trace
 
 
 @pytest.fixture(scope="module")

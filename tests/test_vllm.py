@@ -2,8 +2,8 @@
 without it, hits exactly where the workload has them, shared across vLLM instances through
 the disk tier and Mooncake, and still serving with the Mooncake master killed.
 
-Each scenario runs vLLM in a process of its own (`tests/vllm_run.py`) on a tiny random model,
-multi-turn: 8 conversations of 3 turns (a 120-token first message, 40-token user turns,
+Each scenario runs vLLM in a process of its own (`hicache.tools.vllm_run`) on a tiny random
+model, multi-turn: 8 conversations of 3 turns (a 120-token first message, 40-token user turns,
 48-token greedy answers), 32-token blocks. Skipped without vLLM; failed instead under
 HICACHE_REQUIRE_VLLM=1 (CI).
 """
@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import yaml
 
-from hicache.backends.mooncake_local import free_port
+from hicache.tools.mooncake_local import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-RUNNER = Path(__file__).with_name("vllm_run.py")
+RUNNER = ["-m", "hicache.tools.vllm_run"]
 SHIPPED = Path(__file__).resolve().parent.parent / "configs" / "vllm.yaml"
 BLOCK = 32
 WORKLOAD = {"conversations": 8, "turns": 3, "first": 120, "user": 40, "output": 48}
@@ -49,7 +49,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
     for arch in ("llama", "qwen3"):
         out[arch] = root / arch
         subprocess.run(
-            [sys.executable, RUNNER, "--model", out[arch], "--make-model", arch],
+            [sys.executable, *RUNNER, "--model", out[arch], "--make-model", arch],
             check=True, capture_output=True,
         )  # fmt: skip
     return out
@@ -59,7 +59,7 @@ def vllm_process(
     model: Path, out: Path, hicache: dict | None = None, **options: Any
 ) -> subprocess.CompletedProcess:
     """One vLLM process through the workload (its result in `out`)."""
-    args = [sys.executable, RUNNER, "--model", model, "--out", out, "--block", str(BLOCK)]
+    args = [sys.executable, *RUNNER, "--model", model, "--out", out, "--block", str(BLOCK)]
     port = None
     if hicache is not None:
         port = free_port()
@@ -106,8 +106,8 @@ def hits(result: dict) -> dict[str, float]:
 
 
 def assert_books_clean(result: dict) -> None:
-    """Once the store tiers have settled (see `vllm_run.settle`): nothing pinned but their
-    fetch reserve, no request, no copy in flight."""
+    """Once the store tiers have settled (see `hicache.tools.vllm_run.settle`): nothing pinned
+    but their fetch reserve, no request, no copy in flight."""
     m = result["hicache"]
     reserve = sum(v for k, v in m.items() if k.startswith("hicache_tier_fetch_reserve_slots"))
     assert m['hicache_pool_pinned_slots{pool="page",tier="host"}'] == reserve

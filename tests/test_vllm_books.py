@@ -25,7 +25,6 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from hicache import load_config  # noqa: E402
-from hicache.backends.registry import register_tier  # noqa: E402
 from hicache.config import ConfigError  # noqa: E402
 from hicache.integrations.vllm.connector import for_rank, in_one_line  # noqa: E402
 from hicache.integrations.vllm.inputs import refuse_unsupported  # noqa: E402
@@ -41,6 +40,7 @@ from hicache.integrations.vllm.meta import (  # noqa: E402
 from hicache.integrations.vllm.scheduler import SchedulerBooks  # noqa: E402
 from hicache.integrations.vllm.view import RankNews  # noqa: E402
 from hicache.integrations.vllm.worker import WorkerCache  # noqa: E402
+from hicache.registry import register_tier  # noqa: E402
 
 P = 4  # tokens a block
 
@@ -674,8 +674,8 @@ def test_the_view_walks_long_prompts_and_bounds_what_it_keeps_of_store_tiers(mon
     """A 40-page prompt whose first 37 pages the host holds: the walk (in doubling steps) stops
     at page 37; a store tier's group end past it sends the question to the workers; past
     LOWER_KEYS_MAX group ends the rank's store tiers count as unknown (every miss is asked)."""
+    from hicache.core.keys import chain_seed, page_keys
     from hicache.integrations.vllm import view as view_module
-    from hicache.keys import chain_seed, page_keys
 
     fp = b"\x07" * 16
     tokens = list(range(40 * P + 1))

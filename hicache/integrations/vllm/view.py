@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hicache.keys import KeyChain, as_tokens, chain_seed
+from hicache.core.keys import KeyChain, as_tokens, chain_seed
 
 LOWER_KEYS_MAX = 1 << 20
 """Store-tier group ends kept per rank; past it the rank's store tiers count as unknown."""

@@ -18,8 +18,8 @@ import torch
 
 from hicache.cache import HiCache
 from hicache.config import HiCacheConfig, Layout
+from hicache.core.request import Match
 from hicache.errors import HiCacheError
-from hicache.events import KVEvent
 from hicache.integrations.vllm.meta import (
     Answer,
     Answers,
@@ -30,9 +30,9 @@ from hicache.integrations.vllm.meta import (
     Store,
 )
 from hicache.integrations.vllm.view import RankNews
-from hicache.kernels import PagedBuffer
-from hicache.request import Match
-from hicache.transfers import Completion, LayerLoad
+from hicache.observability.events import KVEvent
+from hicache.transfer.completions import Completion, LayerLoad
+from hicache.transfer.kernels import PagedBuffer
 
 log = logging.getLogger("hicache.vllm")
 
@@ -403,7 +403,7 @@ def layout_fields(vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any])
     )
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-    from hicache.keys import model_digest
+    from hicache.core.keys import model_digest
 
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):

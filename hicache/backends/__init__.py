@@ -1,1 +1,0 @@
-"""Tiers: the interface (`base`), the registry, and one module per backend."""

@@ -1,0 +1,323 @@
+"""Page keys, the layout fingerprint and the store object names.
+
+A page key names a whole prefix: ``key[i] = SHA-256(key[i-1] || SHA-256(page i))[:16]`` with
+``key[-1] = SHA-256(namespace)[:16]``, a page being its tokens as int32 little-endian. The page
+digests do not depend on each other, so on CPUs with the SHA extensions the compiled chain
+hashes pages two at a time and only the one-block step over ``key[i-1] || digest`` (48 bytes)
+is sequential. Keys are the same in every process and on every machine (no Python ``hash()``),
+so instances share pages; a cryptographic hash means nobody can craft a prompt whose key
+collides with another's.
+
+The namespace is the layout fingerprint plus an optional tenant salt: two engines share pages
+only where every byte-relevant property of their layouts is equal and they use the same salt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hicache.config import Layout
+from hicache.core import native
+
+FORMAT_VERSION = 1
+"""hicache's own format version: bump it when the bytes of a page or a state change meaning."""
+
+KEY_BYTES = 16
+HASH_NAME = "sha256-16/page-sha256"
+"""The key formula's name; it is in the fingerprint, so keys of another formula never mix."""
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()[:KEY_BYTES]
+
+
+def model_digest(config: dict[str, Any]) -> str:
+    """A short stable digest of a model's config (for example its parsed config.json).
+
+    Use it as, or inside, `Layout.model` so that engines with different models never share.
+    """
+    canon = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+def fingerprint(layout: Layout) -> bytes:
+    """16 bytes naming everything that makes pages incompatible.
+
+    The model, KV dtype(s), page_tokens, page and segment sizes, state_bytes, the TP rank and
+    size where KV is sharded by head, the hash, and hicache's format version.
+    """
+    fields = {
+        "format": FORMAT_VERSION,
+        "hash": HASH_NAME,
+        "model": layout.model,
+        "kv_dtype": layout.kv_dtype,
+        "page_tokens": layout.page_tokens,
+        "segments": list(layout.segment_bytes),
+        "state_bytes": layout.state_bytes,
+        "tp": [layout.tp_rank, layout.tp_size] if layout.kv_head_sharded else None,
+    }
+    return _digest(json.dumps(fields, sort_keys=True).encode())
+
+
+def chain_seed(fingerprint_: bytes, salt: str | bytes | None = None) -> bytes:
+    """``key[-1]``: the digest of the namespace (fingerprint and tenant salt)."""
+    if isinstance(salt, str):
+        salt = salt.encode()
+    if salt is not None and not isinstance(salt, bytes):
+        raise TypeError(f"salt must be str, bytes or None, got {type(salt).__name__}")
+    tail = b"" if salt is None else b"\x01" + _digest(salt)
+    return _digest(b"hicache-ns\x00" + fingerprint_ + tail)
+
+
+def as_tokens(tokens: Any) -> np.ndarray:
+    """Tokens as a 1-D C-contiguous int32 array; ValueError naming the problem if they can't be.
+
+    Accepts a sequence of ints, a numpy array or a CPU torch tensor. Token ids must fit int32.
+    """
+    if type(tokens) is np.ndarray and tokens.dtype == np.int32 and tokens.ndim == 1:
+        return tokens if tokens.flags.c_contiguous else np.ascontiguousarray(tokens)
+    if isinstance(tokens, list | tuple):  # what engines pass: one C loop, and the GIL is kept
+        return _list_tokens(tokens)
+    if hasattr(tokens, "numpy") and hasattr(tokens, "device"):  # a torch tensor
+        if tokens.device.type != "cpu":
+            raise ValueError(f"tokens must be on the CPU, got a tensor on {tokens.device}")
+        tokens = tokens.numpy()
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
+    if arr.dtype == np.int32:
+        return np.ascontiguousarray(arr)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int32)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < _INT32_MIN or hi > _INT32_MAX:
+        bad = lo if lo < _INT32_MIN else hi
+        raise ValueError(f"token id {bad} is outside int32")
+    return arr.astype(np.int32)
+
+
+def _list_tokens(tokens: list | tuple) -> np.ndarray:
+    """A list of token ids as int32, through `array('i')`: faster than numpy's conversion to
+    int64 and cast (which releases the GIL for prompts of more than a few hundred tokens)."""
+    try:
+        return np.frombuffer(array("i", tokens), dtype=np.int32)
+    except OverflowError:
+        bad = next(t for t in tokens if not _INT32_MIN <= t <= _INT32_MAX)
+        raise ValueError(f"token id {bad} is outside int32") from None
+    except TypeError:
+        bad = next(t for t in tokens if not isinstance(t, int))
+        if isinstance(bad, list | tuple | np.ndarray):
+            raise ValueError("tokens must be 1-D, got a nested sequence") from None
+        raise ValueError(f"token ids must be integers, got {type(bad).__name__}") from None
+
+
+def starts_with(tokens: np.ndarray, head: np.ndarray) -> bool:
+    """Whether `tokens` begins with `head` (both C-contiguous int32). Compiled where possible:
+    numpy releases the GIL to compare arrays this long, which would let a hicache worker cut
+    into the engine-thread call that asks."""
+    n = head.shape[0]
+    return tokens.shape[0] >= n and native.common_tokens(tokens[:n], head) == n
+
+
+def page_keys(
+    seed: bytes, tokens: np.ndarray, page_tokens: int, release_gil: bool = False
+) -> list[bytes]:
+    """Keys of every full page of `tokens` (int32), chained from `seed`. `release_gil`: let
+    other threads run while the compiled chain hashes (for worker threads)."""
+    n = tokens.shape[0] // page_tokens
+    if n == 0:
+        return []
+    pages = np.ascontiguousarray(tokens[: n * page_tokens]).reshape(n, page_tokens)
+    if pages.dtype.byteorder == ">":
+        pages = pages.astype("<i4")
+    raw = native.chain_keys(seed, pages, release_gil)
+    if raw is None:
+        return _page_keys_python(seed, pages)
+    return np.frombuffer(raw, dtype=f"V{KEY_BYTES}").tolist()
+
+
+def _page_keys_python(seed: bytes, pages: np.ndarray) -> list[bytes]:
+    """`page_keys` without the compiled chain: the same bytes, from hashlib."""
+    keys, prev = [], seed
+    data = memoryview(pages.tobytes())
+    size = pages.shape[1] * 4
+    sha256 = hashlib.sha256
+    for i in range(pages.shape[0]):
+        prev = sha256(prev + sha256(data[i * size : (i + 1) * size]).digest()).digest()[:KEY_BYTES]
+        keys.append(prev)
+    return keys
+
+
+class KeyChain:
+    """The tokens of one sequence and the keys of its full pages, hashed when first asked for.
+
+    Each page is hashed at most once, from the last key hashed: `upto(n)` hashes only the pages
+    it has not hashed yet. With a `PrefixMemo`, the pages a sequence shares with a recent one are
+    not hashed at all. So `match` hashes a prompt only as far as the tiers could hit, and `store`
+    hashes the rest.
+    """
+
+    __slots__ = ("_keys", "page_tokens", "seed", "tokens")
+
+    def __init__(
+        self, seed: bytes, page_tokens: int, tokens: np.ndarray, memo: PrefixMemo | None = None
+    ) -> None:
+        self.seed = seed
+        self.page_tokens = page_tokens
+        self.tokens = tokens
+        self._keys: list[bytes] = memo.shared_keys(seed, tokens) if memo is not None else []
+
+    @property
+    def pages(self) -> int:
+        """Full pages in the tokens held."""
+        return self.tokens.shape[0] // self.page_tokens
+
+    @property
+    def hashed(self) -> list[bytes]:
+        """The keys hashed so far: those of the first ``len(hashed)`` pages. Do not modify."""
+        return self._keys
+
+    def upto(self, n: int) -> list[bytes]:
+        """The keys of the first `n` full pages (at most `pages`), hashing those not hashed yet."""
+        self.hash_to(n)
+        return self._keys[:n]
+
+    def hash_to(self, n: int) -> None:
+        """Hash the first `n` full pages (at most `pages`) if they are not yet (see `hashed`)."""
+        keys = self._keys
+        have = len(keys)
+        if n > have:
+            P = self.page_tokens
+            prev = keys[-1] if keys else self.seed
+            keys += page_keys(prev, self.tokens[have * P : min(n, self.pages) * P], P)
+
+    def rows(self, begin: int) -> np.ndarray:
+        """The tokens of full pages `begin`.. as a C-contiguous int32 [pages, page_tokens]."""
+        P = self.page_tokens
+        return np.ascontiguousarray(self.tokens[begin * P : self.pages * P]).reshape(-1, P)
+
+    def append(self, keys: list[bytes]) -> None:
+        """Take the keys of the pages right after `hashed`, hashed elsewhere from `hashed[-1]`
+        (or the seed) in this format: the host walk hashes while it looks up."""
+        if len(self._keys) + len(keys) > self.pages:
+            raise ValueError("more keys than the chain has full pages")
+        self._keys += keys
+
+    def extend(self, tokens: np.ndarray) -> None:
+        """Grow to `tokens`, which must start with the tokens held now (ValueError if not)."""
+        if not self.try_extend(tokens):
+            raise ValueError(
+                "tokens must extend the request's earlier tokens (the prompt given to match)"
+            )
+
+    def try_extend(self, tokens: np.ndarray) -> bool:
+        """Grow to `tokens` if they start with the tokens held now; False (and nothing changed)
+        if they do not. The same array again is not compared at all (a request asked again)."""
+        if tokens is not self.tokens:
+            if not starts_with(tokens, self.tokens):
+                return False
+            self.tokens = tokens
+        return True
+
+
+class PrefixMemo:
+    """Recent sequences' tokens and keys, so that a prompt is hashed only past what it shares.
+
+    In a conversation or an agent loop each prompt starts with the previous one; hashing that
+    start again costs most of `match`. The memo keeps the last `max_sequences` sequences, grouped
+    by their seed and first page. A new prompt is compared token by token (numpy, ~20 times
+    faster than hashing) with those that begin like it, and the keys of the longest shared run of
+    full pages are reused. Reused keys are exactly what hashing would give: tokens are compared,
+    never keys. Engine thread only.
+    """
+
+    def __init__(self, page_tokens: int, max_sequences: int = 256, per_head: int = 4) -> None:
+        self.page_tokens = page_tokens
+        self.max_sequences = max_sequences
+        self.per_head = per_head
+        self._heads: OrderedDict[bytes, list[KeyChain]] = OrderedDict()
+        self._count = 0
+        self.reused_pages = 0
+
+    def _head(self, seed: bytes, tokens: np.ndarray) -> bytes | None:
+        if tokens.shape[0] < self.page_tokens:
+            return None
+        return seed + tokens[: self.page_tokens].tobytes()
+
+    def shared_keys(self, seed: bytes, tokens: np.ndarray) -> list[bytes]:
+        """Keys of the longest run of leading full pages `tokens` shares with a remembered one."""
+        head = self._head(seed, tokens)
+        chains = self._heads.get(head) if head is not None else None
+        if not chains:
+            return []
+        self._heads.move_to_end(head)  # type: ignore[arg-type]
+        limit = tokens.shape[0] // self.page_tokens
+        best: list[bytes] = []
+        P = self.page_tokens
+        for chain in chains:  # most recent first
+            pages = min(len(chain.hashed), limit)
+            if pages <= len(best):
+                continue
+            b = len(best) * P  # to beat `best`, the chain must share the page after it too
+            if best and not np.array_equal(chain.tokens[b : b + P], tokens[b : b + P]):
+                continue
+            n = pages * P
+            same = native.common_tokens(chain.tokens[:n], tokens[:n]) // P
+            if same > len(best):
+                best = chain.hashed[:same]
+                if same == limit:
+                    break
+        self.reused_pages += len(best)
+        return best
+
+    def remember(self, chain: KeyChain) -> None:
+        """Keep `chain` (a finished request's) for later prompts; the oldest go first."""
+        head = self._head(chain.seed, chain.tokens)
+        if head is None or not chain.hashed:
+            return
+        chains = self._heads.setdefault(head, [])
+        self._heads.move_to_end(head)
+        mine = chain.tokens
+        for i, old in enumerate(chains):
+            theirs = old.tokens
+            same = native.common_tokens(theirs, mine)
+            more_keys = len(chain.hashed) >= len(old.hashed)
+            if same == mine.shape[0] and not more_keys:
+                return  # a remembered sequence already covers this one
+            if same == theirs.shape[0] and more_keys:  # this one extends it: replace
+                del chains[i]
+                self._count -= 1
+                break
+        chains.insert(0, chain)
+        self._count += 1
+        if len(chains) > self.per_head:
+            chains.pop()
+            self._count -= 1
+        while self._count > self.max_sequences:
+            _, dropped = self._heads.popitem(last=False)
+            self._count -= len(dropped)
+
+
+def store_key(prefix: str, fingerprint_: bytes, key: bytes, group: int | None) -> str:
+    """The object name of a page group (named by its last page's key) or, with group None, a state.
+
+    ``<prefix>/<fingerprint hex>/g<G>/<key hex>`` or ``<prefix>/<fingerprint hex>/s/<key hex>``.
+    """
+    kind = "s" if group is None else f"g{group}"
+    return f"{prefix}/{fingerprint_.hex()}/{kind}/{key.hex()}"
+
+
+def hex_keys(keys: Sequence[bytes]) -> list[str]:
+    """Keys as hex strings (for logs and events)."""
+    return [k.hex() for k in keys]

@@ -1,0 +1,209 @@
+"""`HiCache.store`: write the engine's new pages through to the host tier, and hand them to the
+store tiers' write-behind (`StoreSide`, a part of `hicache.cache.HiCache`; engine thread).
+
+1. the request's keys are extended to the stored tokens (`hicache.core.keys.KeyChain`);
+2. the host slot books split them into pages held and pages missing; the held ones are pinned
+   so that the sequence's own head is not evicted for its tail (`hicache.core.slots`);
+3. the missing pages get fresh host slots and one copy GPU -> host on the engine's stream
+   (`_store_pages`; `hicache.transfer`), published in the books at once;
+4. with a state layout, the states at the trailing boundaries are saved through the engine's
+   hooks (`_store_states`);
+5. once the copies complete the pins go (`_after_store`), and the chain queues the new groups for
+   the store tiers' write-behind with the copy's completion, which the worker waits for
+   (`hicache.tiers.chain.TierChain.stored` -> `hicache.tiers.writes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hicache.config import Layout, Policy
+from hicache.core import native
+from hicache.core.keys import as_tokens
+from hicache.core.slots import Lease
+from hicache.errors import StateHookError
+from hicache.observability.events import EventSink, emit
+from hicache.observability.stats import Stats
+from hicache.tiers.chain import TierChain
+from hicache.tiers.gpu import GpuTier
+from hicache.tiers.host import HostTier
+from hicache.transfer.completions import Transfers
+
+
+class StoreSide:
+    """The store part of `HiCache`."""
+
+    layout: Layout
+    policy: Policy
+    gpu: GpuTier
+    host: HostTier
+    _chain: TierChain | None
+    _hooks: Any
+    _events: EventSink | None
+    _requests: dict[str, Any]
+    _stats: Stats
+    _transfers: Transfers
+    _request: Any
+    _route: Any
+
+    def store(
+        self,
+        request_id: str,
+        tokens: Any,
+        block_ids: Sequence[int],
+        state_slot: int | None = None,
+        *,
+        salt: str | bytes | None = None,
+    ) -> int:
+        """Write through: copy the full pages of `tokens` that the host tier lacks, GPU -> host.
+
+        `tokens` are the tokens whose KV the engine holds in `block_ids` (page i in
+        ``block_ids[i]``): the prompt after its prefill, or prompt + output[:-1] at the end of a
+        request. They must extend what the request matched. With a state layout, the states at
+        the last `policy.state_boundaries` page boundaries that the engine can still produce are
+        saved from `state_slot` too. Returns the number of pages copied. When the host tier is
+        full of pinned pages, the leading pages that fit are stored and the rest are counted as
+        dropped. `salt` is used only for a request that was never matched.
+        """
+        if self.policy.write_policy == "read_only":
+            return 0
+        tokens = as_tokens(tokens)
+        if not self.host.ready:  # the pools are still being allocated: nothing to store into
+            self._stats.dropped(tokens.shape[0] // self.layout.page_tokens)
+            return 0
+        req = self._requests.get(request_id)
+        if req is None:
+            req = self._request(request_id, tokens, salt)
+        else:
+            req.chain.extend(tokens)
+        P = self.layout.page_tokens
+        n_pages = tokens.shape[0] // P
+        what = f"store of request {request_id!r}"
+        ids = self.gpu.block_ids(block_ids, n_pages, what)
+        if self._hooks is not None and state_slot is None and n_pages:
+            raise ValueError(f"{what}: the layout has states, give state_slot")
+        keys = req.chain.upto(n_pages)
+        pool = self.host.page_slots
+        present, missing = pool.split(keys)
+        keep = pool.lease(present)  # the sequence's own pages must not be evicted for its tail
+        try:
+            pages = self._store_pages(keys, ids, missing)
+        except BaseException:
+            keep.release()
+            raise
+        states = None
+        try:
+            if self._hooks is not None and n_pages:
+                states = self._store_states(keys, tokens.shape[0], state_slot)
+        finally:
+            # New pages are unpinned before the held ones, once the copies are done: the
+            # sequence's head ends up most recent, so its tail is evicted first.
+            slots = (
+                None if self._chain is None else _slots_in_order(keep, pages, missing, len(keys))
+            )
+            self._after_store(keys, slots, pages, keep, states)
+        return len(pages) if pages is not None else 0
+
+    def _store_pages(self, keys: list[bytes], ids: np.ndarray, missing: list[int]) -> Lease | None:
+        """Copy the `missing` pages into fresh host slots; the returned lease pins them."""
+        if not missing:
+            return None
+        pool = self.host.page_slots
+        lease = pool.reserve(len(missing))
+        if len(lease) < len(missing):
+            self._stats.dropped(len(missing) - len(lease))
+            missing = missing[: len(lease)]
+        if not missing:
+            lease.release()
+            return None
+        try:
+            latency = self._stats.latency["hicache_store_copy_seconds"]
+            src_ids = ids if len(missing) == len(ids) else native.gather_int32(ids, missing)
+            slots = native.align_slots(src_ids, lease.slots)  # runs of blocks: one row
+            lease.slots = slots.tolist()
+            dst_ids = np.frombuffer(slots, dtype=np.int32)
+            self._transfers.copy(self._route(to_host=True), src_ids, dst_ids, latency)
+        except BaseException:
+            lease.release()
+            raise
+        new_keys = keys if len(missing) == len(keys) else [keys[i] for i in missing]
+        fresh = pool.publish(lease.slots, new_keys)
+        if self._events is not None:
+            emit(self._events, "stored", "host", pool.keys_of(fresh))
+        self._stats.stored(len(missing))
+        return lease
+
+    def _store_states(
+        self, keys: list[bytes], n_tokens: int, state_slot: int | None
+    ) -> Lease | None:
+        """Save the states at the trailing boundaries (and, with store tiers, the last group end
+        of each tier's group size)."""
+        hooks, P = self._hooks, self.layout.page_tokens
+        if hooks is None:
+            return None
+        oldest = n_tokens - hooks.history_tokens
+        boundaries = list(range(len(keys), 0, -1)[: self.policy.state_boundaries])
+        if self._chain is not None:  # stores keep whole groups: a state at a group end is fetched
+            boundaries += [len(keys) // G * G for G in self._chain.group_pages]
+        boundaries = sorted({b for b in boundaries if b and b * P >= oldest}, reverse=True)
+        held = self.host.state_slots.lookup([keys[b - 1] for b in boundaries])
+        wanted = [b for b, slot in zip(boundaries, held) if slot is None]
+        if not wanted:
+            return None
+        lease = self.host.state_slots.reserve(len(wanted))
+        wanted = wanted[: len(lease)]
+        try:
+            for pages, slot in zip(wanted, lease.slots):
+                self._call_hook("save_state", state_slot, pages * P, slot)
+        except BaseException:
+            lease.release()
+            raise
+        self.host.state_slots.publish(lease.slots, [keys[p - 1] for p in wanted])
+        self._stats.stored_states(len(wanted))
+        return lease
+
+    def _after_store(
+        self, keys: list[bytes], slots: list[int] | None, *leases: Lease | None
+    ) -> None:
+        """Unpin once the store's copies have completed; hand the new groups to write-behind now
+        (its worker waits for the copies before it reads the host slots). `slots`: the host
+        slot of every page of `keys`, where the store knows them (see `_slots_in_order`)."""
+        held = [lease for lease in leases if lease is not None]
+        if not held and self._chain is None:
+            return
+        copied = self._transfers.then(lambda: _release(held))
+        if self._chain is not None:
+            self._chain.stored(keys, copied, slots)
+
+    def _call_hook(self, name: str, state_slot: int | None, boundary: int, host_slot: int) -> None:
+        try:
+            getattr(self._hooks, name)(state_slot, boundary, self.host.state(host_slot))
+        except Exception as err:
+            self._stats.hook_failed()
+            raise StateHookError(
+                f"state hook {name}(slot={state_slot}, boundary={boundary}) raised "
+                f"{type(err).__name__}: {err}"
+            ) from err
+
+
+def _slots_in_order(
+    present: Lease, stored: Lease | None, missing: list[int], n_pages: int
+) -> list[int] | None:
+    """The host slot of each of a store's `n_pages` pages, in page order, where that is cheap to
+    know: the pages the host tier held (`present`, in order) come first and the ones the store
+    copied (`stored`, in the order of `missing`) after them, all of them stored. That is a store
+    after a prefix hit, or of a sequence wholly new or wholly held. None otherwise (pages
+    dropped for want of room, or held pages after new ones): write-behind looks them up."""
+    n_present = len(present.slots)
+    n_stored = len(stored.slots) if stored is not None else 0
+    if n_present + n_stored != n_pages or (missing and missing[0] != n_present):
+        return None
+    return present.slots + stored.slots if stored is not None else list(present.slots)
+
+
+def _release(leases: list[Lease]) -> None:
+    for lease in leases:
+        lease.release()

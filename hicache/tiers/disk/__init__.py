@@ -1,0 +1,2 @@
+"""The disk tier: objects as files under one directory (`tier`), in the record format of
+`records`."""

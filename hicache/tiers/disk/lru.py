@@ -1,0 +1,92 @@
+"""The disk tier's book of its files: sizes, LRU order and the room writes reserve."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+
+class LruBook:
+    """Which records the tier holds, their bytes, and the eviction order (least recently used
+    first). Eviction is decided here and nowhere else. Thread-safe."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._held: OrderedDict[str, int] = OrderedDict()  # name -> bytes, oldest first
+        self._writing: dict[str, int] = {}  # name -> bytes reserved by a put in progress
+        self.used = 0  # bytes of held and reserved records
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._held
+
+    def add(self, name: str, nbytes: int) -> None:
+        """Record a held record as the most recently used (at start-up, oldest first)."""
+        with self._lock:
+            if name not in self._held:
+                self._held[name] = nbytes
+                self.used += nbytes
+
+    def touch(self, name: str) -> None:
+        """A hit: `name` becomes the most recently used."""
+        with self._lock:
+            if name in self._held:
+                self._held.move_to_end(name)
+
+    def reserve(self, name: str, nbytes: int) -> list[str] | None:
+        """Make room for a new record: returns the records to remove first (least recently used
+        first; already out of the book), or None when `name` is held or being written already.
+        ValueError if `nbytes` exceeds the capacity."""
+        if nbytes > self.capacity:
+            raise ValueError(f"{nbytes} bytes exceed the tier's size of {self.capacity}")
+        with self._lock:
+            if name in self._held or name in self._writing:
+                return None
+            victims = []
+            while self.used + nbytes > self.capacity and self._held:
+                victim, size = self._held.popitem(last=False)
+                self.used -= size
+                victims.append(victim)
+            if self.used + nbytes > self.capacity:  # the rest is reserved by puts in progress
+                raise ValueError("no room: the tier's size is taken by records being written")
+            self._writing[name] = nbytes
+            self.used += nbytes
+            return victims
+
+    def settle(self, name: str, written: bool) -> None:
+        """End a `reserve`: the record is now held (most recently used), or was not written."""
+        with self._lock:
+            nbytes = self._writing.pop(name)
+            if written:
+                self._held[name] = nbytes
+            else:
+                self.used -= nbytes
+
+    def drop(self, name: str) -> bool:
+        """Forget a record that is gone (damaged); whether it was held."""
+        with self._lock:
+            nbytes = self._held.pop(name, None)
+            if nbytes is not None:
+                self.used -= nbytes
+            return nbytes is not None
+
+    def lower(self) -> None:
+        """The file system ran out of space below the capacity: what is held and being written
+        now becomes the capacity (for the life of this book), so that later puts evict the least
+        recently used records instead of failing."""
+        with self._lock:
+            self.capacity = min(self.capacity, self.used)
+
+    def shrink(self) -> list[str]:
+        """Records to remove so that the held ones fit the capacity (after a restart with a
+        smaller size), least recently used first."""
+        with self._lock:
+            victims = []
+            while self.used > self.capacity and self._held:
+                victim, size = self._held.popitem(last=False)
+                self.used -= size
+                victims.append(victim)
+            return victims

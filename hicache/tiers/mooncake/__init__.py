@@ -1,0 +1,1 @@
+"""The Mooncake Store tier (`tier`)."""

@@ -1,0 +1,223 @@
+"""A store link's writes (`WriteSide`, a part of `hicache.tiers.link.StoreLink`; engine thread).
+
+- *write: behind*: `store` queues a put with the completion of its host copy: the worker waits
+  for that copy, then sends the full page groups (and group-aligned states) that the tier is not
+  known to hold straight from the pinned host slots, which stay pinned until the put returns.
+- *write: on_evict*: `store` only notes the new groups; once the host tier runs short of free
+  slots, `poll` puts the oldest of them (pinned until the put returns, so not evicted before).
+
+The put queue is bounded (`queue_depth` puts queued or running): when it is full, work is
+dropped and counted, never queued without bound and never waited for.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hicache.config import Layout
+from hicache.core.slots import Lease
+from hicache.observability.events import EventSink, emit
+from hicache.observability.stats import TierStats
+from hicache.tiers.host import HostTier
+from hicache.tiers.worker import Job
+from hicache.transfer.completions import DONE, Completion
+
+WRITE_BACK_GROUPS = 64
+"""`write: on_evict`: page groups one write-back put takes at most."""
+
+
+class _Leases:
+    """Two leases released together (a put pins page slots and state slots)."""
+
+    def __init__(self, *leases: Lease) -> None:
+        self._leases = leases
+
+    def release(self) -> None:
+        for lease in self._leases:
+            lease.release()
+
+
+class WriteSide:
+    """The write part of a `StoreLink`."""
+
+    G: int
+    name: str
+    host: HostTier
+    layout: Layout
+    stats: TierStats
+    events: EventSink | None
+    settings: Any
+    clock: Callable[[], float]
+    _dirty: OrderedDict[bytes, list[bytes]]
+    _groups_held: Any
+    _states_held: Any
+    _puts_out: int
+    _put_jobs: Any
+    usable: Callable[[], bool]
+    _submit: Callable[[Any, Job], None]
+
+    def stored(
+        self,
+        keys: list[bytes],
+        n_pages: int,
+        state_pages: Sequence[int],
+        ready: Completion = DONE,
+        slots: list[int] | None = None,
+    ) -> None:
+        """`store` has written `keys[:n_pages]` to the host: put them behind, or note them for
+        a write-back, as the tier's `write:` says."""
+        write = self.settings.write
+        if write == "behind":
+            self.write_behind(keys, n_pages, state_pages, ready, slots)
+        elif write == "on_evict":
+            G, held, dirty = self.G, self._groups_held, self._dirty
+            for g in range(n_pages // G):
+                end = keys[(g + 1) * G - 1]
+                if end not in held and end not in dirty:
+                    dirty[end] = keys[g * G : (g + 1) * G]
+
+    def write_behind(
+        self,
+        keys: list[bytes],
+        n_pages: int,
+        state_pages: Sequence[int],
+        ready: Completion = DONE,
+        slots: list[int] | None = None,
+    ) -> None:
+        """Queue puts of the full groups of `keys[:n_pages]` (and states) the tier does not hold.
+
+        Called by `store` at once, with `ready` marking the host write-through: the worker waits
+        for it before reading the slots, which stay pinned until the put has returned. On this
+        thread: which groups are new, their slots, their pins; the worker names them and finds
+        their bytes. `slots`, where the caller knows them: the host slot of each of `keys`
+        (all published), so that they need not be looked up.
+        """
+        G = self.G
+        if not self.usable():  # not connected, or the breaker is open: offer nothing
+            self.stats.puts_skipped += n_pages // G
+            return
+        held = self._groups_held
+        groups = [g for g in range(n_pages // G) if keys[(g + 1) * G - 1] not in held]
+        if self._puts_out >= self.settings.queue_depth:  # drop at once, build nothing
+            self.stats.puts_dropped += len(groups)
+            return
+        ends: list[bytes] = []
+        pins: list[int] = []
+        if slots is not None and len(groups) == n_pages // G:  # every group is new: no loop
+            ends, pins = keys[G - 1 : len(groups) * G : G], slots[: len(groups) * G]
+        elif groups:
+            page_slots: Sequence[int | None] = (
+                slots
+                if slots is not None
+                else self.host.page_slots.lookup(keys[: (groups[-1] + 1) * G])
+            )
+            for g in groups:
+                group = page_slots[g * G : (g + 1) * G]
+                if None in group:  # a page was evicted meanwhile: this group can't be put
+                    continue
+                ends.append(keys[(g + 1) * G - 1])
+                pins += group  # type: ignore[arg-type]
+        state_ends: list[bytes] = []
+        state_pins: list[int] = []
+        if self.layout.state_bytes:
+            wanted = [keys[p - 1] for p in state_pages if p % G == 0]
+            wanted = [k for k in wanted if k not in self._states_held]
+            for key, slot in zip(wanted, self.host.state_slots.lookup(wanted)):
+                if slot is not None:
+                    state_ends.append(key)
+                    state_pins.append(slot)
+        self._put(ends, pins, state_ends, state_pins, ready)
+
+    def _put(
+        self,
+        ends: list[bytes],
+        pins: list[int],
+        state_ends: list[bytes],
+        state_pins: list[int],
+        ready: Completion = DONE,
+    ) -> None:
+        """Queue one put of the groups named by `ends` (their pages in host slots `pins`, `G`
+        a group) and the states in `state_pins`; the slots stay pinned until it has returned."""
+        if not ends and not state_ends:
+            return
+        lease = _Leases(self.host.page_slots.lease(pins), self.host.state_slots.lease(state_pins))
+        job = Job("put", ends, state_ends, pins, state_pins, lease=lease, ready=ready)
+        job.started = self.clock()
+        self._puts_out += 1
+        self._submit(self._put_jobs, job)
+        self._groups_held.add_all(ends)
+        self._states_held.add_all(state_ends)
+
+    def write_back(self, force: bool = False) -> None:
+        """`write: on_evict`: once the host tier runs short of free slots (fewer than an eighth
+        of them free; `force`: at once), put the oldest groups noted by `stored` that it still
+        holds, up to `WRITE_BACK_GROUPS` in one put. A group the host evicted first is counted
+        lost (`evict_lost`)."""
+        dirty = self._dirty
+        if not dirty or self._puts_out >= self.settings.queue_depth or not self.usable():
+            return
+        pool = self.host.page_slots
+        if not force and pool.free >= pool.capacity // 8:
+            return
+        batch = [dirty.popitem(last=False) for _ in range(min(WRITE_BACK_GROUPS, len(dirty)))]
+        flat = [key for _, group in batch for key in group]
+        found = pool.lookup(flat)
+        G = self.G
+        ends: list[bytes] = []
+        pins: list[int] = []
+        for i, (end, _) in enumerate(batch):
+            group = found[i * G : (i + 1) * G]
+            if None in group:
+                self.stats.evict_lost += 1
+                continue
+            ends.append(end)
+            pins += group  # type: ignore[arg-type]
+        state_ends: list[bytes] = []
+        state_pins: list[int] = []
+        if self.layout.state_bytes and ends:
+            for key, slot in zip(ends, self.host.state_slots.lookup(ends)):
+                if slot is not None and key not in self._states_held:
+                    state_ends.append(key)
+                    state_pins.append(slot)
+        self._put(ends, pins, state_ends, state_pins)
+
+    def evicted(self, keys: Sequence[bytes]) -> None:
+        """The host evicted `keys`: groups noted for write-back whose end was among them are
+        lost to this tier (counted)."""
+        dirty = self._dirty
+        if dirty:
+            for key in keys:
+                if dirty.pop(key, None) is not None:
+                    self.stats.evict_lost += 1
+
+    @property
+    def dirty(self) -> int:
+        """Groups waiting for their write-back."""
+        return len(self._dirty)
+
+    def _on_put(self, job: Job, codes: list[int] | None) -> None:
+        job.release()
+        ends = job.ends + job.state_ends
+        codes = codes or [-1] * len(ends)
+        ok = [code >= 0 for code in codes]
+        if all(ok):  # the usual case: counted in one step
+            self.stats.objects_put += len(ok)
+            self.stats.put_bytes += (
+                len(job.page_slots) * self.layout.page_size
+                + len(job.state_slots) * self.layout.state_bytes
+            )
+        else:
+            groups = len(job.ends)
+            for i, (key, put) in enumerate(zip(ends, ok)):
+                if put:
+                    self.stats.objects_put += 1
+                    self.stats.put_bytes += (
+                        self.G * self.layout.page_size if i < groups else self.layout.state_bytes
+                    )
+                else:
+                    (self._groups_held if i < groups else self._states_held).discard(key)
+                    self.stats.put_failed += 1
+        if self.events is not None:
+            emit(self.events, "stored", self.name, [k for k, put in zip(job.ends, ok) if put])
