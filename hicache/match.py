@@ -187,23 +187,22 @@ class MatchSide:
         """Host slots of the pages from `first` on, up to the first miss, hashing the prompt only
         that far: the compiled walk hashes and looks up pair by pair; without it, steps that
         double from 16 pages."""
-        pool = self.host.page_slots
-        chain.upto(first)  # the pages the engine computed are hashed, not looked up
-        known = chain.hashed
+        pool, P = self.host.page_slots, chain.page_tokens
+        known = chain.hash_to(first)  # the pages the engine computed are hashed, not looked up
         slots = pool.prefix(known[first:]) if len(known) > first else []
         begin = len(known)
-        if first + len(slots) < len(known) or begin >= chain.pages:
+        if first + len(slots) < begin or begin >= chain.pages:
             return slots
         prev = known[-1] if known else chain.seed
-        walked = pool.walk(prev, chain.rows(begin))
+        walked = pool.walk(prev, chain.tokens[begin * P : chain.pages * P].reshape(-1, P))
         if walked is not None:
             keys, found = walked
-            chain.append(keys)
+            chain.hashed += keys  # hashed from `prev` in the chain's format
             return slots + found
         step = 16
         while begin < chain.pages:
             end = min(chain.pages, begin + step)
-            found = pool.prefix(chain.upto(end)[begin:])
+            found = pool.prefix(chain.hash_to(end)[begin:end])
             slots += found
             if len(found) < end - begin:
                 break

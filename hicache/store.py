@@ -77,15 +77,17 @@ class StoreSide:
         req = self._requests.get(request_id)
         if req is None:
             req = self._request(request_id, tokens, salt)
-        else:
-            req.chain.extend(tokens)
+        elif not req.chain.try_extend(tokens):
+            raise ValueError(
+                "tokens must extend the request's earlier tokens (the prompt given to match)"
+            )
         P = self.layout.page_tokens
         n_pages = tokens.shape[0] // P
         what = f"store of request {request_id!r}"
         ids = self.gpu.block_ids(block_ids, n_pages, what)
         if self._hooks is not None and state_slot is None and n_pages:
             raise ValueError(f"{what}: the layout has states, give state_slot")
-        keys = req.chain.upto(n_pages)
+        keys = req.chain.hash_to(n_pages)[:n_pages]
         pool = self.host.page_slots
         present, missing = pool.split(keys)
         keep = pool.lease(present)  # the sequence's own pages must not be evicted for its tail

@@ -130,15 +130,15 @@ def test_a_chain_hashes_each_page_once_and_only_when_asked(monkeypatch):
     hashed = count_hashed(monkeypatch)
     chain = KeyChain(SEED, 4, TOKENS[:6])
     assert hashed == [] and chain.pages == 1
-    assert chain.upto(1) == want[:1]
-    chain.extend(TOKENS)
+    assert chain.hash_to(1) == want[:1]
+    assert chain.try_extend(TOKENS)
     assert chain.pages == 4 and len(chain.hashed) == 1  # extending hashes nothing yet
     hashed.clear()
-    assert chain.upto(3) == want[:3]
-    assert chain.upto(9) == want  # never past the full pages held
+    assert chain.hash_to(3) == want[:3]
+    assert chain.hash_to(9) == want  # never past the full pages held
     assert hashed == [2, 1]  # pages 1..2 from key 0, then page 3; none twice
-    with pytest.raises(ValueError, match="must extend"):
-        chain.extend(TOKENS[::-1].copy())
+    assert not chain.try_extend(TOKENS[::-1].copy())
+    assert chain.tokens is TOKENS and chain.pages == 4  # unchanged
 
 
 def test_salt_and_every_layout_field_change_the_namespace():
@@ -196,21 +196,21 @@ def test_prefix_memo_reuses_exactly_the_keys_hashing_gives(monkeypatch):
     rng = np.random.default_rng(5)
     base = rng.integers(0, 1000, 40, dtype=np.int32)  # 10 pages
     first = KeyChain(SEED, 4, base, memo)
-    first.upto(first.pages)
+    first.hash_to(first.pages)
     memo.remember(first)
     hashed = count_hashed(monkeypatch)
     longer = np.concatenate([base, rng.integers(0, 1000, 9, dtype=np.int32)])
     chain = KeyChain(SEED, 4, longer, memo)
-    assert chain.upto(chain.pages) == _page_keys_python(SEED, longer[:48].reshape(12, 4))
+    assert chain.hash_to(chain.pages) == _page_keys_python(SEED, longer[:48].reshape(12, 4))
     assert hashed == [2]  # only the two new pages
     diverged = base.copy()
     diverged[22] += 1  # inside page 5: pages 0..4 are shared
     hashed.clear()
-    assert KeyChain(SEED, 4, diverged, memo).upto(10) == page_keys(SEED, diverged, 4)
+    assert KeyChain(SEED, 4, diverged, memo).hash_to(10) == page_keys(SEED, diverged, 4)
     assert hashed == [5, 10]  # 5 pages from the divergence on; then the check hashes all 10
     other_tenant = chain_seed(fingerprint(LAYOUT), "t")
     hashed.clear()
-    KeyChain(other_tenant, 4, longer, memo).upto(12)
+    KeyChain(other_tenant, 4, longer, memo).hash_to(12)
     assert hashed == [12]  # another namespace never reuses keys
     assert memo.reused_pages == 10 + 5
 
@@ -220,7 +220,7 @@ def test_prefix_memo_is_bounded():
 
     def hashed(tokens: np.ndarray) -> KeyChain:
         chain = KeyChain(SEED, 4, tokens)
-        chain.upto(chain.pages)
+        chain.hash_to(chain.pages)
         return chain
 
     memo = PrefixMemo(page_tokens=4, max_sequences=3, per_head=2)
@@ -245,11 +245,11 @@ def test_the_memo_takes_the_longest_shared_run_not_the_most_recent_sequence(monk
     b[13] += 1  # shares pages 0..2 with a; remembered after a, so tried first
     for tokens in (a, b):
         chain = KeyChain(SEED, 4, tokens, memo)
-        chain.upto(chain.pages)
+        chain.hash_to(chain.pages)
         memo.remember(chain)
     prompt = np.concatenate([a, rng.integers(0, 1000, 8, dtype=np.int32)])  # a's next turn
     hashed = count_hashed(monkeypatch)
     chain = KeyChain(SEED, 4, prompt, memo)
     assert len(chain.hashed) == 10  # all of a's pages, found behind b's 3
-    assert chain.upto(12) == _page_keys_python(SEED, prompt.reshape(12, 4))
+    assert chain.hash_to(12) == _page_keys_python(SEED, prompt.reshape(12, 4))
     assert hashed[0] == 2  # only the two new pages were hashed by the chain

@@ -162,13 +162,18 @@ def _page_keys_python(seed: bytes, pages: np.ndarray) -> list[bytes]:
 class KeyChain:
     """The tokens of one sequence and the keys of its full pages, hashed when first asked for.
 
-    Each page is hashed at most once, from the last key hashed: `upto(n)` hashes only the pages
-    it has not hashed yet. With a `PrefixMemo`, the pages a sequence shares with a recent one are
-    not hashed at all. So `match` hashes a prompt only as far as the tiers could hit, and `store`
-    hashes the rest.
+    Each page is hashed at most once, from the last key hashed: `hash_to(n)` hashes only the
+    pages it has not hashed yet. With a `PrefixMemo`, the pages a sequence shares with a recent
+    one are not hashed at all. So `match` hashes a prompt only as far as the tiers could hit, and
+    `store` hashes the rest.
+
+    Attributes (read them; only the chain's methods change them): `tokens`, the int32 tokens
+    held; `pages`, the full pages in them; `hashed`, the keys hashed so far, those of the first
+    ``len(hashed)`` pages (a caller that hashed the pages right after them from ``hashed[-1]``,
+    or the seed, may add their keys at its end: see `append`).
     """
 
-    __slots__ = ("_keys", "page_tokens", "seed", "tokens")
+    __slots__ = ("hashed", "page_tokens", "pages", "seed", "tokens")
 
     def __init__(
         self, seed: bytes, page_tokens: int, tokens: np.ndarray, memo: PrefixMemo | None = None
@@ -176,50 +181,26 @@ class KeyChain:
         self.seed = seed
         self.page_tokens = page_tokens
         self.tokens = tokens
-        self._keys: list[bytes] = memo.shared_keys(seed, tokens) if memo is not None else []
+        self.pages: int = tokens.shape[0] // page_tokens
+        self.hashed: list[bytes] = memo.shared_keys(seed, tokens) if memo is not None else []
 
-    @property
-    def pages(self) -> int:
-        """Full pages in the tokens held."""
-        return self.tokens.shape[0] // self.page_tokens
-
-    @property
-    def hashed(self) -> list[bytes]:
-        """The keys hashed so far: those of the first ``len(hashed)`` pages. Do not modify."""
-        return self._keys
-
-    def upto(self, n: int) -> list[bytes]:
-        """The keys of the first `n` full pages (at most `pages`), hashing those not hashed yet."""
-        self.hash_to(n)
-        return self._keys[:n]
-
-    def hash_to(self, n: int) -> None:
-        """Hash the first `n` full pages (at most `pages`) if they are not yet (see `hashed`)."""
-        keys = self._keys
+    def hash_to(self, n: int) -> list[bytes]:
+        """Hash the first `n` full pages (at most `pages`) if they are not yet; returns `hashed`
+        itself (slice it to keep the keys of a moment: the chain grows it in place)."""
+        keys = self.hashed
         have = len(keys)
         if n > have:
             P = self.page_tokens
             prev = keys[-1] if keys else self.seed
             keys += page_keys(prev, self.tokens[have * P : min(n, self.pages) * P], P)
-
-    def rows(self, begin: int) -> np.ndarray:
-        """The tokens of full pages `begin`.. as a C-contiguous int32 [pages, page_tokens]."""
-        P = self.page_tokens
-        return np.ascontiguousarray(self.tokens[begin * P : self.pages * P]).reshape(-1, P)
+        return keys
 
     def append(self, keys: list[bytes]) -> None:
         """Take the keys of the pages right after `hashed`, hashed elsewhere from `hashed[-1]`
-        (or the seed) in this format: the host walk hashes while it looks up."""
-        if len(self._keys) + len(keys) > self.pages:
+        (or the seed) in this format: a fetch's worker hashes the pages it fetches."""
+        if len(self.hashed) + len(keys) > self.pages:
             raise ValueError("more keys than the chain has full pages")
-        self._keys += keys
-
-    def extend(self, tokens: np.ndarray) -> None:
-        """Grow to `tokens`, which must start with the tokens held now (ValueError if not)."""
-        if not self.try_extend(tokens):
-            raise ValueError(
-                "tokens must extend the request's earlier tokens (the prompt given to match)"
-            )
+        self.hashed += keys
 
     def try_extend(self, tokens: np.ndarray) -> bool:
         """Grow to `tokens` if they start with the tokens held now; False (and nothing changed)
@@ -228,6 +209,7 @@ class KeyChain:
             if not starts_with(tokens, self.tokens):
                 return False
             self.tokens = tokens
+            self.pages = tokens.shape[0] // self.page_tokens
         return True
 
 
@@ -250,21 +232,18 @@ class PrefixMemo:
         self._count = 0
         self.reused_pages = 0
 
-    def _head(self, seed: bytes, tokens: np.ndarray) -> bytes | None:
-        if tokens.shape[0] < self.page_tokens:
-            return None
-        return seed + tokens[: self.page_tokens].tobytes()
-
     def shared_keys(self, seed: bytes, tokens: np.ndarray) -> list[bytes]:
         """Keys of the longest run of leading full pages `tokens` shares with a remembered one."""
-        head = self._head(seed, tokens)
-        chains = self._heads.get(head) if head is not None else None
+        P = self.page_tokens
+        limit = tokens.shape[0] // P
+        if not limit:
+            return []
+        head = seed + tokens[:P].tobytes()  # the group: the seed and the first page
+        chains = self._heads.get(head)
         if not chains:
             return []
-        self._heads.move_to_end(head)  # type: ignore[arg-type]
-        limit = tokens.shape[0] // self.page_tokens
+        self._heads.move_to_end(head)
         best: list[bytes] = []
-        P = self.page_tokens
         for chain in chains:  # most recent first
             pages = min(len(chain.hashed), limit)
             if pages <= len(best):
@@ -283,9 +262,9 @@ class PrefixMemo:
 
     def remember(self, chain: KeyChain) -> None:
         """Keep `chain` (a finished request's) for later prompts; the oldest go first."""
-        head = self._head(chain.seed, chain.tokens)
-        if head is None or not chain.hashed:
+        if not chain.hashed:  # (so it holds a full page at least)
             return
+        head = chain.seed + chain.tokens[: self.page_tokens].tobytes()
         chains = self._heads.setdefault(head, [])
         self._heads.move_to_end(head)
         mine = chain.tokens

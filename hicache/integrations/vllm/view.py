@@ -111,14 +111,14 @@ class TierView:
             h, step = first, 16
             while h < hit:  # hash only as far as the host tier holds, in doubling steps
                 end = min(hit, h + step)
-                keys = chain.upto(end)
+                keys = chain.hash_to(end)
                 while h < end and keys[h] in view.host:
                     h += 1
                 if h < end:
                     break
                 step *= 2
             hit = h
-            if view.lower and any(k in view.lower for k in chain.upto(cap)[h:]):
+            if view.lower and any(k in view.lower for k in chain.hash_to(cap)[h:]):
                 return None  # a store tier took a group past the host hit: fetch it
         return hit
 
