@@ -27,6 +27,7 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Mapping
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -121,10 +122,17 @@ class Layout(_Strict):
             raise ValueError(f"tp_rank {self.tp_rank} is not below tp_size {self.tp_size}")
         return self
 
-    @property
+    @cached_property
     def page_size(self) -> int:
-        """Bytes of one page, whichever way it was given."""
+        """Bytes of one page, whichever way it was given (worked out at the first read and kept:
+        the tiers read it on the engine thread)."""
         return self.page_bytes or sum(self.segments)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Layout:
+        """pydantic's copy (`update` applied unvalidated), with `page_size` worked out again."""
+        copy = super().model_copy(update=update, deep=deep)
+        copy.__dict__.pop("page_size", None)
+        return copy
 
     @property
     def segment_bytes(self) -> tuple[int, ...]:
