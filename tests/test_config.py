@@ -216,3 +216,15 @@ def test_two_fetch_workers_by_default_only_with_four_cpus_or_more() -> None:
     assert [fetch_workers(frozenset(range(n))) for n in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 2]
     mine = len(os.sched_getaffinity(0))
     assert fetch_workers(frozenset()) == (2 if mine >= 4 else 1)  # this process's CPUs
+
+
+def test_the_page_size_follows_a_copied_layout() -> None:
+    """`page_size` is worked out once per layout; a copy with other sizes works it out again."""
+    from hicache.config import Layout
+
+    page_first = Layout(model="m", kv_dtype="bfloat16", page_bytes=4096)
+    assert page_first.page_size == 4096
+    layer_first = page_first.model_copy(update={"page_bytes": 0, "segments": (1024, 2048)})
+    assert layer_first.page_size == 3072
+    assert page_first.page_size == 4096 and page_first.model_copy().page_size == 4096
+    assert layer_first == Layout(model="m", kv_dtype="bfloat16", segments=(1024, 2048))
