@@ -72,7 +72,7 @@ class StoreSide:
             return 0
         tokens = as_tokens(tokens)
         if not self.host.ready:  # the pools are still being allocated: nothing to store into
-            self._stats.dropped(tokens.shape[0] // self.layout.page_tokens)
+            self._stats.pages_dropped += tokens.shape[0] // self.layout.page_tokens
             return 0
         req = self._requests.get(request_id)
         if req is None:
@@ -116,7 +116,7 @@ class StoreSide:
         pool = self.host.page_slots
         lease = pool.reserve(len(missing))
         if len(lease) < len(missing):
-            self._stats.dropped(len(missing) - len(lease))
+            self._stats.pages_dropped += len(missing) - len(lease)
             missing = missing[: len(lease)]
         if not missing:
             lease.release()
@@ -135,7 +135,7 @@ class StoreSide:
         fresh = pool.publish(lease.slots, new_keys)
         if self._events is not None:
             emit(self._events, "stored", "host", pool.keys_of(fresh))
-        self._stats.stored(len(missing))
+        self._stats.pages_stored += len(missing)
         return lease
 
     def _store_states(
@@ -164,7 +164,7 @@ class StoreSide:
             lease.release()
             raise
         self.host.state_slots.publish(lease.slots, [keys[p - 1] for p in wanted])
-        self._stats.stored_states(len(wanted))
+        self._stats.states_stored += len(wanted)
         return lease
 
     def _after_store(
@@ -184,7 +184,7 @@ class StoreSide:
         try:
             getattr(self._hooks, name)(state_slot, boundary, self.host.state(host_slot))
         except Exception as err:
-            self._stats.hook_failed()
+            self._stats.hook_errors += 1
             raise StateHookError(
                 f"state hook {name}(slot={state_slot}, boundary={boundary}) raised "
                 f"{type(err).__name__}: {err}"

@@ -113,7 +113,8 @@ class TierStats:
 
 @dataclass
 class Stats:
-    """Monotonic counters; `as_dict` adds the gauges the cache passes in."""
+    """Monotonic counters; `as_dict` adds the gauges the cache passes in. The cache adds to a
+    counter of one event where it happens; `matched` and `loaded` count an answer's several."""
 
     lookups: int = 0
     """Answers of match that were not pending."""
@@ -153,18 +154,6 @@ class Stats:
             self.tiers[name].hit_tokens += tokens
             fetched += tokens
         self.hit_tokens_host += m.cached_tokens - fetched
-
-    def stored(self, pages: int) -> None:
-        self.pages_stored += pages
-
-    def dropped(self, pages: int) -> None:
-        self.pages_dropped += pages
-
-    def stored_states(self, count: int) -> None:
-        self.states_stored += count
-
-    def hook_failed(self) -> None:
-        self.hook_errors += 1
 
     def as_dict(self, **gauges: int) -> dict[str, int]:
         counters = {k: v for k, v in asdict(self).items() if k not in ("latency", "tiers")}
