@@ -1,7 +1,8 @@
 """`HiCache.match`: how much of a prompt the engine may skip (`MatchSide`, a part of
 `hicache.cache.HiCache`; engine thread).
 
-One question, one answer (every `Match` is made by `_match_of`, from what the steps found):
+One question, one answer (every `Match` is made at the end of `match`, from what the steps
+found):
 
 1. the prompt is hashed as far as needed (`hicache.core.keys.KeyChain`, the request's own,
    kept between questions in a `Request`);
@@ -60,7 +61,7 @@ class Request:
 
 
 _Hit = tuple[int, int, tuple[tuple[str, int], ...], bool, bool, int]
-"""What a match found, in pages (`_match_of` makes the `Match` of it): the page the hit ends at,
+"""What a match found, in pages (`match` makes the `Match` of it): the page the hit ends at,
 the pages `load` copies, the tokens each store tier brought, whether it ends at a stored state,
 whether it is pending, and the pages found that the cap or the snap to a state kept out."""
 
@@ -119,28 +120,39 @@ class MatchSide:
                 f"of page_tokens={P} below the prompt length {n}"
             )
         req = self._request(request_id, tokens, salt)
-        again = _pending_answer(req, n, computed_tokens)  # the same question as last time
-        walk = req.fetch
+        again = req.match if req.asked == n else None  # the same question as last time?
+        if again is not None and (not again.pending or again.computed_tokens != computed_tokens):
+            again = None  # no: no pending answer stands
+        m, walk = None, req.fetch
         if walk is not None and walk.busy:  # its answer may have come since poll
             self._chain.apply()  # type: ignore[union-attr]
             if again is not None and self._chain.waiting(walk):  # type: ignore[union-attr]
-                return self._answer(req, again, n, started)  # the same answer, its pins kept
-        first = computed_tokens // P
-        cap = max(0, n - self.policy.min_recompute_tokens) // P
-        done = walk if walk is not None and not walk.busy else None
-        if done is not None:
-            for part in done.parts():
-                adopt_keys(req.chain, part)
-            if again is not None and not req.head_pages:
-                grown = self._fetched(req, again, done, cap)
-                if grown is not None:
-                    return self._answer(req, grown, n, started)
-        hit = self._lookup(req, first, cap, partial, done)
-        m = _match_of(request_id, computed_tokens, hit, req.head_pages, P)
-        return self._answer(req, m, n, started)
-
-    def _answer(self, req: Request, m: Match, n: int, started: float) -> Match:
-        """Make `m` the request's current answer to a prompt of `n` tokens, and count it."""
+                m = again  # the same answer, its pins kept
+        if m is None:
+            first = computed_tokens // P
+            cap = max(0, n - self.policy.min_recompute_tokens) // P
+            done = walk if walk is not None and not walk.busy else None
+            hit = None
+            if done is not None:
+                for part in done.parts():
+                    adopt_keys(req.chain, part)
+                if again is not None and not req.head_pages:
+                    hit = self._fetched(req, again, done, cap)
+            if hit is None:
+                hit = self._lookup(req, first, cap, partial, done)
+            end, load, tiers, state, pending, limited = hit
+            m = Match(
+                request_id=request_id,
+                hit_tokens=end * P,
+                computed_tokens=computed_tokens,
+                first_page=first,
+                load_pages=load,
+                tier_tokens=tiers,
+                needs_state=state,
+                pending=pending,
+                limited_tokens=limited * P,
+                head_tokens=req.head_pages * P,
+            )
         req.match, req.asked = m, n
         self._stats.matched(m, n)
         self._stats.latency["hicache_match_seconds"].observe(time.perf_counter() - started)
@@ -228,7 +240,7 @@ class MatchSide:
             req.head_pages = head if req.fetch is not None else 0
         return req.fetch is not None and chain.waiting(req.fetch)
 
-    def _fetched(self, req: Request, pending: Match, walk: Fetch, cap: int) -> Match | None:
+    def _fetched(self, req: Request, pending: Match, walk: Fetch, cap: int) -> _Hit | None:
         """The `pending` answer grown by its finished walk, when one tier's fetch reached the
         cap: the host hit (still pinned) followed by the fetched pages up to the cap, whose pins
         move from the fetch to the request. Nothing is looked up or hashed. None when the
@@ -257,10 +269,8 @@ class MatchSide:
             req.pages = taken
         else:
             req.pages.absorb(taken)
-        P = self.layout.page_tokens
-        tiers = ((fetch.link.name, (cap - found) * P),)
-        hit = (cap, cap - pending.first_page, tiers, False, False, hi - cap)
-        return _match_of(pending.request_id, pending.computed_tokens, hit, 0, P)
+        tiers = ((fetch.link.name, (cap - found) * self.layout.page_tokens),)
+        return (cap, cap - pending.first_page, tiers, False, False, hi - cap)
 
     def _snap_to_state(self, keys: list[bytes], first: int, hit: int) -> tuple[int, int | None]:
         """The deepest page count in (first, hit] whose boundary has a stored state."""
@@ -272,8 +282,12 @@ class MatchSide:
         return first, None
 
     def _request(self, request_id: str, tokens: np.ndarray, salt: str | bytes | None) -> Request:
+        """The request's state, its chain grown to `tokens`; a new one where the request is new,
+        its salt differs, or `tokens` do not extend its tokens (its pins are dropped then)."""
+        seed = self._seeds.get(salt)
+        if seed is None:
+            seed = self._seeds[salt] = chain_seed(self.fingerprint, salt)
         req = self._requests.get(request_id)
-        seed = self._seed(salt)
         if req is not None and req.chain.seed == seed:
             if req.chain.try_extend(tokens):
                 return req
@@ -281,22 +295,6 @@ class MatchSide:
         req = Request(KeyChain(seed, self.layout.page_tokens, tokens, self._memo))
         self._requests[request_id] = req
         return req
-
-    def _seed(self, salt: str | bytes | None) -> bytes:
-        seed = self._seeds.get(salt)
-        if seed is None:
-            seed = self._seeds[salt] = chain_seed(self.fingerprint, salt)
-        return seed
-
-
-def _pending_answer(req: Request, n: int, computed_tokens: int) -> Match | None:
-    """The request's pending answer, if it is asked the same question again (a prompt of `n`
-    tokens, `computed_tokens`): while its fetch runs that answer stands, and once the fetch is
-    in it can grow by what the fetch brought."""
-    m = req.match
-    if m is not None and m.pending and req.asked == n and m.computed_tokens == computed_tokens:
-        return m
-    return None
 
 
 def _tier_tokens(
@@ -314,23 +312,3 @@ def _tier_tokens(
             out.append((part.link.name, (end - begin) * page_tokens))
             done = end
     return tuple(out)
-
-
-def _match_of(
-    request_id: str, computed_tokens: int, hit: _Hit, head_pages: int, page_tokens: int
-) -> Match:
-    """The answer to a question (`request_id`, `computed_tokens`) that found `hit`: every
-    `Match` that `match` returns is made here."""
-    end, load, tiers, state, pending, limited = hit
-    return Match(
-        request_id=request_id,
-        hit_tokens=end * page_tokens,
-        computed_tokens=computed_tokens,
-        first_page=computed_tokens // page_tokens,
-        load_pages=load,
-        tier_tokens=tiers,
-        needs_state=state,
-        pending=pending,
-        limited_tokens=limited * page_tokens,
-        head_tokens=head_pages * page_tokens,
-    )
