@@ -35,7 +35,7 @@ from hicache.core.request import Match
 from hicache.match import MatchSide, Request
 from hicache.observability.events import EventSink, emit
 from hicache.observability.stats import Stats
-from hicache.store import StoreSide, _release
+from hicache.store import StoreSide
 from hicache.tiers.base import StoreTier
 from hicache.tiers.chain import TierChain
 from hicache.tiers.gpu import GpuTier
@@ -157,10 +157,6 @@ class HiCache(MatchSide, StoreSide):
             layers = zip(slots.by_layer(self.layers), gpu.by_layer(self.layers), strict=True)
             self._layer_routes = [route(host, pool) for host, pool in layers]
 
-    def _route(self, to_host: bool) -> Route:
-        """The route GPU pool -> host slots (`to_host`) or back; only while the host is ready."""
-        return self._routes[0 if to_host else 1]  # type: ignore[index]
-
     def _evicted(self, keys: list[bytes]) -> None:
         emit(self._events, "removed", "host", keys)
         if self._chain is not None:
@@ -212,7 +208,7 @@ class HiCache(MatchSide, StoreSide):
             raise ValueError(f"{what}: the hit includes a state, give state_slot")
         if by_layer and not self.layers:
             raise ValueError(f"{what}: by_layer needs layers= at construction")
-        skip = self._skipped_pages(match, from_token, what)
+        skip = 0 if from_token is None else self._skipped_pages(match, from_token, what)
         P = self.layout.page_tokens
         head = (match.head_tokens - match.computed_tokens) // P if match.head_tokens else 0
         if skip < head:  # the pages before the head were never fetched
@@ -222,31 +218,30 @@ class HiCache(MatchSide, StoreSide):
         if match.load_pages == 0:
             req.drop_pins()
             return DONE
-        pages, state = req.pages, req.state
-        req.pages = req.state = None
-        req.match = None
-        leases = [lease for lease in (pages, state) if lease is not None]
+        pages, state = req.pages, req.state  # pages: a hit of load_pages > 0 has them
+        req.pages = req.state = req.match = None
+        unpin = pages.release if state is None else lambda: (pages.release(), state.release())
         try:
             if state is not None:
                 self._call_hook("load_state", state_slot, match.hit_tokens, state.slots[0])
             latency = self._stats.latency["hicache_load_copy_seconds"]
-            slots, ids = _int32(pages.slots[skip - head :]), ids[skip:]
+            # the host slots as int32 through one C loop, as block_ids
+            slots = np.frombuffer(array("i", pages.slots[skip - head :]), dtype=np.int32)
             if by_layer:
                 done = self._transfers.copy_layers(
-                    self._layer_routes, slots, ids, lambda: _release(leases), latency
+                    self._layer_routes, slots, ids[skip:], unpin, latency
                 )
             else:
-                self._transfers.copy(self._route(to_host=False), slots, ids, latency)
+                host_to_gpu = self._routes[1]  # type: ignore[index]
+                self._transfers.copy(host_to_gpu, slots, ids[skip:], latency)
         except BaseException:
-            _release(leases)
+            unpin()
             raise
-        self._stats.loaded(_partial(match, skip, self.layout.page_tokens))
-        return done if by_layer else self._transfers.then(lambda: _release(leases))
+        self._stats.loaded(_partial(match, skip, P) if skip else match)
+        return done if by_layer else self._transfers.then(unpin)
 
-    def _skipped_pages(self, match: Match, from_token: int | None, what: str) -> int:
+    def _skipped_pages(self, match: Match, from_token: int, what: str) -> int:
         """Pages of the hit that `load` leaves to the engine (see its `from_token`)."""
-        if from_token is None:
-            return 0
         low, P = match.computed_tokens, self.layout.page_tokens
         if not low <= from_token <= match.hit_tokens or from_token % P:
             raise ValueError(
@@ -356,8 +351,6 @@ def _store_tiers(config: HiCacheConfig) -> list[StoreTierConfig]:
 
 def _partial(m: Match, skipped: int, page_tokens: int) -> Match:
     """`m` as the load of its pages after the first `skipped` (what the stats count)."""
-    if not skipped:
-        return m
     start = m.computed_tokens + skipped * page_tokens
     return replace(
         m,
@@ -379,7 +372,3 @@ def _drop_head(m: Match, tokens: int) -> tuple[tuple[str, int], ...]:
         if n > taken:
             kept.append((name, n - taken))
     return tuple(kept)
-
-
-def _int32(values: list[int]) -> np.ndarray:
-    return np.frombuffer(array("i", values), dtype=np.int32)  # one C loop, as block_ids

@@ -8,8 +8,8 @@ store tiers' write-behind (`StoreSide`, a part of `hicache.cache.HiCache`; engin
    (`_store_pages`; `hicache.transfer`), published in the books at once;
 4. with a state layout, the states at the trailing boundaries are saved through the engine's
    hooks (`_store_states`);
-5. once the copies complete the pins go (`_after_store`), and the chain queues the new groups for
-   the store tiers' write-behind with the copy's completion, which the worker waits for
+5. once the copies complete the pins go, and the chain queues the new groups for the store
+   tiers' write-behind with the copy's completion, which the worker waits for
    (`hicache.tiers.chain.TierChain.stored` -> `hicache.tiers.writes`).
 """
 
@@ -47,7 +47,7 @@ class StoreSide:
     _stats: Stats
     _transfers: Transfers
     _request: Any
-    _route: Any
+    _routes: Any
 
     def store(
         self,
@@ -71,8 +71,9 @@ class StoreSide:
         if self.policy.write_policy == "read_only":
             return 0
         tokens = as_tokens(tokens)
+        n_pages = tokens.shape[0] // self.layout.page_tokens
         if not self.host.ready:  # the pools are still being allocated: nothing to store into
-            self._stats.pages_dropped += tokens.shape[0] // self.layout.page_tokens
+            self._stats.pages_dropped += n_pages
             return 0
         req = self._requests.get(request_id)
         if req is None:
@@ -81,8 +82,6 @@ class StoreSide:
             raise ValueError(
                 "tokens must extend the request's earlier tokens (the prompt given to match)"
             )
-        P = self.layout.page_tokens
-        n_pages = tokens.shape[0] // P
         what = f"store of request {request_id!r}"
         ids = self.gpu.block_ids(block_ids, n_pages, what)
         if self._hooks is not None and state_slot is None and n_pages:
@@ -90,29 +89,36 @@ class StoreSide:
         keys = req.chain.hash_to(n_pages)[:n_pages]
         pool = self.host.page_slots
         present, missing = pool.split(keys)
-        keep = pool.lease(present)  # the sequence's own pages must not be evicted for its tail
+        pins = pool.lease(present)  # the sequence's own pages must not be evicted for its tail
         try:
-            pages = self._store_pages(keys, ids, missing)
+            copied = self._store_pages(keys, ids, missing, pins)
         except BaseException:
-            keep.release()
+            pins.release()
             raise
         states = None
         try:
             if self._hooks is not None and n_pages:
                 states = self._store_states(keys, tokens.shape[0], state_slot)
         finally:
-            # New pages are unpinned before the held ones, once the copies are done: the
-            # sequence's head ends up most recent, so its tail is evicted first.
-            slots = (
-                None if self._chain is None else _slots_in_order(keep, pages, missing, len(keys))
-            )
-            self._after_store(keys, slots, pages, keep, states)
-        return len(pages) if pages is not None else 0
+            # `pins` holds the held pages, then the new ones: a lease unpins from its last slot
+            # to its first, so the sequence's head ends up most recent and its tail goes first.
+            unpin = pins.release if states is None else lambda: (pins.release(), states.release())
+            done = self._transfers.then(unpin)  # once the copies have completed
+            if self._chain is not None:
+                # the host slot of each page, where `pins` has them in page order (every page
+                # held or copied, the copied ones the tail); else write-behind looks them up
+                tail = not missing or missing[0] == n_pages - len(missing)
+                slots = pins.slots if tail and len(pins) == n_pages else None
+                self._chain.stored(keys, done, slots)
+        return copied
 
-    def _store_pages(self, keys: list[bytes], ids: np.ndarray, missing: list[int]) -> Lease | None:
-        """Copy the `missing` pages into fresh host slots; the returned lease pins them."""
+    def _store_pages(
+        self, keys: list[bytes], ids: np.ndarray, missing: list[int], pins: Lease
+    ) -> int:
+        """Copy the `missing` pages into fresh host slots, which `pins` takes (at its end).
+        Returns how many were copied."""
         if not missing:
-            return None
+            return 0
         pool = self.host.page_slots
         lease = pool.reserve(len(missing))
         if len(lease) < len(missing):
@@ -120,14 +126,15 @@ class StoreSide:
             missing = missing[: len(lease)]
         if not missing:
             lease.release()
-            return None
+            return 0
         try:
             latency = self._stats.latency["hicache_store_copy_seconds"]
             src_ids = ids if len(missing) == len(ids) else native.gather_int32(ids, missing)
             slots = native.align_slots(src_ids, lease.slots)  # runs of blocks: one row
             lease.slots = slots.tolist()
             dst_ids = np.frombuffer(slots, dtype=np.int32)
-            self._transfers.copy(self._route(to_host=True), src_ids, dst_ids, latency)
+            gpu_to_host = self._routes[0]
+            self._transfers.copy(gpu_to_host, src_ids, dst_ids, latency)
         except BaseException:
             lease.release()
             raise
@@ -136,7 +143,8 @@ class StoreSide:
         if self._events is not None:
             emit(self._events, "stored", "host", pool.keys_of(fresh))
         self._stats.pages_stored += len(missing)
-        return lease
+        pins.absorb(lease)
+        return len(missing)
 
     def _store_states(
         self, keys: list[bytes], n_tokens: int, state_slot: int | None
@@ -167,19 +175,6 @@ class StoreSide:
         self._stats.states_stored += len(wanted)
         return lease
 
-    def _after_store(
-        self, keys: list[bytes], slots: list[int] | None, *leases: Lease | None
-    ) -> None:
-        """Unpin once the store's copies have completed; hand the new groups to write-behind now
-        (its worker waits for the copies before it reads the host slots). `slots`: the host
-        slot of every page of `keys`, where the store knows them (see `_slots_in_order`)."""
-        held = [lease for lease in leases if lease is not None]
-        if not held and self._chain is None:
-            return
-        copied = self._transfers.then(lambda: _release(held))
-        if self._chain is not None:
-            self._chain.stored(keys, copied, slots)
-
     def _call_hook(self, name: str, state_slot: int | None, boundary: int, host_slot: int) -> None:
         try:
             getattr(self._hooks, name)(state_slot, boundary, self.host.state(host_slot))
@@ -189,23 +184,3 @@ class StoreSide:
                 f"state hook {name}(slot={state_slot}, boundary={boundary}) raised "
                 f"{type(err).__name__}: {err}"
             ) from err
-
-
-def _slots_in_order(
-    present: Lease, stored: Lease | None, missing: list[int], n_pages: int
-) -> list[int] | None:
-    """The host slot of each of a store's `n_pages` pages, in page order, where that is cheap to
-    know: the pages the host tier held (`present`, in order) come first and the ones the store
-    copied (`stored`, in the order of `missing`) after them, all of them stored. That is a store
-    after a prefix hit, or of a sequence wholly new or wholly held. None otherwise (pages
-    dropped for want of room, or held pages after new ones): write-behind looks them up."""
-    n_present = len(present.slots)
-    n_stored = len(stored.slots) if stored is not None else 0
-    if n_present + n_stored != n_pages or (missing and missing[0] != n_present):
-        return None
-    return present.slots + stored.slots if stored is not None else list(present.slots)
-
-
-def _release(leases: list[Lease]) -> None:
-    for lease in leases:
-        lease.release()
