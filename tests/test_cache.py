@@ -261,6 +261,21 @@ def test_store_keeps_the_sequence_head_when_evicting():
     books_are_clean(e)
 
 
+def test_a_store_after_a_hit_on_its_head_leaves_the_sequence_to_be_evicted_tail_first():
+    """The pages a store copies are unpinned before the pages it found held, each run from its
+    last page to its first: the sequence's first page ends up the most recently used."""
+    from hicache.core.keys import chain_seed, page_keys
+
+    e = FakeEngine(config(host_pages=8))
+    e.run("a", toks((0, 8)))  # pages 0, 1
+    long = toks((0, 8), (100, 108))
+    assert e.run("b", long).hit_tokens == 8  # pages 0, 1 held; pages 2, 3 copied
+    keys = page_keys(chain_seed(e.cache.fingerprint), long, P)
+    pool = e.cache.host.page_slots
+    assert [keys.index(k) for k in pool.keys_of(pool.lru())] == [3, 2, 1, 0]  # oldest first
+    books_are_clean(e)
+
+
 # -- bad input -------------------------------------------------------------------------------------
 
 
