@@ -120,9 +120,11 @@ class MatchSide:
                 f"of page_tokens={P} below the prompt length {n}"
             )
         req = self._request(request_id, tokens, salt)
-        again = req.match if req.asked == n else None  # the same question as last time?
+        # The same question as last time, answered pending: that answer stands while the walk
+        # runs, and once it is done can grow by what the walk brought.
+        again = req.match if req.asked == n else None
         if again is not None and (not again.pending or again.computed_tokens != computed_tokens):
-            again = None  # no: no pending answer stands
+            again = None
         m, walk = None, req.fetch
         if walk is not None and walk.busy:  # its answer may have come since poll
             self._chain.apply()  # type: ignore[union-attr]
