@@ -16,6 +16,7 @@ from hicache.core import native
 
 __all__ = ["extension", "load_extension", "toolchain_problem"]
 
+# the name the extension's warnings had before this module was split out of cuda.py (log filters)
 log = logging.getLogger("hicache.transfer.kernels.cuda")
 
 _SOURCE = Path(__file__).with_name("page_copy.cu")
