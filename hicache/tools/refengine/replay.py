@@ -121,7 +121,8 @@ def _setup(args: argparse.Namespace, cache_config: Any) -> _Setup:
     the model and the workload. Raises ValueError for a workload or model that cannot be made."""
     cuda = args.device.startswith("cuda")
     page = args.page_tokens or (128 if cuda else 32)
-    blocks = _pool_blocks(_workload(args, 2), page, args.pool_share)
+    probe = _workload(args, 2)  # the lengths alone size the pool: any vocabulary will do
+    blocks = _pool_blocks(probe, page, args.pool_share)
     spec = EngineSpec(
         model=args.model,
         device=args.device,
