@@ -150,7 +150,7 @@ class FetchSide:
         busy, or fetching is slower than recomputing (see `hicache.core.cost`; not asked for a
         `planned` partial fetch, whose plan weighed the tier's speed already).
         """
-        G, P = self.G, chain.page_tokens
+        G = self.G
         first = host_pages // G
         # groups [first, last): every whole group that starts below max_pages (the hit is capped
         # at max_pages afterwards, so a group may be fetched for only part of its pages)
@@ -172,8 +172,7 @@ class FetchSide:
                 self.stats.skipped_unheld += 1
                 return None
         now = self.clock()
-        if deadline is None:
-            deadline = now + self.policy.fetch_max_wait_ms / 1e3
+        deadline = now + self.policy.fetch_max_wait_ms / 1e3 if deadline is None else deadline
         fetch = Fetch(
             first, last - first, first * G, host_pages, deadline, now, self, chain, max_pages
         )
@@ -200,6 +199,7 @@ class FetchSide:
         if own < end:
             # bytes, not an array copy: the caller may reuse its tokens, and numpy releases the
             # GIL to copy an array this long (a worker waiting for it would cut into this call)
+            P = chain.page_tokens
             job.hash_from = (job.page_keys[-1], chain.tokens[own * P : end * P].tobytes())
         self._submit_fetch(job)
         return fetch
