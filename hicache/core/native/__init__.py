@@ -14,16 +14,17 @@ What is in it, and who uses it:
 
 `library()` loads it with its signatures declared; calls keep the GIL unless the caller asks for
 the variant that drops it (long calls from worker threads). Loading happens once per variant, at
-start-up (`available()`; the key index and the slot books load it when they are made): the
-engine thread's helpers here (`chain_keys`, `bad_id`, `align_slots`, `common_tokens`, ...) each
-look the loaded library up in the loader's cache (a C call, no Python frame) and make one C
-call, and the index and books (`index.py`, `books.py`) hold the C functions they call, so that
-an engine-thread operation is one Python call around one C call. Where it cannot be built or loaded
-(no compiler, no OpenSSL in the process), every user has a Python path that gives the same
-results, slower; `available()` says whether the chain is compiled. Any failure to build or
-load it (no compiler, ``CC`` pointing nowhere, an unwritable cache directory, sources missing
-from the installed package) is one warning and the Python paths; ``HICACHE_NO_NATIVE=1`` takes
-the Python paths without trying.
+start-up (`available()`; the key index loads it when it is made). The engine thread's helpers
+here (`chain_keys`, `bad_id`, `align_slots`, `common_tokens`, ...) then find the loaded library in
+the loader's cache (a C call, no Python frame) and make one C call each, and the index and the
+books (`index.py`, `books.py`) hold the C functions they call: an engine-thread operation is one
+Python call around one C call.
+
+Where it cannot be built or loaded (no compiler, no OpenSSL in the process), every user has a
+Python path that gives the same results, slower; `available()` says whether the chain is
+compiled. Any failure to build or load it (no compiler, ``CC`` pointing nowhere, an unwritable
+cache directory, sources missing from the installed package) is one warning and the Python
+paths; ``HICACHE_NO_NATIVE=1`` takes the Python paths without trying.
 """
 
 from __future__ import annotations
@@ -148,6 +149,8 @@ def library(release_gil: bool = False) -> ctypes.CDLL | None:
 
 @cache
 def _load(release_gil: bool) -> ctypes.CDLL | None:
+    """`library(release_gil)`; the engine thread's helpers below call it directly (a hit in
+    its cache is a C call: no Python frame) with a bool, so they share `library`'s entry."""
     lib = build(release_gil=release_gil)
     if lib is None:
         return None
@@ -185,6 +188,7 @@ def chain_library(release_gil: bool = False) -> tuple[ctypes.CDLL, tuple[int, in
 
 @cache
 def _load_chain(release_gil: bool) -> tuple[ctypes.CDLL, tuple[int, int, int]] | None:
+    """`chain_library(release_gil)`, cached; `chain_keys` calls it directly, as `_load`."""
     sha256 = _openssl_sha256()
     if sha256 is None:
         log.info("hicache: OpenSSL's SHA256 not found in this process; keys hashed in Python")

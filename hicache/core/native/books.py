@@ -114,7 +114,9 @@ def _over_unpinned() -> RuntimeError:
 
 
 class CompiledBooks:
-    """The books in C (slotbook.c) over numpy arrays, next to the compiled key index."""
+    """The books in C (slotbook.c) over numpy arrays, next to the compiled key index. Methods
+    and their contracts: `SlotPool`'s (``lease``, ``reserve``, ``publish``, ...), and
+    ``unpin(slots)``, a lease's release."""
 
     def __init__(
         self, capacity: int, index: _TableIndex, lib: ctypes.CDLL, on_evict: EvictHook | None
@@ -152,6 +154,7 @@ class CompiledBooks:
         self._lru_c = lib.hicache_books_lru
         self._out = array("i", bytes(4 * max(capacity, 1)))  # reserve's slots
         self._fresh = array("B", bytes(max(capacity, 1)))  # publish's new-key flags
+        self._fresh_at = self._fresh.buffer_info()[0]
         self._evicted = np.zeros(max(capacity, 1), dtype=f"V{KEY_BYTES}")
         self._n_evicted = ctypes.c_int64()
         # reserve's arguments that never change, made once (each costs ~1 µs to make)
@@ -177,12 +180,13 @@ class CompiledBooks:
 
     def reserve(self, n: int) -> Lease:
         got = self._reserve_c(self._ref, min(n, self.capacity), *self._reserve_out)
+        lease = Lease(self, self._out[:got].tolist())  # before the hook, which may call us
         evicted = self._n_evicted.value
         if evicted:
             self.evicted += evicted
             if self.on_evict is not None:  # the keys are made only for a hook that takes them
                 self.on_evict(self._evicted[:evicted].tolist())
-        return Lease(self, self._out[:got].tolist())
+        return lease
 
     def publish(self, slots: Sequence[int], keys: Sequence[bytes]) -> list[int]:
         n = len(slots)
@@ -194,8 +198,7 @@ class CompiledBooks:
         if len(packed) != KEY_BYTES * n:
             raise _bad_keys()
         ids = array("i", slots)
-        fresh = self._fresh.buffer_info()[0]
-        done = self._publish_c(self._ref, ids.buffer_info()[0], packed, n, fresh)
+        done = self._publish_c(self._ref, ids.buffer_info()[0], packed, n, self._fresh_at)
         if done < 0:
             raise RuntimeError(f"hicache: slot {slots[-1 - done]} is not reserved (published?)")
         return list(compress(slots, self._fresh[:n]))
