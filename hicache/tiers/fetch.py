@@ -232,13 +232,13 @@ class FetchSide:
             self._done(fetch)
             return
         lease = self.host.page_slots.reserve(run * self.G)
-        run = len(lease) // self.G  # the whole groups that fit (the others' pages are pinned)
-        lease.split(len(lease) - run * self.G).release()
+        run = len(lease.slots) // self.G  # the whole groups that fit (the others' pages are pinned)
+        lease.split(len(lease.slots) - run * self.G).release()
         lease.slots.sort()  # runs of slots in order: a group in a run is one piece
         state_lease = None
         if state_here and run:
             state_lease = self.host.state_slots.reserve(1)
-            if not len(state_lease):
+            if not state_lease.slots:
                 run = 0
         if run == 0:
             lease.release()
