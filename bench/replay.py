@@ -49,7 +49,7 @@ from memory_tier import MISSING, MemoryConfig, MemoryTier
 from hicache.registry import register_tier
 from hicache.tools.refengine.build import DTYPES, EngineSpec, build_engine, load_model
 from hicache.tools.refengine.engine import Engine, Request
-from hicache.tools.refengine.replay import _time_prefill  # the suffix prefill, as replay's floor
+from hicache.tools.refengine.replay_measure import time_prefill  # as replay's floor
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -150,7 +150,7 @@ def _host_hits(
             hit = req.hit_tokens
             load_bytes = hit // mem.page_tokens * _page_bytes(engine)
             load_s = load_bytes / (gbps * 1e9)
-            suffix = _time_prefill(engine, prompt, hit)
+            suffix = time_prefill(engine, prompt, hit)
             one_layer = load_s / max(1, len(mem.full_index))
             overlap = max(load_s, suffix) + one_layer
             ttft = float(req.ttft or 0.0)
@@ -273,7 +273,7 @@ def _slow_tier(
     (``match(partial=True)``), through a reader engine whose host tier starts empty."""
     P, page_bytes = engine.memory.page_tokens, _page_bytes(engine)
     hit = hit // P * P
-    recompute_s = _time_prefill(engine, _tokens(hit, 7), 0)
+    recompute_s = time_prefill(engine, _tokens(hit, 7), 0)
     space = uuid.uuid4().hex
     modes = ("fetch_all", "recompute_all", "partial")
     # every measured request gets a prefix of its own, stored in the slow tier beforehand

@@ -69,6 +69,10 @@ class CircuitBreaker:
         self._clock = clock
         self._lock = threading.Lock()
         self._state = BreakerState.CLOSED
+        self.closed = True
+        """Whether the breaker is closed: a plain attribute, kept with the state under the lock
+        and read without it (it may be a moment stale), for the engine thread, which must never
+        wait on a lock."""
         self._consecutive = 0
         self._opened_at = 0.0
         self._probe_at = 0.0
@@ -85,12 +89,6 @@ class CircuitBreaker:
         with self._lock:
             return self._state
 
-    @property
-    def closed(self) -> bool:
-        """Whether the breaker is closed, read without taking the lock (one attribute read: it
-        may be a moment stale). For the engine thread, which must never wait on a lock."""
-        return self._state is BreakerState.CLOSED
-
     def allow(self) -> bool:
         """True when a call may go ahead now; False (counted as refused) otherwise."""
         with self._lock:
@@ -99,7 +97,7 @@ class CircuitBreaker:
             now = self._clock()
             if self._state is BreakerState.OPEN:
                 if now - self._opened_at >= self._reset_timeout:
-                    self._state = BreakerState.HALF_OPEN
+                    self._state, self.closed = BreakerState.HALF_OPEN, False
                     self._probe_at = now
                     self._probes += 1
                     return True
@@ -118,7 +116,7 @@ class CircuitBreaker:
         with self._lock:
             self._successes += 1
             self._consecutive = 0
-            self._state = BreakerState.CLOSED
+            self._state, self.closed = BreakerState.CLOSED, True
 
     def record_failure(self) -> None:
         """Report a call that failed because of the service (unreachable, timed out)."""
@@ -128,7 +126,7 @@ class CircuitBreaker:
             if self._state is BreakerState.HALF_OPEN or (
                 self._state is BreakerState.CLOSED and self._consecutive >= self._threshold
             ):
-                self._state = BreakerState.OPEN
+                self._state, self.closed = BreakerState.OPEN, False
                 self._opened_at = self._clock()
                 self._opened += 1
             elif self._state is BreakerState.OPEN:
@@ -139,7 +137,7 @@ class CircuitBreaker:
         """Close the breaker and clear the failure run (for example after a fresh connection)."""
         with self._lock:
             self._consecutive = 0
-            self._state = BreakerState.CLOSED
+            self._state, self.closed = BreakerState.CLOSED, True
 
     def stats(self) -> BreakerStats:
         """A consistent snapshot of the counters."""

@@ -170,15 +170,18 @@ class TierChain:
         if self.clock() <= fetch.deadline:
             return True
         for part in fetch.parts():
-            if part.running and not part.abandoned:
+            if part.phase != "done" and not part.abandoned:
                 part.link.stats.timeouts += 1
             part.abandoned = True
         return False
 
     def forget(self, fetch: Fetch) -> None:
-        """The request is gone: drop its walk (running gets still finish into their slots)."""
+        """The request is gone: drop its walk. A part that is done releases its slots now; a
+        running one still finishes into its slots, which its result then releases."""
         for part in fetch.parts():
-            part.link.forget(part)
+            part.abandoned = True
+            if part.phase == "done":
+                part.release()
 
     def apply(self) -> bool:
         """Apply what every tier's workers have posted; True if a fetch finished."""
@@ -195,8 +198,10 @@ class TierChain:
         """`store` copied `keys` (a sequence from its first page) to the host tier: hand them
         to every tier as its `write:` says. `ready` completes with the host copy."""
         n = len(keys)
-        for link in self.links:
-            link.stored(keys, n, range(link.G, n + 1, link.G), ready, slots)
+        for link in self._behind:
+            link.write_behind(keys, n, range(link.G, n + 1, link.G), ready, slots)
+        for link in self._write_back:
+            link.note_dirty(keys, n)
 
     def evicted(self, keys: list[bytes]) -> None:
         """The host tier evicted `keys` (its eviction hook)."""

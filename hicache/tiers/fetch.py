@@ -4,7 +4,7 @@ thread (`FetchSide`, a part of `hicache.tiers.link.StoreLink`).
 A fetch is for one request whose prompt runs past the host tier's hit: the pages after the host
 hit are hashed, by the engine thread for the first `ENGINE_PREP_PAGES` pages and by the worker
 (from the key before them and their tokens) for the rest; the worker names their groups. If the
-fetch fits the reserve of free host slots (`hicache.tiers.reserve`), it is one batched
+fetch fits the link's reserve of free host slots (`StoreLink.refill`), it is one batched
 `get_into` those slots, and the leading run that arrives is the hit. Otherwise one batched
 `exists` for the groups (and, for state layouts, the states at the group ends), then — on the
 engine thread — a choice (the leading run of groups, snapped to a state), fresh host slots
@@ -83,11 +83,6 @@ class Fetch:
         return self.keys[pages - 1 - self.first_page]
 
     @property
-    def running(self) -> bool:
-        """This tier's part is not done."""
-        return self.phase != "done"
-
-    @property
     def busy(self) -> bool:
         """Some part of the walk (this fetch, or one after it) is not done."""
         fetch: Fetch | None = self
@@ -130,13 +125,13 @@ class FetchSide:
     _verdict: Verdict
     _trusted_books: bool
     _groups_held: Any
-    _reserve: Lease | None
+    _reserve: Lease
     _lent: int
     _fetch_load: list[int]
     _fetch_jobs: list[Any]
     usable: Callable[[], bool]
     _done: Callable[[Fetch], None]
-    _submit: Callable[[Any, Job], None]
+    jobs_in_flight: int
     _take_back: Callable[[Lease, int], None]
 
     def start_fetch(
@@ -155,7 +150,7 @@ class FetchSide:
         busy, or fetching is slower than recomputing (see `hicache.core.cost`; not asked for a
         `planned` partial fetch, whose plan weighed the tier's speed already).
         """
-        G, P = self.G, chain.page_tokens
+        G = self.G
         first = host_pages // G
         # groups [first, last): every whole group that starts below max_pages (the hit is capped
         # at max_pages afterwards, so a group may be fetched for only part of its pages)
@@ -177,18 +172,21 @@ class FetchSide:
                 self.stats.skipped_unheld += 1
                 return None
         now = self.clock()
-        if deadline is None:
-            deadline = now + self.policy.fetch_max_wait_ms / 1e3
+        deadline = now + self.policy.fetch_max_wait_ms / 1e3 if deadline is None else deadline
         fetch = Fetch(
             first, last - first, first * G, host_pages, deadline, now, self, chain, max_pages
         )
         self.stats.fetches += 1
         pages = (last - first) * G
         job = Job("probe", fetch=fetch, started=now)
-        if self._can_get_at_once(pages):
+        if (
+            not self.layout.state_bytes  # a state's boundary decides the run: probe first
+            and self.store.missing_code is not None  # a miss told from a failure
+            and len(self._reserve.slots) >= pages
+        ):
             # One call: get every group into reserved slots; the leading run that arrives is the
             # hit (a missing object reads as a miss). No exists, no second trip to this thread.
-            fetch.lease, fetch.phase = self._reserve.split(pages), "get"  # type: ignore[union-attr]
+            fetch.lease, fetch.phase = self._reserve.split(pages), "get"
             fetch.lease.slots.sort()  # runs of slots in order: a group in a run is one piece
             self._lent += pages
             job.kind, job.groups, job.unprobed = "get", last - first, True
@@ -201,26 +199,10 @@ class FetchSide:
         if own < end:
             # bytes, not an array copy: the caller may reuse its tokens, and numpy releases the
             # GIL to copy an array this long (a worker waiting for it would cut into this call)
+            P = chain.page_tokens
             job.hash_from = (job.page_keys[-1], chain.tokens[own * P : end * P].tobytes())
         self._submit_fetch(job)
         return fetch
-
-    def _can_get_at_once(self, pages: int) -> bool:
-        """Whether a fetch of `pages` pages can skip the exists: no states to find (a state's
-        boundary decides the run), a store that tells a miss from a failure, room in the
-        reserve."""
-        return (
-            not self.layout.state_bytes
-            and self.store.missing_code is not None
-            and self._reserve is not None
-            and len(self._reserve) >= pages
-        )
-
-    def forget(self, fetch: Fetch) -> None:
-        """The request is gone: drop the fetch (a running get still finishes into its slots)."""
-        fetch.abandoned = True
-        if not fetch.running:
-            fetch.release()
 
     def _on_probe(self, job: Job, present: list[bool] | None) -> None:
         fetch = job.fetch
@@ -250,13 +232,13 @@ class FetchSide:
             self._done(fetch)
             return
         lease = self.host.page_slots.reserve(run * self.G)
-        run = len(lease) // self.G  # the whole groups that fit (the others' pages are pinned)
-        lease.split(len(lease) - run * self.G).release()
+        run = len(lease.slots) // self.G  # the whole groups that fit (the others' pages are pinned)
+        lease.split(len(lease.slots) - run * self.G).release()
         lease.slots.sort()  # runs of slots in order: a group in a run is one piece
         state_lease = None
         if state_here and run:
             state_lease = self.host.state_slots.reserve(1)
-            if not len(state_lease):
+            if not state_lease.slots:
                 run = 0
         if run == 0:
             lease.release()
@@ -323,4 +305,5 @@ class FetchSide:
         load = self._fetch_load
         job.worker = load.index(min(load))
         load[job.worker] += 1
-        self._submit(self._fetch_jobs[job.worker], job)
+        self._fetch_jobs[job.worker].put(job)
+        self.jobs_in_flight += 1

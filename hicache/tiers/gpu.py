@@ -37,6 +37,7 @@ class GpuTier(PoolTier):
                 f"page_bytes={layout.page_size}"
             )
         self._pages = pages
+        self._limit = pages.num_pages
 
     @property
     def pages(self) -> PagedBuffer:
@@ -48,7 +49,7 @@ class GpuTier(PoolTier):
 
     def block_ids(self, block_ids: object, needed: int, what: str) -> np.ndarray:
         """The first `needed` of `block_ids` as an int32 array; ValueError naming any problem."""
-        limit = self._pages.num_pages
+        limit = self._limit
         if type(block_ids) is list or type(block_ids) is tuple:  # what engines pass: no numpy
             if len(block_ids) < needed:
                 raise ValueError(f"{what} needs {needed} block ids, got {len(block_ids)}")

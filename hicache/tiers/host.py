@@ -109,6 +109,9 @@ class HostTier(PoolTier):
         self._states: torch.Tensor | None = None
         self.error: BaseException | None = None
         self._on_ready = on_ready
+        self.ready = False
+        """Whether the pools are allocated: a plain attribute, set once by the allocating
+        thread after the pools exist (read without a call on every store and fetch)."""
         self._ready = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -139,12 +142,8 @@ class HostTier(PoolTier):
             return
         finally:
             _allocating.discard(self)
+        self.ready = True
         self._ready.set()
-
-    @property
-    def ready(self) -> bool:
-        """Whether the pools are allocated. Never blocks."""
-        return self._ready.is_set()
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
         """Block until the pools are allocated; False if `timeout_s` passed first. Raises

@@ -5,8 +5,8 @@ The engine thread never calls the store. It hands jobs to worker threads — one
 `fetch_workers` for fetches, each fetch to the least busy of them — and applies their results in
 `poll` (and in `match`, for a request whose fetch is running):
 
-- a *fetch* (for one request whose prompt runs past the host tier's hit: `hicache.tiers.fetch`,
-  with the reserve of free host slots it may get into at once, `hicache.tiers.reserve`);
+- a *fetch* (for one request whose prompt runs past the host tier's hit: `hicache.tiers.fetch`),
+  into the link's reserve of free host slots where it fits (`refill`, `_take_back` here);
 - a *put* (`write: behind` from `store`, or `write: on_evict` once the host runs short of free
   slots: `hicache.tiers.writes`).
 
@@ -46,7 +46,6 @@ from hicache.tiers.base import StoreTier, StoreUnavailable
 from hicache.tiers.breaker import CircuitBreaker
 from hicache.tiers.fetch import Fetch, FetchSide
 from hicache.tiers.host import HostTier
-from hicache.tiers.reserve import ReserveSide
 from hicache.tiers.worker import Job, Worker
 from hicache.tiers.writes import WriteSide
 
@@ -84,7 +83,7 @@ class LinkSettings:
     breaker_reprobe_s: float = 5.0
 
 
-class StoreLink(FetchSide, ReserveSide, WriteSide):
+class StoreLink(FetchSide, WriteSide):
     """Fetches and puts between the host tier and one `StoreTier`, off the engine thread."""
 
     def __init__(
@@ -143,7 +142,12 @@ class StoreLink(FetchSide, ReserveSide, WriteSide):
         self._states_held = _Seen(1 << 18)
         self._registered = threading.Event()
         self._results: deque[tuple[Job, object]] = deque()
-        self._reserve: Lease | None = None  # free host slots a fetch can get into at once
+        self._reserve: Lease = host.page_slots.lease([])
+        """Free host slots (reserved, pinned) that a fetch can get into at once, skipping the
+        probe; topped up by `refill`."""
+        self._reserve_size = min(settings.reserve_pages, host.page_slots.capacity // 8)
+        """The slots the reserve holds when no get is out: `reserve_pages`, at most an eighth of
+        the host tier."""
         self._lent = 0  # reserve slots that unprobed gets are reading into now
         self.jobs_in_flight = 0
         """Jobs handed to the workers whose results `poll` has not applied yet."""
@@ -181,16 +185,34 @@ class StoreLink(FetchSide, ReserveSide, WriteSide):
 
     def poll(self) -> None:
         """Apply the results the workers have posted, refill the fetch reserve, write back.
-        Never blocks. A poll that has just finished a fetch leaves the refill to the next one
-        while the reserve holds at least half its size: the request that fetch answers is
-        matched right after this poll, and should not wait for slots that a later fetch
-        needs."""
-        fetched = self.apply()
-        have = self._reserve_free()
-        if not fetched or 2 * have < self._reserve_size():
-            self.refill()
+        Never blocks."""
+        self.refill(after_fetch=self.apply())
         if self._dirty:
             self.write_back()
+
+    def refill(self, after_fetch: bool = False) -> None:
+        """Top the fetch reserve up to `_reserve_size` free host slots, less those lent to
+        running gets (evicting if needed). `after_fetch`: a poll that has just finished a fetch
+        refills only while the reserve holds less than half its size: the request that fetch
+        answers is matched right after this poll, and should not wait for slots that a later
+        fetch needs."""
+        have = len(self._reserve.slots)
+        if (after_fetch and 2 * have >= self._reserve_size) or not self.host.ready:
+            return
+        short = self._reserve_size - self._lent - have
+        if short > 0:
+            self._reserve.absorb(self.host.page_slots.reserve(short))
+
+    def _take_back(self, lease: Lease, keep: int) -> None:
+        """A get into slots lent by the reserve has read `keep` pages: the lease's other slots
+        (reserved, never published) return to the reserve, as far as it has room, and the rest
+        to the free list. A fetch of objects the store does not hold leaves nothing to refill,
+        so misses cost the engine thread no evictions and no refill."""
+        spare = lease.split(len(lease.slots) - keep)
+        room = max(0, self._reserve_size - self._lent - len(self._reserve.slots))
+        if len(spare.slots) > room:
+            spare.split(len(spare.slots) - room).release()
+        self._reserve.absorb(spare)
 
     def apply(self) -> bool:
         """Apply the results the workers have posted (engine thread); True if a fetch finished.
@@ -236,7 +258,7 @@ class StoreLink(FetchSide, ReserveSide, WriteSide):
             f"available_{n}": int(self.store.available and self.breaker.closed),
             f"queue_depth_{n}": self._puts_out,
             f"jobs_in_flight_{n}": self.jobs_in_flight,
-            f"fetch_reserve_{n}": self._reserve_free(),
+            f"fetch_reserve_{n}": len(self._reserve.slots),
             f"write_back_pending_{n}": len(self._dirty),
             f"read_mbps_{n}": int(self.read.per_s / 1e6),
         }
@@ -245,10 +267,6 @@ class StoreLink(FetchSide, ReserveSide, WriteSide):
     def idle(self) -> bool:
         """No job is queued or running."""
         return self.jobs_in_flight == 0
-
-    def _submit(self, jobs: queue.SimpleQueue[Job | None], job: Job) -> None:
-        jobs.put(job)
-        self.jobs_in_flight += 1
 
     # -- worker threads ---------------------------------------------------------------------------
 
@@ -316,9 +334,7 @@ class StoreLink(FetchSide, ReserveSide, WriteSide):
         for t in self._threads:
             t.join(timeout=30)
         self.poll()
-        if self._reserve is not None:
-            self._reserve.release()
-            self._reserve = None
+        self._reserve.release()
         self.store.close()
 
 

@@ -11,20 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from hicache.core.keys import page_keys, store_key
+from hicache.core.slots import Lease
 from hicache.tiers.base import Buffers, StoreTier
 from hicache.tiers.host import HostTier
 from hicache.transfer.completions import DONE, Completion
 
-
-class Releasable(Protocol):
-    """What a job pins until its call has returned (a lease, or leases released together)."""
-
-    def release(self) -> None: ...
+_NO_BUFFERS = Buffers([], [])  # a probe's (read by nobody)
 
 
 @dataclass
@@ -42,13 +39,14 @@ class Job:
     state_slots: list[int] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     """Object names (groups, then states), made by the worker."""
-    buffers: Buffers = field(default_factory=lambda: Buffers([], []))
-    """Where the objects lie in the host pools, found by the worker."""
+    buffers: Buffers = _NO_BUFFERS
+    """Where the objects lie in the host pools, found by the worker for a get or a put."""
     fetch: Any = None
     """For a probe or a get: the engine thread's `hicache.tiers.fetch.Fetch` (the worker never
     reads it)."""
-    lease: Releasable | None = None
-    """What the job pins until its call has returned (released by the engine thread)."""
+    leases: tuple[Lease, ...] = ()
+    """For a put: the pins on its page (and state) slots, held until its call has returned
+    (released by the engine thread)."""
     groups: int = 0
     """For a get: how many page groups it reads (a state, if any, comes after them)."""
     unprobed: bool = False
@@ -65,10 +63,6 @@ class Job:
     finished: float = 0.0
     worker: int = 0
     """For a fetch job: the fetch worker it was queued for."""
-
-    def release(self) -> None:
-        if self.lease is not None:
-            self.lease.release()
 
 
 class Worker:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from itertools import filterfalse
 from typing import Any
 
 from hicache.config import Layout
-from hicache.core.slots import Lease
 from hicache.observability.events import EventSink, emit
 from hicache.observability.stats import TierStats
 from hicache.tiers.host import HostTier
@@ -26,17 +26,6 @@ from hicache.transfer.completions import DONE, Completion
 
 WRITE_BACK_GROUPS = 64
 """`write: on_evict`: page groups one write-back put takes at most."""
-
-
-class _Leases:
-    """Two leases released together (a put pins page slots and state slots)."""
-
-    def __init__(self, *leases: Lease) -> None:
-        self._leases = leases
-
-    def release(self) -> None:
-        for lease in self._leases:
-            lease.release()
 
 
 class WriteSide:
@@ -56,27 +45,16 @@ class WriteSide:
     _puts_out: int
     _put_jobs: Any
     usable: Callable[[], bool]
-    _submit: Callable[[Any, Job], None]
+    jobs_in_flight: int
 
-    def stored(
-        self,
-        keys: list[bytes],
-        n_pages: int,
-        state_pages: Sequence[int],
-        ready: Completion = DONE,
-        slots: list[int] | None = None,
-    ) -> None:
-        """`store` has written `keys[:n_pages]` to the host: put them behind, or note them for
-        a write-back, as the tier's `write:` says."""
-        write = self.settings.write
-        if write == "behind":
-            self.write_behind(keys, n_pages, state_pages, ready, slots)
-        elif write == "on_evict":
-            G, held, dirty = self.G, self._groups_held, self._dirty
-            for g in range(n_pages // G):
-                end = keys[(g + 1) * G - 1]
-                if end not in held and end not in dirty:
-                    dirty[end] = keys[g * G : (g + 1) * G]
+    def note_dirty(self, keys: list[bytes], n_pages: int) -> None:
+        """`write: on_evict`: `store` has written `keys[:n_pages]` to the host; note the groups
+        the tier does not hold, for `write_back`."""
+        G, held, dirty = self.G, self._groups_held, self._dirty
+        for g in range(n_pages // G):
+            end = keys[(g + 1) * G - 1]
+            if end not in held and end not in dirty:
+                dirty[end] = keys[g * G : (g + 1) * G]
 
     def write_behind(
         self,
@@ -94,31 +72,30 @@ class WriteSide:
         their bytes. `slots`, where the caller knows them: the host slot of each of `keys`
         (all published), so that they need not be looked up.
         """
-        G = self.G
+        G, n_groups = self.G, n_pages // self.G
         if not self.usable():  # not connected, or the breaker is open: offer nothing
-            self.stats.puts_skipped += n_pages // G
+            self.stats.puts_skipped += n_groups
             return
         held = self._groups_held
-        groups = [g for g in range(n_pages // G) if keys[(g + 1) * G - 1] not in held]
+        every_end = keys[G - 1 : n_groups * G : G]
+        ends = list(filterfalse(held.__contains__, every_end))
         if self._puts_out >= self.settings.queue_depth:  # drop at once, build nothing
-            self.stats.puts_dropped += len(groups)
+            self.stats.puts_dropped += len(ends)
             return
-        ends: list[bytes] = []
         pins: list[int] = []
-        if slots is not None and len(groups) == n_pages // G:  # every group is new: no loop
-            ends, pins = keys[G - 1 : len(groups) * G : G], slots[: len(groups) * G]
-        elif groups:
+        if slots is not None and len(ends) == n_groups:  # every group is new: no loop
+            pins = slots[: n_groups * G]
+        elif ends:
             page_slots: Sequence[int | None] = (
-                slots
-                if slots is not None
-                else self.host.page_slots.lookup(keys[: (groups[-1] + 1) * G])
+                slots if slots is not None else self.host.page_slots.lookup(keys[: n_groups * G])
             )
-            for g in groups:
+            ends = []
+            for g, end in enumerate(every_end):
                 group = page_slots[g * G : (g + 1) * G]
-                if None in group:  # a page was evicted meanwhile: this group can't be put
-                    continue
-                ends.append(keys[(g + 1) * G - 1])
-                pins += group  # type: ignore[arg-type]
+                # held, or a page evicted meanwhile (this group can't be put)
+                if end not in held and None not in group:
+                    ends.append(end)
+                    pins += group  # type: ignore[arg-type]
         state_ends: list[bytes] = []
         state_pins: list[int] = []
         if self.layout.state_bytes:
@@ -142,13 +119,17 @@ class WriteSide:
         a group) and the states in `state_pins`; the slots stay pinned until it has returned."""
         if not ends and not state_ends:
             return
-        lease = _Leases(self.host.page_slots.lease(pins), self.host.state_slots.lease(state_pins))
-        job = Job("put", ends, state_ends, pins, state_pins, lease=lease, ready=ready)
+        leases = (self.host.page_slots.lease(pins),)
+        if state_pins:
+            leases += (self.host.state_slots.lease(state_pins),)
+        job = Job("put", ends, state_ends, pins, state_pins, leases=leases, ready=ready)
         job.started = self.clock()
         self._puts_out += 1
-        self._submit(self._put_jobs, job)
+        self._put_jobs.put(job)
+        self.jobs_in_flight += 1
         self._groups_held.add_all(ends)
-        self._states_held.add_all(state_ends)
+        if state_ends:
+            self._states_held.add_all(state_ends)
 
     def write_back(self, force: bool = False) -> None:
         """`write: on_evict`: once the host tier runs short of free slots (fewer than an eighth
@@ -198,26 +179,27 @@ class WriteSide:
         return len(self._dirty)
 
     def _on_put(self, job: Job, codes: list[int] | None) -> None:
-        job.release()
-        ends = job.ends + job.state_ends
-        codes = codes or [-1] * len(ends)
-        ok = [code >= 0 for code in codes]
-        if all(ok):  # the usual case: counted in one step
-            self.stats.objects_put += len(ok)
-            self.stats.put_bytes += (
-                len(job.page_slots) * self.layout.page_size
-                + len(job.state_slots) * self.layout.state_bytes
+        for lease in job.leases:
+            lease.release()
+        groups, layout, stats = len(job.ends), self.layout, self.stats
+        group_bytes = self.G * layout.page_size
+        n = groups + len(job.state_ends)
+        if codes and len(codes) == n and min(codes) >= 0:  # the usual case: counted in one step
+            stats.objects_put += n
+            stats.put_bytes += (
+                len(job.page_slots) * layout.page_size + len(job.state_slots) * layout.state_bytes
             )
+            put = job.ends
         else:
-            groups = len(job.ends)
-            for i, (key, put) in enumerate(zip(ends, ok)):
-                if put:
-                    self.stats.objects_put += 1
-                    self.stats.put_bytes += (
-                        self.G * self.layout.page_size if i < groups else self.layout.state_bytes
-                    )
+            put = []
+            for i, key in enumerate(job.ends + job.state_ends):
+                if codes and i < len(codes) and codes[i] >= 0:
+                    stats.objects_put += 1
+                    stats.put_bytes += group_bytes if i < groups else layout.state_bytes
+                    if i < groups:
+                        put.append(key)
                 else:
                     (self._groups_held if i < groups else self._states_held).discard(key)
-                    self.stats.put_failed += 1
+                    stats.put_failed += 1
         if self.events is not None:
-            emit(self.events, "stored", self.name, [k for k, put in zip(job.ends, ok) if put])
+            emit(self.events, "stored", self.name, put)

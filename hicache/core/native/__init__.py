@@ -5,7 +5,7 @@ What is in it, and who uses it:
 - the page-key chain (`chain_keys`, the fast path of `hicache.core.keys`): on x86-64 CPUs with the
   SHA extensions it hashes pages two at a time with SHA-NI; elsewhere it uses OpenSSL's SHA-256
   (`force_portable` makes it do so anyway, for tests);
-- the key index (`index.py` over ``keyindex.c``) and the host walk (`walk`), which hashes and
+- the key index (`index.py` over ``keyindex.c``) and its walk (``walk.c``), which hashes and
   looks up pairs of pages until the first miss;
 - the slot books (`books.py` over ``slotbook.c``): pins, LRU order and free list of a slot pool;
 - the prefix compare of the prefix memo (`common_tokens`), the CPU page copy and the block-id
@@ -13,12 +13,18 @@ What is in it, and who uses it:
   operations of more than a few hundred elements, and the engine thread must not).
 
 `library()` loads it with its signatures declared; calls keep the GIL unless the caller asks for
-the variant that drops it (long calls from worker threads). Where it cannot be built or loaded
-(no compiler, no OpenSSL in the process), every user has a Python path that gives the same
-results, slower; `available()` says whether the chain is compiled. Any failure to build or
-load it (no compiler, ``CC`` pointing nowhere, an unwritable cache directory, sources missing
-from the installed package) is one warning and the Python paths; ``HICACHE_NO_NATIVE=1`` takes
-the Python paths without trying.
+the variant that drops it (long calls from worker threads). Loading happens once per variant, at
+start-up (`available()`; the key index loads it when it is made). The engine thread's helpers
+here (`chain_keys`, `bad_id`, `align_slots`, `common_tokens`, ...) then find the loaded library in
+the loader's cache (a C call, no Python frame) and make one C call each, and the index and the
+books (`index.py`, `books.py`) hold the C functions they call: an engine-thread operation is one
+Python call around one C call.
+
+Where it cannot be built or loaded (no compiler, no OpenSSL in the process), every user has a
+Python path that gives the same results, slower; `available()` says whether the chain is
+compiled. Any failure to build or load it (no compiler, ``CC`` pointing nowhere, an unwritable
+cache directory, sources missing from the installed package) is one warning and the Python
+paths; ``HICACHE_NO_NATIVE=1`` takes the Python paths without trying.
 """
 
 from __future__ import annotations
@@ -143,6 +149,8 @@ def library(release_gil: bool = False) -> ctypes.CDLL | None:
 
 @cache
 def _load(release_gil: bool) -> ctypes.CDLL | None:
+    """`library(release_gil)`; the engine thread's helpers below call it directly (a hit in
+    its cache is a C call: no Python frame) with a bool, so they share `library`'s entry."""
     lib = build(release_gil=release_gil)
     if lib is None:
         return None
@@ -172,13 +180,15 @@ def _load(release_gil: bool) -> ctypes.CDLL | None:
     return lib
 
 
-def _library(release_gil: bool = False) -> tuple[ctypes.CDLL, tuple[int, int, int]] | None:
-    """The library and OpenSSL's SHA-256 functions, which the chain needs where SHA-NI is not."""
+def chain_library(release_gil: bool = False) -> tuple[ctypes.CDLL, tuple[int, int, int]] | None:
+    """The library and OpenSSL's SHA-256 functions, which the chain and the walk need where
+    SHA-NI is not; None where either is missing. Loads them the first time (start-up)."""
     return _load_chain(bool(release_gil))
 
 
 @cache
 def _load_chain(release_gil: bool) -> tuple[ctypes.CDLL, tuple[int, int, int]] | None:
+    """`chain_library(release_gil)`, cached; `chain_keys` calls it directly, as `_load`."""
     sha256 = _openssl_sha256()
     if sha256 is None:
         log.info("hicache: OpenSSL's SHA256 not found in this process; keys hashed in Python")
@@ -215,7 +225,7 @@ def _openssl_sha256() -> tuple[int, int, int] | None:
 def available() -> bool:
     """True when the compiled chain is built and loaded (loading both variants of the library
     if they are not yet: call it at start-up)."""
-    return _library(True) is not None and _library() is not None
+    return chain_library(True) is not None and chain_library() is not None
 
 
 def force_portable(on: bool) -> bool:
@@ -223,7 +233,7 @@ def force_portable(on: bool) -> bool:
 
     Returns True when `chain_keys` uses SHA-NI from now on; False also when it is not built.
     """
-    loaded = _library()
+    loaded = chain_library()
     return loaded is not None and bool(loaded[0].hicache_chain_force_portable(int(on)))
 
 
@@ -248,15 +258,18 @@ def chain_keys(seed: bytes, pages: np.ndarray, release_gil: bool = False) -> byt
 
     Returns n * 16 bytes, or None when the compiled helper is not available.
     """
-    loaded = _library(release_gil)
+    loaded = _load_chain(bool(release_gil))
     if loaded is None:
         return None
     lib, sha256 = loaded
     n = pages.shape[0]
+    if n == 0:
+        return b""
     # a bytearray, not ctypes.create_string_buffer: that makes a new ctypes type for every
     # distinct length (tens of microseconds a call on a real prompt mix)
     out = bytearray(16 * n)
-    lib.hicache_chain(*sha256, seed, address(pages), pages.shape[1] * 4, n, address(out))
+    at = ctypes.addressof(ctypes.c_char.from_buffer(out))
+    lib.hicache_chain(*sha256, seed, address(pages), pages.shape[1] * 4, n, at)
     return bytes(out)
 
 
@@ -264,7 +277,7 @@ def ids_int32(ids: np.ndarray, limit: int) -> tuple[np.ndarray, int] | None:
     """`ids` (a C-contiguous int32 or int64 array) as a new int32 array, and the position of the
     first id outside [0, `limit`) (-1 when there is none). None where the helpers are not
     compiled or for another dtype: the caller takes numpy's way."""
-    lib = library()
+    lib = _load(False)
     if lib is None or ids.dtype not in (np.int32, np.int64) or not ids.flags.c_contiguous:
         return None
     out = np.empty(ids.shape[0], dtype=np.int32)
@@ -276,7 +289,7 @@ def ids_int32(ids: np.ndarray, limit: int) -> tuple[np.ndarray, int] | None:
 def bad_id(ids: array, limit: int) -> int:
     """The position of the first id of an `array('i')` outside [0, `limit`), or -1 (checked in
     place: no copy, no numpy)."""
-    lib = library()
+    lib = _load(False)
     if lib is None:
         return next((k for k, i in enumerate(ids) if not 0 <= i < limit), -1)
     address = ids.buffer_info()[0]
@@ -285,7 +298,7 @@ def bad_id(ids: array, limit: int) -> int:
 
 def gather_int32(ids: np.ndarray, at: Sequence[int]) -> np.ndarray:
     """``ids[at]`` for a C-contiguous int32 array and positions the caller knows are in range."""
-    lib = library()
+    lib = _load(False)
     if lib is None:
         return ids[np.asarray(at, dtype=np.intp)]
     positions = array("i", at)
@@ -301,7 +314,7 @@ def align_slots(ids: np.ndarray, slots: list[int]) -> array:
     engines' cost is per row). In the order given when the ids run neither way, or without the
     compiled helpers."""
     ordered = array("i", slots)
-    lib = library()
+    lib = _load(False)
     if lib is not None and len(ordered) > 1:
         lib.hicache_align_slots(address(ids), ordered.buffer_info()[0], len(ordered))
     return ordered
@@ -310,38 +323,9 @@ def align_slots(ids: np.ndarray, slots: list[int]) -> array:
 def common_tokens(a: np.ndarray, b: np.ndarray) -> int:
     """How many leading tokens two C-contiguous int32 arrays share (compiled where possible)."""
     n = min(a.shape[0], b.shape[0])
-    lib = library()
+    lib = _load(False)
     if lib is None:
         diff = np.flatnonzero(a[:n] != b[:n])
         return int(diff[0]) if diff.size else n
     same = lib.hicache_common_prefix(address(a), address(b), 4 * n)
     return same // 4
-
-
-def walk(
-    prev: bytes, pages: np.ndarray, table: int, mask: int, out_keys: int, out_slots: int
-) -> tuple[int, int] | None:
-    """Hash `pages` (C-contiguous [n, page_tokens] int32) chained from `prev` and look each key
-    up in the key index table at address `table` (mask + 1 entries), stopping after the pair of
-    pages that holds the first miss. Writes the keys hashed (16 bytes each) to `out_keys` and
-    the slots of the leading run found (int32) to `out_slots`, which hold room for n of each.
-    Returns (pages hashed, run found); None when the compiled helpers are not available."""
-    loaded = _library()
-    if loaded is None:
-        return None
-    lib, sha256 = loaded
-    n = pages.shape[0]
-    found = ctypes.c_int64()
-    hashed = lib.hicache_walk(
-        *sha256,
-        prev,
-        address(pages),
-        pages.shape[1] * 4,
-        n,
-        table,
-        mask,
-        out_keys,
-        out_slots,
-        ctypes.byref(found),
-    )
-    return hashed, found.value

@@ -1,13 +1,16 @@
-"""The books of a `SlotPool`: pins, LRU order, the free stack, and the key of each slot.
+"""The books of a `SlotPool`: pins (handed out as `Lease`s), LRU order, the free stack, the
+key of each slot, and the eviction hook.
 
 `slot_books(capacity, index)` gives `CompiledBooks` (``slotbook.c``, sharing the compiled key
-index's table) where the key index is compiled, and `PythonBooks` otherwise. Both do exactly the
-same thing — the tests drive them side by side and compare — and the compiled one does it in one
-C call per operation instead of a few Python operations per slot (a 64-page store: ~10 µs
-instead of ~150 µs).
+index's table) where the key index is compiled, and `PythonBooks` otherwise (`PolicyBooks` for
+an eviction policy other than LRU). They do exactly the same thing — the tests drive them side by
+side and compare — and the compiled one does it in one C call per operation instead of a few
+Python operations per slot (a 64-page store: ~10 µs instead of ~150 µs).
 
-The books only keep accounts; `SlotPool` (hicache/core/slots.py) wraps them in leases and the
-eviction hook. Slot lists go in and come out as lists of ints. Engine thread only.
+`SlotPool` (hicache/core/slots.py) binds the books' ``lease``, ``reserve``, ``publish``,
+``key_of`` and ``keys_of`` as its own methods (their contracts are stated there), and a
+`Lease`'s release calls the books' ``unpin``: in the compiled books each of these is one Python
+call around one C call. Slot lists go in and come out as lists of ints. Engine thread only.
 """
 
 from __future__ import annotations
@@ -15,16 +18,26 @@ from __future__ import annotations
 import ctypes
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import compress, islice
 
 import numpy as np
 
 from hicache.core import native
 from hicache.core.eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
-from hicache.core.native.index import KEY_BYTES, KeyIndex, _packed, _TableIndex
+from hicache.core.native.index import KEY_BYTES, KeyIndex, _bad_keys, _TableIndex
 
-__all__ = ["Books", "CompiledBooks", "PolicyBooks", "PythonBooks", "slot_books"]
+__all__ = [
+    "Books",
+    "CompiledBooks",
+    "EvictHook",
+    "Lease",
+    "PolicyBooks",
+    "PythonBooks",
+    "slot_books",
+]
+
+EvictHook = Callable[[list[bytes]], None]
 
 _FREE, _RESERVED, _PUBLISHED = 0, 1, 2
 
@@ -50,15 +63,68 @@ class _Struct(ctypes.Structure):
     ]
 
 
+class Lease:
+    """Pins on a list of slots, released exactly once (further releases do nothing)."""
+
+    __slots__ = ("_books", "slots")
+
+    def __init__(self, books: Books, slots: list[int]) -> None:
+        self._books: Books | None = books
+        self.slots = slots
+
+    @property
+    def held(self) -> bool:
+        return self._books is not None
+
+    def release(self) -> None:
+        """Drop the pins (the books' ``unpin``); slots nobody pins any more become evictable
+        (the first most recent)."""
+        books, self._books = self._books, None
+        if books is not None:
+            books.unpin(self.slots)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def split(self, n: int) -> Lease:
+        """Move the last `n` slots, with their pins, into a new lease (no pin is taken or
+        dropped). Raises ValueError on a released lease or one with fewer slots. The slot list
+        shrinks in place: O(n), however large the lease (the L3's fetch reserve is split this
+        way at every fetch)."""
+        if self._books is None or not 0 <= n <= len(self.slots):
+            raise ValueError(
+                f"cannot split {n} slots off a lease of {len(self.slots)} (held: {self.held})"
+            )
+        keep = len(self.slots) - n
+        taken = self.slots[keep:]
+        del self.slots[keep:]
+        return Lease(self._books, taken)
+
+    def absorb(self, other: Lease) -> None:
+        """Move `other`'s slots and pins into this lease (its slot list grows in place); `other`
+        is left released and empty."""
+        if self._books is None or other._books is not self._books:
+            raise ValueError("leases of different pools, or a released one, cannot be merged")
+        self.slots.extend(other.slots)
+        other._books, other.slots = None, []
+
+
 def _over_unpinned() -> RuntimeError:
     return RuntimeError("hicache: a slot was unpinned more often than pinned")
 
 
 class CompiledBooks:
-    """The books in C (slotbook.c) over numpy arrays, next to the compiled key index."""
+    """The books in C (slotbook.c) over numpy arrays, next to the compiled key index. Methods
+    and their contracts: `SlotPool`'s (``lease``, ``reserve``, ``publish``, ...), and
+    ``unpin(slots)``, a lease's release."""
 
-    def __init__(self, capacity: int, index: _TableIndex, lib: ctypes.CDLL) -> None:
+    def __init__(
+        self, capacity: int, index: _TableIndex, lib: ctypes.CDLL, on_evict: EvictHook | None
+    ) -> None:
         self.capacity = capacity
+        self.on_evict = on_evict
+        self.evicted = 0
+        """Slots evicted so far."""
         self._refs = np.zeros(capacity, dtype=np.int32)
         self._state = np.zeros(capacity, dtype=np.uint8)
         self._keys = np.zeros(capacity, dtype=f"V{KEY_BYTES}")
@@ -88,6 +154,7 @@ class CompiledBooks:
         self._lru_c = lib.hicache_books_lru
         self._out = array("i", bytes(4 * max(capacity, 1)))  # reserve's slots
         self._fresh = array("B", bytes(max(capacity, 1)))  # publish's new-key flags
+        self._fresh_at = self._fresh.buffer_info()[0]
         self._evicted = np.zeros(max(capacity, 1), dtype=f"V{KEY_BYTES}")
         self._n_evicted = ctypes.c_int64()
         # reserve's arguments that never change, made once (each costs ~1 µs to make)
@@ -97,12 +164,12 @@ class CompiledBooks:
             ctypes.byref(self._n_evicted),
         )
 
-    def pin(self, slots: Sequence[int]) -> None:
-        if not slots:
-            return
-        ids = array("i", slots)  # a name keeps it alive through the call
-        if self._pin_c(self._ref, ids.buffer_info()[0], len(ids)):
-            raise ValueError(f"slots out of range 0..{self.capacity - 1}: {list(slots)[:8]}")
+    def lease(self, slots: list[int]) -> Lease:
+        if slots:
+            ids = array("i", slots)  # a name keeps it alive through the call
+            if self._pin_c(self._ref, ids.buffer_info()[0], len(ids)):
+                raise ValueError(f"slots out of range 0..{self.capacity - 1}: {list(slots)[:8]}")
+        return Lease(self, slots)
 
     def unpin(self, slots: Sequence[int]) -> None:
         if not slots:
@@ -111,23 +178,27 @@ class CompiledBooks:
         if self._unpin_c(self._ref, ids.buffer_info()[0], len(ids)):
             raise _over_unpinned()
 
-    def reserve(self, n: int) -> tuple[list[int], int]:
-        n = min(n, self.capacity)
-        got = self._reserve_c(self._ref, n, *self._reserve_out)
-        return self._out[:got].tolist(), self._n_evicted.value
-
-    def evicted_keys(self) -> list[bytes]:
-        """The keys the last `reserve` evicted."""
-        return self._evicted[: self._n_evicted.value].tolist()
+    def reserve(self, n: int) -> Lease:
+        got = self._reserve_c(self._ref, min(n, self.capacity), *self._reserve_out)
+        lease = Lease(self, self._out[:got].tolist())  # before the hook, which may call us
+        evicted = self._n_evicted.value
+        if evicted:
+            self.evicted += evicted
+            if self.on_evict is not None:  # the keys are made only for a hook that takes them
+                self.on_evict(self._evicted[:evicted].tolist())
+        return lease
 
     def publish(self, slots: Sequence[int], keys: Sequence[bytes]) -> list[int]:
         n = len(slots)
-        packed = _packed(keys)
+        if not n:
+            return []
         if len(keys) != n:
             raise ValueError(f"{len(keys)} keys but {n} slots")
+        packed = b"".join(keys)
+        if len(packed) != KEY_BYTES * n:
+            raise _bad_keys()
         ids = array("i", slots)
-        fresh = self._fresh.buffer_info()[0]
-        done = self._publish_c(self._ref, ids.buffer_info()[0], packed, n, fresh)
+        done = self._publish_c(self._ref, ids.buffer_info()[0], packed, n, self._fresh_at)
         if done < 0:
             raise RuntimeError(f"hicache: slot {slots[-1 - done]} is not reserved (published?)")
         return list(compress(slots, self._fresh[:n]))
@@ -162,17 +233,23 @@ class CompiledBooks:
 class PythonBooks:
     """The same books in Python (an OrderedDict for the LRU list), where nothing is compiled."""
 
-    def __init__(self, capacity: int, index: KeyIndex) -> None:
+    def __init__(self, capacity: int, index: KeyIndex, on_evict: EvictHook | None) -> None:
         self.capacity = capacity
+        self.on_evict = on_evict
+        self.evicted = 0
+        """Slots evicted so far."""
         self._index = index
         self._key: list[bytes | None] = [None] * capacity
         self._refs = np.zeros(capacity, dtype=np.int32)
         self._published = np.zeros(capacity, dtype=bool)
         self._lru: OrderedDict[int, None] = OrderedDict()  # published slots, oldest first
         self._free: list[int] = list(range(capacity - 1, -1, -1))
-        self._last_evicted: list[bytes] = []
 
-    def pin(self, slots: Sequence[int]) -> None:
+    def lease(self, slots: list[int]) -> Lease:
+        self._pin(slots)
+        return Lease(self, slots)
+
+    def _pin(self, slots: Sequence[int]) -> None:
         if slots:
             self._refs[np.asarray(slots, dtype=np.int64)] += 1
 
@@ -190,7 +267,7 @@ class PythonBooks:
         deque(map(self._lru.move_to_end, idle[published].tolist()), maxlen=0)
         self._free.extend(idle[~published].tolist())  # reserved, never published
 
-    def reserve(self, n: int) -> tuple[list[int], int]:
+    def reserve(self, n: int) -> Lease:
         free = self._free
         take = min(n, len(free))
         slots = free[len(free) - take :][::-1]  # the free list is a stack: last in, first out
@@ -204,12 +281,12 @@ class PythonBooks:
             self._published[chosen] = False
             self._index.remove(evicted)
             slots += chosen
-        self.pin(slots)
-        self._last_evicted = evicted
-        return slots, len(evicted)
-
-    def evicted_keys(self) -> list[bytes]:
-        return self._last_evicted
+        self._pin(slots)
+        if evicted:
+            self.evicted += len(evicted)
+            if self.on_evict is not None:
+                self.on_evict(evicted)
+        return Lease(self, slots)
 
     def _evict(self, n: int) -> list[int]:
         """Up to `n` unpinned slots from the LRU head, taken off the list; pinned slots met on
@@ -281,8 +358,14 @@ class PolicyBooks(PythonBooks):
     lists it after the policy's order.
     """
 
-    def __init__(self, capacity: int, index: KeyIndex, policy: EvictionPolicy) -> None:
-        super().__init__(capacity, index)
+    def __init__(
+        self,
+        capacity: int,
+        index: KeyIndex,
+        policy: EvictionPolicy,
+        on_evict: EvictHook | None,
+    ) -> None:
+        super().__init__(capacity, index, on_evict)
         self._policy = policy
         self._fresh: set[int] = set()  # published, not yet idle
         self._slot_of: dict[bytes, int] = {}  # the slot of each published key
@@ -338,12 +421,18 @@ class PolicyBooks(PythonBooks):
 Books = CompiledBooks | PythonBooks | PolicyBooks
 
 
-def slot_books(capacity: int, index: KeyIndex, policy: str = DEFAULT_POLICY) -> Books:
+def slot_books(
+    capacity: int,
+    index: KeyIndex,
+    policy: str = DEFAULT_POLICY,
+    on_evict: EvictHook | None = None,
+) -> Books:
     """Books for `capacity` slots over `index`, evicting by `policy`: LRU in compiled books
-    where the index is compiled (they share its table), any policy in Python otherwise."""
+    where the index is compiled (they share its table), any policy in Python otherwise.
+    `on_evict` is told the keys of the slots each ``reserve`` evicts."""
     if policy != DEFAULT_POLICY:
-        return PolicyBooks(capacity, index, make_policy(policy, capacity))
+        return PolicyBooks(capacity, index, make_policy(policy, capacity), on_evict)
     lib = native.library()
     if isinstance(index, _TableIndex) and lib is not None:
-        return CompiledBooks(capacity, index, lib)
-    return PythonBooks(capacity, index)
+        return CompiledBooks(capacity, index, lib, on_evict)
+    return PythonBooks(capacity, index, on_evict)

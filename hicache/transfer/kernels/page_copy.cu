@@ -5,7 +5,7 @@
 // to `dst + dst_ids[k] * dst_stride`; it is `bytes` long. A page-first pool is one segment; a
 // layer-first engine pool is one segment per layer tensor, and is still served by one call.
 //
-// Three ways to move the rows; hicache/kernels/cuda.py chooses:
+// Three ways to move the rows; hicache/transfer/kernels/cuda_paths.py (choose_path) chooses:
 //   * `launch_kernel`: a kernel on a bounded grid. Each warp copies one chunk of one row at a
 //     time with 16-byte loads and stores. The table must be device-readable; the ids are read
 //     on the host and travel in the kernel's parameters (`IdBatch`), so nothing is staged and
@@ -39,7 +39,7 @@
 
 namespace {
 
-// One row of the segment table, as packed by cuda.py: six int64 words.
+// One row of the segment table, as packed by cuda_paths.py (make_table): six int64 words.
 struct Segment {
   int64_t src;          // address of page 0's row in the source pool
   int64_t src_stride;   // bytes from one page's row to the next in the source pool
@@ -48,7 +48,7 @@ struct Segment {
   int64_t bytes;        // bytes in one row (a multiple of 16)
   int64_t first_chunk;  // index of this segment's first chunk among a page's chunks
 };
-static_assert(sizeof(Segment) == 48, "Segment must match the table packed in cuda.py");
+static_assert(sizeof(Segment) == 48, "Segment must match the table packed in cuda_paths.py");
 
 constexpr int kThreads = 512;  // 16 warps per block
 constexpr int kUnroll = 8;     // 16-byte loads in flight per lane: 4 KiB per warp
