@@ -263,8 +263,8 @@ class MatchSide:
         mine = fetch.lease.slots[found - lo : hi - lo]  # the slots of pages [found, hi)
         if fetch.fresh[len(fetch.fresh) - len(mine) :] != mine:
             return None  # not every page past the host hit was published by the fetch
-        taken = fetch.lease.split(len(fetch.lease) - (found - lo))  # pages found..
-        taken.split(len(taken) - (cap - found)).release()  # pages past the cap: not needed
+        taken = fetch.lease.split(len(fetch.lease.slots) - (found - lo))  # pages found..
+        taken.split(len(taken.slots) - (cap - found)).release()  # pages past the cap: not needed
         for part in walk.parts():
             part.release()  # its slots before the host hit: reserved, never published
         if req.pages is None:

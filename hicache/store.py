@@ -108,7 +108,7 @@ class StoreSide:
                 # the host slot of each page, where `pins` has them in page order (every page
                 # held or copied, the copied ones the tail); else write-behind looks them up
                 tail = not missing or missing[0] == n_pages - len(missing)
-                slots = pins.slots if tail and len(pins) == n_pages else None
+                slots = pins.slots if tail and len(pins.slots) == n_pages else None
                 self._chain.stored(keys, done, slots)
         return copied
 
@@ -121,9 +121,9 @@ class StoreSide:
             return 0
         pool = self.host.page_slots
         lease = pool.reserve(len(missing))
-        if len(lease) < len(missing):
-            self._stats.pages_dropped += len(missing) - len(lease)
-            missing = missing[: len(lease)]
+        if len(lease.slots) < len(missing):
+            self._stats.pages_dropped += len(missing) - len(lease.slots)
+            missing = missing[: len(lease.slots)]
         if not missing:
             lease.release()
             return 0
@@ -164,7 +164,7 @@ class StoreSide:
         if not wanted:
             return None
         lease = self.host.state_slots.reserve(len(wanted))
-        wanted = wanted[: len(lease)]
+        wanted = wanted[: len(lease.slots)]
         try:
             for pages, slot in zip(wanted, lease.slots):
                 self._call_hook("save_state", state_slot, pages * P, slot)
