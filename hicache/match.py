@@ -285,15 +285,18 @@ class MatchSide:
 
     def _request(self, request_id: str, tokens: np.ndarray, salt: str | bytes | None) -> Request:
         """The request's state, its chain grown to `tokens`; a new one where the request is new,
-        its salt differs, or `tokens` do not extend its tokens (its pins are dropped then)."""
+        its salt differs, or `tokens` do not extend its tokens (the old one's pins are dropped
+        and its walk down the tiers forgotten then)."""
         seed = self._seeds.get(salt)
         if seed is None:
             seed = self._seeds[salt] = chain_seed(self.fingerprint, salt)
         req = self._requests.get(request_id)
-        if req is not None and req.chain.seed == seed:
-            if req.chain.try_extend(tokens):
+        if req is not None:
+            if req.chain.seed == seed and req.chain.try_extend(tokens):
                 return req
             req.drop_pins()
+            if req.fetch is not None:
+                self._chain.forget(req.fetch)  # type: ignore[union-attr]
         req = Request(KeyChain(seed, self.layout.page_tokens, tokens, self._memo))
         self._requests[request_id] = req
         return req

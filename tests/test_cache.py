@@ -249,6 +249,23 @@ def test_a_newer_match_supersedes_the_older_one():
     books_are_clean(e)
 
 
+def test_a_match_under_another_salt_or_prompt_drops_the_older_requests_pins():
+    """Asked again under another salt, or with a prompt that does not extend the first, the
+    request starts afresh: what its first match pinned must go with it, not leak."""
+    e = FakeEngine(config())
+    e.run("a", toks((0, 20)), salt="t1")
+    e.run("c", toks((100, 120)))
+    assert e.cache.match("b", toks((0, 20)), salt="t1").hit_tokens == 16
+    assert e.cache.stats()["host_pinned"] == 4
+    assert e.cache.match("b", toks((0, 20)), salt="t2").hit_tokens == 0
+    assert e.cache.stats()["host_pinned"] == 0  # the t1 match's pins were dropped
+    assert e.cache.match("b", toks((100, 120))).hit_tokens == 16
+    assert e.cache.match("b", toks((0, 20)), salt="t1").hit_tokens == 16
+    assert e.cache.stats()["host_pinned"] == 4  # not 8: the other prompt's pins were dropped
+    e.cache.release("b")
+    books_are_clean(e)
+
+
 def test_store_keeps_the_sequence_head_when_evicting():
     e = FakeEngine(config(host_pages=4))
     e.run("a", toks((0, 16)))  # four pages: the host tier is full
