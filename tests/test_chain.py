@@ -445,3 +445,24 @@ def test_close_writes_back_what_a_persistent_on_evict_tier_still_lacks(tmp_path)
         assert (m.hit_tokens, m.tier_tokens) == (40, (("disk", 40),))
     finally:
         reader.cache.close()
+
+
+def test_a_request_asked_with_another_prompt_forgets_its_walk_and_its_slots(engines):
+    """A request's walk brought pages from the memory tier (pinned by the fetch until the
+    answer takes them); asked again with a prompt that does not extend the first, the request
+    starts afresh and the old walk's slots are released, not left pinned for good."""
+    space = uuid.uuid4().hex
+    p = prompt(303)
+    writer = engines(chain_config(memory(space)))
+    writer.run("w", p)
+    settle(writer)
+    reader = engines(chain_config(memory(space), fetch_pending="wait"))
+    reader.cache.poll()
+    assert reader.cache.match("r", p).pending
+    settle(reader)  # the fetch is in: its pages are published and pinned by it
+    s = reader.cache.stats()
+    assert s["host_pinned"] - s["fetch_reserve_memory"] > 0
+    reader.cache.match("r", prompt(304))
+    reader.cache.release("r")
+    s = reader.cache.stats()
+    assert s["host_pinned"] - s["fetch_reserve_memory"] == 0
