@@ -231,6 +231,7 @@ class StoreLink(FetchSide, WriteSide):
             failed = isinstance(outcome, BaseException)
             if failed:
                 self.stats.call_errors += 1
+            self.stats.corrupt += job.corrupt
             if job.page_keys:  # a fetch's first job: its pages' keys, the worker's part too
                 job.fetch.keys = job.page_keys
             if job.kind == "probe":
@@ -297,15 +298,16 @@ class StoreLink(FetchSide, WriteSide):
     # -- helpers ----------------------------------------------------------------------------------
 
     def _register(self) -> None:
-        """Register the host pools with the store, off the engine thread (registering tens of
-        GiB for RDMA takes seconds). The tier is not used until this is done."""
+        """Register the host pools (and the objects' headers) with the store, off the engine
+        thread (registering tens of GiB for RDMA takes seconds). The tier is not used until
+        this is done."""
         try:
             if not self.host.wait_ready():
                 return
         except HiCacheError:  # the host tier could not be allocated: its wait_ready says so
             return
         try:
-            for tensor in self.host.memory():
+            for tensor in (*self.host.memory(), self._worker.envelopes.memory):
                 self.store.register(tensor)
         except Exception as err:  # the tier stays unused; the engine goes on without it
             log.error("hicache tier %s: registering the host pools failed: %r", self.name, err)

@@ -18,6 +18,7 @@ import numpy as np
 from hicache.core.keys import page_keys, store_key
 from hicache.core.slots import Lease
 from hicache.tiers.base import Buffers, StoreTier
+from hicache.tiers.envelope import CORRUPT, HEADER, Envelopes
 from hicache.tiers.host import HostTier
 from hicache.transfer.completions import DONE, Completion
 
@@ -59,6 +60,8 @@ class Job:
     page_keys: list[bytes] = field(default_factory=list)
     """For a fetch's first job: the keys of its pages (those after `hash_from` added by the
     worker)."""
+    corrupt: int = 0
+    """For a get: objects that arrived and did not verify (`hicache.tiers.envelope`)."""
     started: float = 0.0
     finished: float = 0.0
     worker: int = 0
@@ -88,11 +91,15 @@ class Worker:
         """Whether the layout has states (a probe then asks for the state at each group end)."""
         self._group_names = store_key(key_prefix, fingerprint, b"", group_pages)
         self._state_names = store_key(key_prefix, fingerprint, b"", None)
+        self.envelopes = Envelopes(host.page_slots.capacity, host.state_slots.capacity)
+        """The objects' headers (registered with the store beside the host pools)."""
 
     def run(self, job: Job) -> object:
         """Finish `job` and make its call: `exists` answers (a bool per object), a get's or a
         put's codes (per object, negative on failure). A put waits for its host copy
-        (`job.ready`) first. Raises what the store raises."""
+        (`job.ready`) first and writes each object's header; a get checks them, and its codes
+        count the payload's bytes (`CORRUPT` for an object that did not verify, counted in
+        `job.corrupt`). Raises what the store raises."""
         if job.hash_from is not None:
             self._hash(job)
         if job.page_keys and not job.ends:  # a fetch's first job: name its groups
@@ -101,10 +108,23 @@ class Worker:
         if job.kind == "probe":
             return self.store.exists(job.names)
         if job.kind == "get":
-            return self.store.get_into(job.names, job.buffers)
+            return self._check(job, self.store.get_into(job.names, job.buffers))
         # an object the store holds already is not sent again: it answers 0
         job.ready.wait()  # the host copy of the pages (a CUDA event; released GIL)
-        return self.store.put_from(job.names, job.buffers)
+        seal, buffers = self.envelopes.seal, job.buffers
+        for name, ptrs, sizes in zip(job.names, buffers.ptrs, buffers.sizes):
+            seal(name, ptrs, sizes)
+        return self.store.put_from(job.names, buffers)
+
+    def _check(self, job: Job, codes: list[int]) -> list[int]:
+        """A get's codes with each object's header checked (the store's own codes beyond the
+        job's objects, if it gave more, are left for the engine thread to judge)."""
+        out = list(codes)
+        check, buffers = self.envelopes.check, job.buffers
+        for i, name in enumerate(job.names[: len(out)]):
+            out[i] = check(name, buffers.ptrs[i], buffers.sizes[i], out[i])
+            job.corrupt += out[i] == CORRUPT
+        return out
 
     def _hash(self, job: Job) -> None:
         """Hash the pages of a fetch that the engine thread left (`hash_from`). The hashing
@@ -135,15 +155,18 @@ class Worker:
         return rows.data_ptr(), rows.stride(0), rows.shape[1]
 
     def _buffers(self, page_slots: list[int], state_slots: list[int] | tuple[()] = ()) -> Buffers:
-        """Where the objects lie in the host pools: a page group per `G` consecutive entries of
-        `page_slots` (laid out by `group_pieces`), then one state per entry of `state_slots`."""
+        """Where the objects lie: each its header (`envelopes`), then its bytes in the host
+        pools: a page group per `G` consecutive entries of `page_slots` (laid out by
+        `group_pieces`), then one state per entry of `state_slots`."""
         pieces = group_pieces(self._page_rows, self.G, page_slots)
-        if not state_slots:  # all in the page pool: the store checks the span, not each piece
-            return pieces
+        header = self.envelopes.page_header
+        for ptrs, sizes, first in zip(pieces.ptrs, pieces.sizes, page_slots[:: self.G]):
+            ptrs.insert(0, header(first))
+            sizes.insert(0, HEADER)
         for slot in state_slots:
             row = self.host.state(slot)
-            pieces.ptrs.append([row.data_ptr()])
-            pieces.sizes.append([row.numel()])
+            pieces.ptrs.append([self.envelopes.state_header(slot), row.data_ptr()])
+            pieces.sizes.append([HEADER, row.numel()])
         return Buffers(pieces.ptrs, pieces.sizes)
 
 

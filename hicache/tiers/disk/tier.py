@@ -1,9 +1,10 @@
 """The disk tier: page groups and states as files on a local file system, below the host tier.
 
 Layout (see docs/disk.md): ``<path>/objects/ab/<sha256 of key>`` holds one object as a record
-(`disk_records`: a 4 KiB header naming the key and the length, then the bytes); ``<path>/tmp``
-holds records being written; ``<path>/lock`` is held (flock) by the one process using the
-directory.
+(`disk_records`: a 4 KiB header naming the key and the length, then the bytes; an object's
+small first piece, such as the tier chain's object header, is kept in the header block);
+``<path>/tmp`` holds records being written; ``<path>/lock`` is held (flock) by the one process
+using the directory.
 
 The contract the tier chain's workers rely on:
 
@@ -317,25 +318,30 @@ class DiskTier(StoreTier):
     ) -> int:
         """Read a record into `views`: `nbytes`, MISSING (absent or damaged), or -EMSGSIZE."""
         head = rec.header_block()
+        inline, rest = rec.split(views)
+        after = nbytes - (inline.nbytes if inline is not None else 0)
         try:
-            fd = self._open(path, os.O_RDONLY, views, addresses)
+            fd = self._open(path, os.O_RDONLY, rest, addresses[len(views) - len(rest) :])
         except FileNotFoundError:
             return MISSING
         try:
-            got = rec.read_full(fd, [head, *views], 0)
+            got = rec.read_full(fd, [head, *rest], 0)
         finally:
             os.close(fd)
         found = rec.parse_header(head) if got >= rec.HEADER else None
         if found is None or found[0] != key:
             return MISSING
-        if found[1] != nbytes:
+        kept = found[2]
+        if found[1] != after or kept.nbytes != (inline.nbytes if inline is not None else 0):
             return -errno.EMSGSIZE
-        return nbytes if got == rec.HEADER + nbytes else MISSING  # shorter: a torn record
+        if inline is not None:
+            inline[:] = kept
+        return nbytes if got == rec.HEADER + after else MISSING  # shorter: a torn record
 
     def _put_one(self, key: str, obj: _Object) -> int:
         name = rec.file_name(key)
         views, addresses = obj
-        nbytes = sum(v.nbytes for v in views)
+        nbytes = sum(v.nbytes for v in rec.split(views)[1])  # after the header block
         try:
             victims = self.book.reserve(name, rec.HEADER + nbytes)
         except ValueError:
@@ -364,11 +370,14 @@ class DiskTier(StoreTier):
     def _write(
         self, tmp: Path, key: str, views: list[memoryview], addresses: list[int], nbytes: int
     ) -> None:
+        """Write a record of `nbytes` (the file's bytes after the header block)."""
         head = rec.header_block()
-        rec.pack_header(head, key, nbytes)
-        fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, views, addresses)
+        inline, rest = rec.split(views)
+        rec.pack_header(head, key, nbytes, inline)
+        at = addresses[len(views) - len(rest) :]
+        fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, rest, at)
         try:
-            if rec.write_full(fd, [head, *views], 0) != rec.HEADER + nbytes:
+            if rec.write_full(fd, [head, *rest], 0) != rec.HEADER + nbytes:
                 raise OSError(errno.EIO, "short write")
             os.utime(fd, ns=(self._stamp(),) * 2)
             if self.config.sync:
