@@ -691,3 +691,35 @@ def test_the_view_walks_long_prompts_and_bounds_what_it_keeps_of_store_tiers(mon
     monkeypatch.setattr(view_module, "LOWER_KEYS_MAX", 2)
     v.update({0: RankNews(fp, False, lower=[b"\x01" * 16, b"\x02" * 16])})
     assert v.hit_pages(list(range(9000, 9041)), None, 0, 10) is None
+
+
+@pytest.mark.parametrize("later", [4, 16], ids=["granted from the view", "a miss in the view"])
+def test_a_superseded_question_lets_its_pins_go_and_the_request_loads_and_stores(later):
+    """The question of q (computed 0) is asked before the view has news, and the worker pins
+    its hit of 4 pages. vLLM's own prefix cache then grows (computed `later`): the new question
+    is answered from the view, as a grant of the pages past vLLM's or as nothing to load. The
+    old question is closed on the worker: its pins go, the later grant loads the exact bytes
+    without load errors, and the request's pages are stored."""
+    w, kv = worker(blocks=64)
+    for t in kv.values():
+        t[:, :4] = torch.randn(2, 4, P, 8)
+    prompt = list(range(100, 117))
+    w.start(StepMeta())
+    w.after(StepMeta(stores=[Store("a", 0, prompt, 16, [0, 1, 2, 3])]))
+    e = Engine(w, SchedulerBooks(P, ranks=1))
+    q = Req("q", [*prompt, *range(7, 15)])  # 25 tokens: 6 pages
+    assert e.books.matched_tokens(q, 0) == (None, False)
+    e.step()
+    assert w.cache.stats()["host_pinned"] == 4
+    assert e.books.matched_tokens(q, later) == (16 - later, False)
+    e.books.allocated(q, 16 - later)
+    q.num_computed_tokens = 16
+    table = list(range(40, 47))
+    stored = w.cache.stats()["pages_stored"]
+    e.step({"q": 9}, {"q": table})
+    assert w.load_errors() == set()
+    for src in range(later // P, 4):
+        assert all(torch.equal(x, y) for x, y in zip(block(kv, src), block(kv, table[src])))
+    stats = w.cache.stats()
+    assert (stats["host_pinned"], stats["requests"]) == (0, 0)
+    assert stats["pages_stored"] - stored == 2  # pages 4 and 5 of q

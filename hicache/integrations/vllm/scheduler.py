@@ -87,9 +87,7 @@ class SchedulerBooks:
         if granted is not None and granted.computed == computed:
             return granted.hit - computed, False
         if self._asked.get(rid) != computed:  # a new question (or vLLM's own hit changed)
-            self._granted.pop(rid, None)
-            self._answers.pop(rid, None)
-            self._asked.pop(rid, None)
+            self._withdraw(rid)  # the old one, answered or not, is closed on the workers too
             tokens = keyed_tokens(request, 0, request.num_tokens)
             hit = self._from_view(rid, tokens, tracked.salt, computed, request.num_tokens)
             if hit is not None:
@@ -115,14 +113,17 @@ class SchedulerBooks:
         return max(hit, computed)
 
     def _withdraw(self, rid: str) -> None:
-        """Close `rid`'s question, if one is open: unsent, it is dropped; sent, the workers
-        let its pins go (`unused`)."""
+        """Close `rid`'s question, if one is open (asked, answered, granted or allocated and not
+        yet loaded): unsent, it is dropped; sent, the workers let its pins go (`unused`). Every
+        question ends here, in a `Load` (`build`) or in `finished`."""
         asked = self._asked.pop(rid, None) is not None
         granted = self._granted.pop(rid, None) is not None
+        loading = self._loads.pop(rid, None) is not None
         self._answers.pop(rid, None)
+        self._sources.pop(rid, None)
         if self._claims.pop(rid, None) is not None:
             return  # granted from the view: nothing on the workers to let go
-        if asked or granted:
+        if asked or granted or loading:
             step = self._step
             step.lookups = [q for q in step.lookups if q.request_id != rid]
             step.unused.append(rid)

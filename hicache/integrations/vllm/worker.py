@@ -167,13 +167,11 @@ class WorkerCache:
         if self._clock is not None:
             self._clock.poll()
         for rid in step.forget:
-            for books in (self._asking, self._matched, self._tokens, self._bad_from):
-                books.pop(rid, None)
-            cache.release(rid)
+            self._tokens.pop(rid, None)
+            self._bad_from.pop(rid, None)
+            self._close(rid)
         for rid in step.unused:  # a question closed without a load, answered or not
-            asked = self._asking.pop(rid, None) is not None
-            if self._matched.pop(rid, None) is not None or asked:
-                cache.release(rid)
+            self._close(rid)
         for load in step.loads:
             self._load(load)
         for lookup in step.lookups:
@@ -186,6 +184,12 @@ class WorkerCache:
                 self._answers.append(self._answer(lookup, m))
                 if m is not None:
                     self._hold(lookup, m)
+
+    def _close(self, rid: str) -> None:
+        """End `rid`'s question, answered or not: forget its match and let its pins go."""
+        self._asking.pop(rid, None)
+        self._matched.pop(rid, None)
+        self._cache().release(rid)
 
     def _hold(self, lookup: Lookup, m: Match) -> None:
         """Keep the answered hit's pins while the answers' pins stay within their share of
@@ -292,10 +296,12 @@ class WorkerCache:
         cache, P = self._cache(), self._layout["page_tokens"]
         rid = load.request_id
         m, lookup = self._matched.pop(rid, (None, None))
-        if lookup is None and load.tokens is not None:  # granted from the scheduler's view
+        if load.tokens is not None:  # granted from the scheduler's view
             lookup = Lookup(rid, load.tokens, load.computed, load.salt)
-        if lookup is not None and (m is None or m.hit_tokens > load.hit):
-            # given unpinned, or another rank holds less: match again, no further than granted
+        stale = m is None or m.hit_tokens > load.hit or m.computed_tokens != load.computed
+        if lookup is not None and stale:
+            # given unpinned, another rank holds less, or an answer to another question: match
+            # again, no further than granted
             cache.release(rid)
             m = self._match(lookup, load.hit + self.config.policy.min_recompute_tokens)
             self._matched.pop(rid, None)
