@@ -136,12 +136,12 @@ def test_stores_follow_completed_pages_with_only_the_new_tokens():
     books.matched_tokens(r, 0)
     table = {"s": [3, 1, 4, 2]}
     step = books.build(sched({"s": 10}, table))  # the prefill writes blocks 3 and 1
-    assert step.stores == [Store("s", 0, list(range(10)), 10, [3, 1, 4, 2])]
+    assert step.stores == [Store("s", 0, list(range(8)), 8, [3, 1, 4, 2])]  # whole pages
     advance(r, 10, 11)
     assert books.build(sched({"s": 1}, table)).stores == []  # token 10: no new whole block
     advance(r, 12, 13)
     assert books.build(sched({"s": 1}, table)).stores == [
-        Store("s", 10, [10, 11, 12], 13, table["s"])
+        Store("s", 8, [8, 9, 10, 11], 12, table["s"])
     ]
     advance(r, 13, 14)
     # three of the four scheduled tokens are speculative: only token 13 is surely written
@@ -324,6 +324,30 @@ def test_two_images_behind_the_same_placeholder_ids_share_only_the_pages_before_
     assert e.ask(Req("e", prompt, images=(("cat", 8, 4),))) == 4  # the same image, elsewhere
 
 
+def test_no_cache_salt_names_a_lora_adapters_namespace():
+    """A client's cache_salt that spells out another request's salt and adapter (as the old
+    JSON salt of an adapter did) is a tenant of its own: it never reads the adapter's pages."""
+    e = Engine(worker(blocks=32)[0])
+    prompt = list(range(13))
+    e.prefill(Req("a", prompt, lora=("alpha", "/adapters/alpha")))
+    forged = '{"salt":null,"lora":["alpha","/adapters/alpha"]}'
+    assert e.ask(Req("b", prompt, salt=forged)) == 0
+    e.prefill(Req("c", prompt, salt="t1", lora=("beta", "/b")))
+    assert e.ask(Req("d", prompt, salt='{"salt":"t1","lora":["beta","/b"]}')) == 0
+    assert e.ask(Req("e", prompt, lora=("alpha", "/adapters/alpha"))) == 12
+
+
+def test_an_image_is_keyed_by_its_whole_hash_where_one_placeholder_lies_on_a_page():
+    """img-8548 and img-19451 agree in 31 bits of a SHA-256 of their identifiers (a birthday
+    search over img-0, img-1, ... finds the pair at 19,452): behind one placeholder at the end
+    of a page, the page is still the image's alone."""
+    e = Engine(worker(blocks=32)[0])
+    prompt = [7, 7, 7, 99, 5, 6, 7, 8, 9]  # the image's one placeholder ends page 0
+    e.prefill(Req("a", prompt, images=(("img-8548", 3, 1),)))
+    assert e.ask(Req("b", prompt, images=(("img-19451", 3, 1),))) == 0
+    assert e.ask(Req("c", prompt, images=(("img-8548", 3, 1),))) == 8
+
+
 def test_prompt_embeddings_are_refused_at_start_in_one_line():
     config = SimpleNamespace(model_config=SimpleNamespace(enable_prompt_embeds=True))
     with pytest.raises(ConfigError, match=r"^hicache: prompt embeddings .* not supported"):
@@ -471,7 +495,7 @@ def test_a_worker_out_of_step_asks_for_the_tokens_again_and_stores_again():
     assert w.cache.stats()["pages_stored"] == 2  # the prefill's pages only
     advance(r, 17, 21)
     meta = e.step({"s": 4}, {"s": [0, 1, 2, 3, 4, 5]})
-    assert (meta.stores[0].sent_before, len(meta.stores[0].new_tokens)) == (0, 21)
+    assert (meta.stores[0].sent_before, len(meta.stores[0].new_tokens)) == (0, 20)
     assert w.cache.stats()["pages_stored"] == 5
 
 
@@ -483,7 +507,7 @@ def test_the_drafters_reprefillable_tokens_are_not_stored():
     books.matched_tokens(r, 0)
     books.allocated(r, 0)
     assert books.build(sched({"s": 12}, {"s": [0, 1, 2]})).stores == [
-        Store("s", 0, list(range(11)), 11, [0, 1, 2])
+        Store("s", 0, list(range(8)), 8, [0, 1, 2])
     ]
 
 
@@ -723,3 +747,39 @@ def test_a_superseded_question_lets_its_pins_go_and_the_request_loads_and_stores
     stats = w.cache.stats()
     assert (stats["host_pinned"], stats["requests"]) == (0, 0)
     assert stats["pages_stored"] - stored == 2  # pages 4 and 5 of q
+
+
+def test_the_model_identity_changes_with_anything_that_changes_the_kv(tmp_path):
+    """vLLM's ModelConfig of one saved model, loaded as is, in another dtype, with RoPE
+    scaling or a sliding window overridden, and after its weights are re-saved in place (same
+    name, size and config): five names, so none of them shares pages with another."""
+    import subprocess
+    import sys
+
+    from vllm.config import ModelConfig
+
+    from hicache.integrations.vllm.worker import model_identity
+
+    folder = tmp_path / "llama"
+    make = [sys.executable, "-m", "hicache.tools.vllm_run", "--model", str(folder)]
+    subprocess.run([*make, "--make-model", "llama"], check=True, capture_output=True)
+
+    def identity(**kw) -> str:
+        config = ModelConfig(model=str(folder), skip_tokenizer_init=True, **kw)
+        return model_identity(config)
+
+    names = [
+        identity(dtype="float32"),
+        identity(dtype="bfloat16"),
+        identity(
+            dtype="float32", hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+        ),
+        identity(dtype="float32", hf_overrides={"sliding_window": 64}),
+    ]
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 1
+    weights.write_bytes(bytes(data))
+    names.append(identity(dtype="float32"))
+    assert len(set(names)) == 5
+    assert all(name.startswith(f"{folder}@main:") for name in names)

@@ -37,7 +37,7 @@ class _Tracked:
     how many pages of it were stored."""
 
     request: Request
-    salt: str | None
+    salt: bytes | None
     sent: int = 0
     stored_pages: int = 0
 
@@ -88,7 +88,7 @@ class SchedulerBooks:
             return granted.hit - computed, False
         if self._asked.get(rid) != computed:  # a new question (or vLLM's own hit changed)
             self._withdraw(rid)  # the old one, answered or not, is closed on the workers too
-            tokens = keyed_tokens(request, 0, request.num_tokens)
+            tokens = keyed_tokens(request, 0, request.num_tokens, self._page)
             hit = self._from_view(rid, tokens, tracked.salt, computed, request.num_tokens)
             if hit is not None:
                 return hit - computed, False
@@ -97,7 +97,7 @@ class SchedulerBooks:
         return None, False
 
     def _from_view(
-        self, rid: str, tokens: list[int], salt: str | None, computed: int, n: int
+        self, rid: str, tokens: list[int], salt: bytes | None, computed: int, n: int
     ) -> int | None:
         """The hit (in tokens, >= computed) the view can answer with, granted; None to ask."""
         if self.view is None:
@@ -186,14 +186,14 @@ class SchedulerBooks:
         # the KV final after this step (a drafter may re-prefill the last `reprefillable`),
         # capped at the tokens known (async scheduling samples later)
         final = req.num_computed_tokens + scheduled - speculative - self._reprefillable
-        upto = min(final, len(req.all_token_ids))
+        upto = min(final, len(req.all_token_ids)) // self._page * self._page  # whole pages
         if upto // self._page <= tracked.stored_pages:
             return None
         table = blocks.get_block_ids(rid)
         if table is None:
             return None
         sent = tracked.sent
-        new = keyed_tokens(req, sent, upto) if upto > sent else []
+        new = keyed_tokens(req, sent, upto, self._page) if upto > sent else []
         tracked.sent, tracked.stored_pages = max(sent, upto), upto // self._page
         return Store(rid, sent, new, upto, list(table[0]), tracked.salt)
 

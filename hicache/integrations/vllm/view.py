@@ -61,9 +61,9 @@ class _Rank:
         self.lower: set[bytes] = set()
         self.lower_unknown = news.lower_unknown
         self.forgot_lower = False
-        self.seeds: dict[str | None, bytes] = {}
+        self.seeds: dict[str | bytes | None, bytes] = {}
 
-    def seed(self, salt: str | None) -> bytes:
+    def seed(self, salt: str | bytes | None) -> bytes:
         seed = self.seeds.get(salt)
         if seed is None:
             seed = self.seeds[salt] = chain_seed(self.fingerprint, salt)
@@ -96,7 +96,9 @@ class TierView:
                 view.lower_unknown = view.forgot_lower = True
             view.lower_unknown |= view.forgot_lower
 
-    def hit_pages(self, tokens: list[int], salt: str | None, first: int, cap: int) -> int | None:
+    def hit_pages(
+        self, tokens: list[int], salt: str | bytes | None, first: int, cap: int
+    ) -> int | None:
         """The pages [first, h) every rank's host tier holds, as h, when the view can tell that
         no store tier holds page h; None when the workers must be asked. `cap`: the last page
         the engine may skip plus one (a hit never passes it)."""
