@@ -783,3 +783,39 @@ def test_the_model_identity_changes_with_anything_that_changes_the_kv(tmp_path):
     names.append(identity(dtype="float32"))
     assert len(set(names)) == 5
     assert all(name.startswith(f"{folder}@main:") for name in names)
+
+
+def test_the_view_asks_about_a_store_group_that_ends_past_the_cap():
+    """Host pages 0-1, a store tier's group of pages 2-4 (its end: page 4); the engine may skip
+    4 pages (the cap): the workers would fetch the group and load pages 2-3, so the view asks."""
+    from hicache.core.keys import chain_seed, page_keys
+    from hicache.integrations.vllm.view import TierView
+
+    fp = b"\x07" * 16
+    tokens = list(range(5 * P + 1))
+    keys = page_keys(chain_seed(fp, None), torch.tensor(tokens, dtype=torch.int32).numpy(), P)
+    v = TierView(ranks=1, page_tokens=P)
+    v.update({0: RankNews(fp, False, stored=keys[:2], lower=[keys[4]])})
+    assert v.hit_pages(tokens, None, 0, 4) is None
+    assert v.hit_pages(tokens[: 4 * P + 1], None, 0, 4) == 2  # the group's tokens are not there
+
+
+def test_the_view_keeps_nothing_per_salt():
+    """20,000 tenants asking once each leave the view no larger (the worker's news aside)."""
+    import tracemalloc
+
+    from hicache.integrations.vllm import view as view_module
+    from hicache.integrations.vllm.view import TierView
+
+    fp = b"\x07" * 16
+    v = TierView(ranks=1, page_tokens=P)
+    v.update({0: RankNews(fp, False)})
+    tokens = list(range(3 * P + 1))
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for i in range(20_000):
+        assert v.hit_pages(tokens, f"tenant-{i}", 0, 3) == 0
+    grown = tracemalloc.take_snapshot().compare_to(before, "filename")
+    tracemalloc.stop()
+    mine = [d.size_diff for d in grown if d.traceback[0].filename == view_module.__file__]
+    assert sum(mine) < 64 * 1024
