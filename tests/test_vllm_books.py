@@ -26,7 +26,7 @@ from vllm.v1.request import Request  # noqa: E402
 
 from hicache import load_config  # noqa: E402
 from hicache.config import ConfigError  # noqa: E402
-from hicache.integrations.vllm.connector import for_rank, in_one_line  # noqa: E402
+from hicache.integrations.vllm.connector import for_rank, in_one_line, node_index  # noqa: E402
 from hicache.integrations.vllm.inputs import refuse_unsupported  # noqa: E402
 from hicache.integrations.vllm.meta import (  # noqa: E402
     Answer,
@@ -819,3 +819,25 @@ def test_the_view_keeps_nothing_per_salt():
     tracemalloc.stop()
     mine = [d.size_diff for d in grown if d.traceback[0].filename == view_module.__file__]
     assert sum(mine) < 64 * 1024
+
+
+def test_two_dp_engines_on_a_node_get_their_own_directories_and_ports(tmp_path):
+    """DP 2 x TP 2 on one node (vLLM's config as each DP engine's workers see it: a dense
+    model's engine is reconfigured as DP 1, its local DP rank and DP index kept): four
+    workers, four disk directories, four metrics ports."""
+    from vllm.config import ParallelConfig
+
+    config = load_config({"tiers": [
+        {"type": "host", "size": "1MiB"},
+        {"type": "disk", "path": str(tmp_path / "d"), "size": "1GiB"},
+    ], "metrics": {"port": 9400}}, env={})  # fmt: skip
+    seen = []
+    for dp in (0, 1):
+        pc = ParallelConfig(data_parallel_size=2, data_parallel_rank=dp, tensor_parallel_size=2)
+        pc.data_parallel_rank_local = dp
+        pc.reconfigure_for_independent_dp_rank()
+        for tp in (0, 1):
+            mine = for_rank(config, node_index(SimpleNamespace(parallel_config=pc), tp, 2))
+            seen.append((mine.tiers[1].path, mine.metrics.port))
+    assert len({path for path, _ in seen}) == len({port for _, port in seen}) == 4
+    assert seen[0] == (str(tmp_path / "d" / "rank0"), 9400)  # without DP: as before
