@@ -11,10 +11,10 @@ code runs with the multiprocess executor and the uniprocess one. Why the books l
 worker: docs/vllm.md.
 
 Extra config keys: `config` (a hicache YAML file) or `hicache` (the same, inline); `model_id`
-(optional: names the weights in the page keys, instead of vLLM's model name and a digest of
-its config); `pin_share` (optional, default 0.5: the share of a rank's host tier that answered
-hits waiting for their load may keep pinned). The config has no `layout` section: the layout
-comes from vLLM.
+(optional: names the weights in the page keys, instead of `worker.model_identity`: vLLM's
+model name and a digest of its config, dtype, quantization and weight files); `pin_share`
+(optional, default 0.5: the share of a rank's host tier that answered hits waiting for their
+load may keep pinned). The config has no `layout` section: the layout comes from vLLM.
 """
 
 from __future__ import annotations
