@@ -18,6 +18,11 @@ falls on all ways alike:
   started for the run (an L1 of the host tier's size, a file-system L2 of the disk's), chunks of
   256 and 32 tokens (LMCache's only CPU path: its in-process connector has none);
 - ``hicache_host`` (an extra row, named in `--ways`): hicache with its host tier alone;
+- ``hicache_mooncake`` (an extra row, named in `--ways`): hicache with its host tier and a
+  Mooncake store tier on the store node that `hicache.tools.mooncake_local` starts for the run
+  (a node of `--disk-bytes`, pages kept in memory across engines: the second instance reads
+  them there), one page an object, so that a prompt's pages past its last whole group of 4
+  are shared too;
 - ``example`` (with `--example`): vLLM's `ExampleConnector` on a directory, an extra row.
 
 Every way pins the same OpenMP threads (`VLLM_CPU_OMP_THREADS_BIND`, `--omp-bind`): vLLM's CPU
@@ -57,6 +62,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, command, commit, cpu_model
 
+from hicache.tools.mooncake_local import LocalMaster
 from hicache.tools.trace.workload import BLOCK_TOKENS, block_tokens_of
 
 RUNNER = ["-m", "hicache.tools.vllm_run"]  # one vLLM process (the tests run it too)
@@ -179,12 +185,15 @@ def run_way(way: str, rep: int, files: dict[str, Path], args: argparse.Namespace
     """One way's first instance (both workloads), then its second instance where it has a
     tier that outlives the process. Every store starts empty."""
     work = Path(tempfile.mkdtemp(prefix=f"{way}-{rep}-", dir=args.work))
-    server = None
+    server = store = None
     try:
         if way.startswith("hicache"):
             tiers = [{"type": "host", "size": args.host_bytes}]
             if way == "hicache":
                 tiers.append({"type": "disk", "path": str(work / "disk"), "size": args.disk_bytes})
+            elif way == "hicache_mooncake":
+                store = LocalMaster(log_dir=str(work / "mooncake"), segment_bytes=args.disk_bytes)
+                tiers.append({**store.start().engine_tier(), "group_pages": 1})
             config = {"tiers": tiers}
         elif way.startswith("lmcache"):
             chunk = int(way.removeprefix("lmcache"))
@@ -202,6 +211,8 @@ def run_way(way: str, rep: int, files: dict[str, Path], args: argparse.Namespace
     finally:
         if server:
             server.close()
+        if store:
+            store.stop()
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -274,14 +285,12 @@ def summarize(rows: list[dict], ways: list[str]) -> tuple[dict, dict]:
         targets["lmcache_best"] = best
         targets["reuse_p50_vs_lmcache"] = compare("hicache", best, "reuse_ttft_p50_ms", 0.6)
         targets["reuse_p90_vs_lmcache"] = compare("hicache", best, "reuse_ttft_p90_ms", 0.8)
-        key = "second_first_turns_ttft_p50_ms"
-        seconds = [w for w in lmcaches if key in summary[w]]
-        if key in summary["hicache"] and seconds:
+    key = "second_first_turns_ttft_p50_ms"
+    seconds = [w for w in lmcaches if key in summary[w]]
+    for way, name in (("hicache", "second_instance"), ("hicache_mooncake", "second_mooncake")):
+        if seconds and way in ways and key in summary[way]:
             other = min(seconds, key=lambda w: summary[w][key]["median"])
-            targets["second_instance_p50_vs_lmcache"] = {
-                **compare("hicache", other, key, 1.0),
-                "lmcache": other,
-            }
+            targets[f"{name}_p50_vs_lmcache"] = {**compare(way, other, key, 1.0), "lmcache": other}
     return summary, targets
 
 
@@ -292,7 +301,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--ways", default="vllm,hicache,lmcache256,lmcache32")
     p.add_argument("--example", action="store_true", help="add vLLM's ExampleConnector as a row")
-    p.add_argument("--second", default="hicache,lmcache256,lmcache32",
+    p.add_argument("--second", default="hicache,hicache_mooncake,lmcache256,lmcache32",
                    help="ways that also run a second instance")  # fmt: skip
     p.add_argument("--omp-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for every way")
     p.add_argument("--sessions", type=int, default=10)

@@ -82,8 +82,11 @@ class Layout(_Strict):
     """
 
     model: str = Field(min_length=1)
-    """Names the weights (``llama-3.1-8b@main``; `hicache.core.keys.model_digest` makes one from a
-    model's config): pages of different models never mix."""
+    """Names the weights exactly (``llama-3.1-8b@main:<digests>``; `hicache.core.keys` has
+    `model_digest` for a model's config and `weights_digest` for its weight files): pages of
+    different models, or of one name over other weights, config or dtype, never mix. The vLLM
+    connector and the reference engine make theirs so (docs/vllm.md, *What the page keys
+    cover*)."""
     kv_dtype: str = Field(min_length=1)
     """The KV cache's dtype (``bfloat16``, ``float8_e4m3fn``): bf16 and fp8 pages never mix."""
     page_tokens: int = Field(default=128, gt=0)

@@ -19,6 +19,7 @@ import json
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -76,6 +77,102 @@ def chain_seed(fingerprint_: bytes, salt: str | bytes | None = None) -> bytes:
         raise TypeError(f"salt must be str, bytes or None, got {type(salt).__name__}")
     tail = b"" if salt is None else b"\x01" + _digest(salt)
     return _digest(b"hicache-ns\x00" + fingerprint_ + tail)
+
+
+def _field(tag: bytes, value: bytes) -> bytes:
+    """`value` tagged with `tag`, each behind its length: a run of fields parses one way only."""
+    return len(tag).to_bytes(2, "little") + tag + len(value).to_bytes(8, "little") + value
+
+
+def namespace(**fields: str | None) -> bytes | None:
+    """A request's namespace fields (a tenant salt, a LoRA adapter's name and path, ...) in one
+    encoding, to give `match` and `store` as the salt: each field's name and value behind their
+    lengths, in name order; None fields are left out (None when all are). The encoding is
+    injective: no value of one field (a client's salt, say) can make the encoding of another
+    set of fields, so two namespaces share a page only where every field is equal."""
+    given = {name: value for name, value in fields.items() if value is not None}
+    if not given:
+        return None
+    out = [b"hicache-fields\x00"]
+    for name in sorted(given):
+        value = given[name]
+        if not isinstance(value, str):
+            raise TypeError(f"namespace field {name!r} must be str or None, got {type(value)}")
+        out.append(_field(name.encode(), value.encode()))
+    return b"".join(out)
+
+
+def fold_features(
+    tokens: Sequence[int],
+    first_token: int,
+    page_tokens: int,
+    features: Sequence[tuple[int, int, str]],
+) -> list[int]:
+    """Tokens as the page keys see them where multimodal features (``(offset, length,
+    identifier)``: a placeholder range and the full hash of its content) lie among them.
+
+    `tokens` are the request's tokens from `first_token` (a page boundary) on. Each full page
+    that a feature overlaps becomes ``page_tokens`` words drawn (SHAKE-256) from the page's own
+    tokens and, for every feature overlapping it, its offset from the page's start, its length
+    and its whole identifier, all bits: two pages agree only where their tokens and every
+    feature's identifier and position agree (the words hold 31 bits each, so a page of P tokens
+    carries 31 x P bits of them). The words are negative int32 (no token id is), so such a page
+    never keys as a page of text. Other pages, and a trailing partial page (never keyed), are
+    kept as they are."""
+    if first_token % page_tokens:
+        raise ValueError(f"first_token={first_token} is not a page boundary ({page_tokens})")
+    out = list(tokens)
+    end = first_token + len(out)
+    touched: dict[int, list[tuple[int, int, str]]] = {}
+    for offset, length, identifier in features:
+        lo, hi = max(offset, first_token), min(offset + length, end)
+        if hi > lo:
+            for page in range(lo // page_tokens, (hi - 1) // page_tokens + 1):
+                touched.setdefault(page, []).append((offset, length, identifier))
+    for page, on_page in touched.items():
+        start = page * page_tokens
+        if start + page_tokens > end:
+            continue  # partial: not keyed
+        i = start - first_token
+        words = array("i", out[i : i + page_tokens]).tobytes()
+        parts = [b"hicache-mm-page\x00", _field(b"tokens", words)]
+        for offset, length, identifier in sorted(on_page):
+            where = (offset - start).to_bytes(8, "little", signed=True)
+            parts.append(_field(b"at", where + length.to_bytes(8, "little")))
+            parts.append(_field(b"id", identifier.encode()))
+        digest = hashlib.shake_256(b"".join(parts)).digest(4 * page_tokens)
+        out[i : i + page_tokens] = [
+            -1 - (int.from_bytes(digest[4 * k : 4 * k + 4], "little") & 0x7FFFFFFF)
+            for k in range(page_tokens)
+        ]
+    return out
+
+
+def weights_digest(folder: str | Path) -> str:
+    """A short digest of the weight files in `folder` (``*.safetensors``, ``*.bin``, ``*.pt``,
+    ``*.pth``, ``*.gguf``): each file's name and size and the bytes of its first, middle and
+    last MiB. Weights re-saved under the same name and config (a fine-tune written over its
+    base) get another digest; reading costs a few MiB a file, whatever the model's size. ''
+    where `folder` is not a directory or holds no weight files."""
+    root = Path(folder)
+    if not root.is_dir():
+        return ""
+    files = sorted(p for p in root.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
+    if not files:
+        return ""
+    h = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        h.update(_field(path.name.encode(), size.to_bytes(8, "little")))
+        with path.open("rb") as f:
+            for at in sorted({0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)}):
+                f.seek(at)
+                h.update(f.read(_SAMPLE))
+    return h.hexdigest()[:16]
+
+
+_WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".gguf"}
+_SAMPLE = 1 << 20
 
 
 def as_tokens(tokens: Any) -> np.ndarray:

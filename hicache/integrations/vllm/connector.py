@@ -11,10 +11,10 @@ code runs with the multiprocess executor and the uniprocess one. Why the books l
 worker: docs/vllm.md.
 
 Extra config keys: `config` (a hicache YAML file) or `hicache` (the same, inline); `model_id`
-(optional: names the weights in the page keys, instead of vLLM's model name and a digest of
-its config); `pin_share` (optional, default 0.5: the share of a rank's host tier that answered
-hits waiting for their load may keep pinned). The config has no `layout` section: the layout
-comes from vLLM.
+(optional: names the weights in the page keys, instead of `worker.model_identity`: vLLM's
+model name and a digest of its config, dtype, quantization and weight files); `pin_share`
+(optional, default 0.5: the share of a rank's host tier that answered hits waiting for their
+load may keep pinned). The config has no `layout` section: the layout comes from vLLM.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ log = logging.getLogger("hicache.vllm")
 T = TypeVar("T")
 
 RANK = "{rank}"
-"""In a store tier's `path`: replaced by the TP rank (else each rank gets a subdirectory)."""
+"""In a store tier's `path`: replaced by the worker's index on its node (`node_index`; else
+each worker gets a subdirectory)."""
 
 
 def in_one_line(what: str, start: Callable[[], T]) -> T:
@@ -101,17 +102,31 @@ def answer_in_step(extra: dict[str, Any]) -> bool:
 
 
 def rank_path(path: str, rank: int) -> str:
-    """A store tier's directory for TP rank `rank`: `{rank}` in `path` replaced, or else the
-    subdirectory ``rank<r>`` of `path` (`path` made here if absent: its parent must exist)."""
+    """A store tier's directory for the worker of index `rank`: `{rank}` in `path` replaced, or
+    else the subdirectory ``rank<r>`` of `path` (`path` made here if absent: its parent must
+    exist)."""
     if RANK in path:
         return path.replace(RANK, str(rank))
     Path(path).mkdir(exist_ok=True)
     return str(Path(path) / f"rank{rank}")
 
 
+def node_index(vllm_config: VllmConfig, tp_rank: int, tp_size: int) -> int:
+    """The worker's index among the workers of its node: its DP rank on the node (vLLM's local
+    DP rank, or its DP index where vLLM set none, as vLLM's own workers take it) times the TP
+    size, plus its TP rank. Two DP engines on one node differ in it; without DP it is the TP
+    rank."""
+    pc = vllm_config.parallel_config
+    dp = pc.data_parallel_rank_local
+    if dp is None:
+        dp = getattr(pc, "data_parallel_index", pc.data_parallel_rank)
+    return dp * tp_size + tp_rank
+
+
 def for_rank(config: HiCacheConfig, rank: int) -> HiCacheConfig:
-    """The config of TP rank `rank`: each store tier with a directory gets one of its own (one
-    process a directory), and the metrics are on the configured port plus the rank."""
+    """The config of the worker of index `rank` on its node (`node_index`): each store tier
+    with a directory gets one of its own (one process a directory), and the metrics are on the
+    configured port plus the index."""
     tiers = [
         tier.model_copy(update={"path": rank_path(tier.path, rank)})
         if isinstance(getattr(tier, "path", None), str)
@@ -153,7 +168,8 @@ class HiCacheConnector(KVConnectorBase_V1):
             self._books = SchedulerBooks(block, ranks, reprefillable, floor, in_step)
         else:
             fields = layout_fields(vllm_config, kv_cache_config, extra)
-            self._worker = WorkerCache(for_rank(config, fields["tp_rank"]), fields, share)
+            index = node_index(vllm_config, fields["tp_rank"], fields["tp_size"])
+            self._worker = WorkerCache(for_rank(config, index), fields, share)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -37,7 +37,7 @@ class _Tracked:
     how many pages of it were stored."""
 
     request: Request
-    salt: str | None
+    salt: bytes | None
     sent: int = 0
     stored_pages: int = 0
 
@@ -87,10 +87,8 @@ class SchedulerBooks:
         if granted is not None and granted.computed == computed:
             return granted.hit - computed, False
         if self._asked.get(rid) != computed:  # a new question (or vLLM's own hit changed)
-            self._granted.pop(rid, None)
-            self._answers.pop(rid, None)
-            self._asked.pop(rid, None)
-            tokens = keyed_tokens(request, 0, request.num_tokens)
+            self._withdraw(rid)  # the old one, answered or not, is closed on the workers too
+            tokens = keyed_tokens(request, 0, request.num_tokens, self._page)
             hit = self._from_view(rid, tokens, tracked.salt, computed, request.num_tokens)
             if hit is not None:
                 return hit - computed, False
@@ -99,7 +97,7 @@ class SchedulerBooks:
         return None, False
 
     def _from_view(
-        self, rid: str, tokens: list[int], salt: str | None, computed: int, n: int
+        self, rid: str, tokens: list[int], salt: bytes | None, computed: int, n: int
     ) -> int | None:
         """The hit (in tokens, >= computed) the view can answer with, granted; None to ask."""
         if self.view is None:
@@ -115,14 +113,17 @@ class SchedulerBooks:
         return max(hit, computed)
 
     def _withdraw(self, rid: str) -> None:
-        """Close `rid`'s question, if one is open: unsent, it is dropped; sent, the workers
-        let its pins go (`unused`)."""
+        """Close `rid`'s question, if one is open (asked, answered, granted or allocated and not
+        yet loaded): unsent, it is dropped; sent, the workers let its pins go (`unused`). Every
+        question ends here, in a `Load` (`build`) or in `finished`."""
         asked = self._asked.pop(rid, None) is not None
         granted = self._granted.pop(rid, None) is not None
+        loading = self._loads.pop(rid, None) is not None
         self._answers.pop(rid, None)
+        self._sources.pop(rid, None)
         if self._claims.pop(rid, None) is not None:
             return  # granted from the view: nothing on the workers to let go
-        if asked or granted:
+        if asked or granted or loading:
             step = self._step
             step.lookups = [q for q in step.lookups if q.request_id != rid]
             step.unused.append(rid)
@@ -185,14 +186,14 @@ class SchedulerBooks:
         # the KV final after this step (a drafter may re-prefill the last `reprefillable`),
         # capped at the tokens known (async scheduling samples later)
         final = req.num_computed_tokens + scheduled - speculative - self._reprefillable
-        upto = min(final, len(req.all_token_ids))
+        upto = min(final, len(req.all_token_ids)) // self._page * self._page  # whole pages
         if upto // self._page <= tracked.stored_pages:
             return None
         table = blocks.get_block_ids(rid)
         if table is None:
             return None
         sent = tracked.sent
-        new = keyed_tokens(req, sent, upto) if upto > sent else []
+        new = keyed_tokens(req, sent, upto, self._page) if upto > sent else []
         tracked.sent, tracked.stored_pages = max(sent, upto), upto // self._page
         return Store(rid, sent, new, upto, list(table[0]), tracked.salt)
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from hicache.cache import HiCache
 from hicache.config import HiCacheConfig, Layout
+from hicache.core.keys import model_digest, weights_digest
 from hicache.core.request import Match
 from hicache.errors import HiCacheError
 from hicache.integrations.vllm.meta import (
@@ -167,13 +169,11 @@ class WorkerCache:
         if self._clock is not None:
             self._clock.poll()
         for rid in step.forget:
-            for books in (self._asking, self._matched, self._tokens, self._bad_from):
-                books.pop(rid, None)
-            cache.release(rid)
+            self._tokens.pop(rid, None)
+            self._bad_from.pop(rid, None)
+            self._close(rid)
         for rid in step.unused:  # a question closed without a load, answered or not
-            asked = self._asking.pop(rid, None) is not None
-            if self._matched.pop(rid, None) is not None or asked:
-                cache.release(rid)
+            self._close(rid)
         for load in step.loads:
             self._load(load)
         for lookup in step.lookups:
@@ -186,6 +186,12 @@ class WorkerCache:
                 self._answers.append(self._answer(lookup, m))
                 if m is not None:
                     self._hold(lookup, m)
+
+    def _close(self, rid: str) -> None:
+        """End `rid`'s question, answered or not: forget its match and let its pins go."""
+        self._asking.pop(rid, None)
+        self._matched.pop(rid, None)
+        self._cache().release(rid)
 
     def _hold(self, lookup: Lookup, m: Match) -> None:
         """Keep the answered hit's pins while the answers' pins stay within their share of
@@ -292,10 +298,12 @@ class WorkerCache:
         cache, P = self._cache(), self._layout["page_tokens"]
         rid = load.request_id
         m, lookup = self._matched.pop(rid, (None, None))
-        if lookup is None and load.tokens is not None:  # granted from the scheduler's view
+        if load.tokens is not None:  # granted from the scheduler's view
             lookup = Lookup(rid, load.tokens, load.computed, load.salt)
-        if lookup is not None and (m is None or m.hit_tokens > load.hit):
-            # given unpinned, or another rank holds less: match again, no further than granted
+        stale = m is None or m.hit_tokens > load.hit or m.computed_tokens != load.computed
+        if lookup is not None and stale:
+            # given unpinned, another rank holds less, or an answer to another question: match
+            # again, no further than granted
             cache.release(rid)
             m = self._match(lookup, load.hit + self.config.policy.min_recompute_tokens)
             self._matched.pop(rid, None)
@@ -394,16 +402,13 @@ class PrefillClock:
 
 def layout_fields(vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any]) -> dict:
     """hicache's layout from vLLM's configs, all but the segment sizes (those come from the
-    tensors vLLM registers): the model (its name, revision and a digest of its config and
-    quantization, or the extra config's `model_id`), the KV dtype, the block size and the TP
-    rank. Refuses what hicache cannot key safely."""
+    tensors vLLM registers): the model (`model_identity`, or the extra config's `model_id`),
+    the KV dtype, the block size and the TP rank. Refuses what hicache cannot key safely."""
     from vllm.distributed.parallel_state import (
         get_tensor_model_parallel_rank,
         get_tensor_model_parallel_world_size,
     )
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-
-    from hicache.core.keys import model_digest
 
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
@@ -412,13 +417,45 @@ def layout_fields(vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any])
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("hicache: pipeline parallelism is not supported")
     spec = groups[0].kv_cache_spec
-    mc = vllm_config.model_config
-    digest = model_digest({"hf": mc.hf_config.to_dict(), "quantization": mc.quantization})
     return {
-        "model": extra.get("model_id") or f"{mc.model}@{mc.revision or 'main'}:{digest}",
+        "model": extra.get("model_id") or model_identity(vllm_config.model_config),
         "kv_dtype": str(spec.dtype).removeprefix("torch."),
         "page_tokens": spec.block_size,
         "tp_rank": get_tensor_model_parallel_rank(),
         "tp_size": get_tensor_model_parallel_world_size(),
         "kv_head_sharded": not isinstance(spec, MLAAttentionSpec),
     }
+
+
+def model_identity(model_config: Any) -> str:
+    """The weights' name in the page keys, from vLLM's `ModelConfig`: its model name and
+    revision, and a digest of what else decides the KV a prompt gives: the model's config as
+    vLLM loaded it (`hf_config`, with `--hf-overrides` applied: RoPE scaling, sliding window,
+    layers, heads, ...), the dtype it computes in, its quantization, whether vLLM disabled the
+    sliding window, the code revision, and the weight files' bytes (`weights_digest` of the
+    folder the weights load from). Two instances share pages only where all of these agree."""
+    mc = model_config
+    digest = model_digest({
+        "hf": mc.hf_config.to_dict(),
+        "dtype": str(mc.dtype).removeprefix("torch."),
+        "quantization": mc.quantization,
+        "revision": mc.revision,
+        "code_revision": mc.code_revision,
+        "disable_sliding_window": mc.disable_sliding_window,
+        "weights": weights_digest(_weights_folder(mc.model, mc.revision)),
+    })  # fmt: skip
+    return f"{mc.model}@{mc.revision or 'main'}:{digest}"
+
+
+def _weights_folder(model: str, revision: str | None) -> str:
+    """The folder vLLM loads `model`'s weights from: the path itself, or the snapshot of a hub
+    model in the local Hugging Face cache ('' when it is not there)."""
+    if Path(model).is_dir():
+        return model
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model, "config.json", revision=revision)
+    except (ImportError, ValueError, OSError):
+        return ""
+    return str(Path(found).parent) if isinstance(found, str) else ""

@@ -57,7 +57,9 @@ class EngineSpec:
 
 
 def load_model(spec: EngineSpec) -> tuple[Transformer, str]:
-    """The model and a string naming its weights exactly (it goes into hicache's fingerprint)."""
+    """The model and a string naming its weights exactly (it goes into hicache's fingerprint):
+    a named shape's seed, or a folder's name, a digest of its config and of its weight files'
+    bytes (`hicache.core.keys.weights_digest`). The dtype is the KV dtype, in the layout."""
     if spec.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {spec.dtype!r}")
     cfg, folder = resolve(spec.model)
@@ -65,8 +67,10 @@ def load_model(spec: EngineSpec) -> tuple[Transformer, str]:
     if folder is None:
         model = Transformer.random(cfg, seed=spec.seed, device=spec.device, dtype=dtype)
         return model, f"{cfg.name}@random-seed{spec.seed}"
+    from hicache.core.keys import weights_digest
+
     model = Transformer.load(cfg, folder, device=spec.device, dtype=dtype)
-    return model, f"{Path(folder).resolve().name}@{_digest(cfg)}"
+    return model, f"{Path(folder).resolve().name}@{_digest(cfg)}:{weights_digest(folder)}"
 
 
 def _digest(cfg: ModelConfig) -> str:
