@@ -37,6 +37,7 @@ from hicache.integrations.vllm.meta import (  # noqa: E402
     StepMeta,
     Store,
 )
+from hicache.integrations.vllm.probe import StoreProbe  # noqa: E402
 from hicache.integrations.vllm.scheduler import SchedulerBooks  # noqa: E402
 from hicache.integrations.vllm.view import RankNews  # noqa: E402
 from hicache.integrations.vllm.worker import WorkerCache  # noqa: E402
@@ -841,3 +842,92 @@ def test_two_dp_engines_on_a_node_get_their_own_directories_and_ports(tmp_path):
             seen.append((mine.tiers[1].path, mine.metrics.port))
     assert len({path for path, _ in seen}) == len({port for _, port in seen}) == 4
     assert seen[0] == (str(tmp_path / "d" / "rank0"), 9400)  # without DP: as before
+
+
+# -- store-tier hits answered in the step, from the scheduler's own probe ----------------------
+
+
+Tensors = dict[str, torch.Tensor]
+
+
+def mooncake_pair(master) -> tuple[Engine, Engine, Tensors, Tensors, StoreProbe]:
+    """Two instances on one Mooncake store node: `a` (view answers only) writes, `b` answers
+    from its view and a probe of its own. Generous waits: the machine may be busy."""
+    tier = {"type": "mooncake", **master.tier_config, "group_pages": 1}
+    wa, kva = worker(blocks=64, tiers=(tier,))
+    wb, kvb = worker(blocks=64, tiers=(tier,))
+    for w in (wa, wb):
+        master.track(w.cache)  # closed before the master stops
+    config = load_config({"tiers": [{"type": "host", "size": "1MiB"}, tier]}, env={})
+    probe = StoreProbe.for_config(config, wait_s=30.0)
+    assert probe is not None
+    master.track(probe._tier)
+    assert probe._tier.wait_ready(60)
+    a = Engine(wa, SchedulerBooks(P, ranks=1))
+    b = Engine(wb, SchedulerBooks(P, ranks=1, probe=probe))
+    b.step()  # b's worker reports (an empty host tier, a shared store tier)
+    for t in kva.values():
+        t[:, :8] = torch.randn(2, 8, P, 8)
+    return a, b, kva, kvb, probe
+
+
+def drain(e: Engine) -> None:
+    deadline = time.monotonic() + 60
+    while not e.w.cache.tiers_idle and time.monotonic() < deadline:
+        e.step()
+        time.sleep(0.01)
+    assert e.w.cache.tiers_idle
+
+
+@pytest.mark.mooncake
+def test_a_store_tier_hit_is_answered_in_the_step_and_loads_the_exact_bytes(mooncake_master):
+    """Instance a stores a prompt (its pages reach the store node); instance b, whose host
+    tier holds nothing, is granted the four pages in the step it asks (its probe of the store
+    tier, no question to its worker), and its load fetches them and copies a's exact bytes."""
+    a, b, kva, kvb, probe = mooncake_pair(mooncake_master)
+    prompt = list(range(300, 317))
+    stored = a.prefill(Req("a", prompt))
+    drain(a)
+    r = Req("r", [*prompt, 9])
+    assert b.books.matched_tokens(r, 0) == (16, False)
+    assert probe.answered == 1
+    b.books.allocated(r, 16)
+    assert b.books.hit_sources(r, 16) == {CacheHitSource.P2P: 16}
+    meta = b.step({"r": 2}, {"r": [40, 41, 42, 43, 44]})
+    assert meta.lookups == [] and len(meta.loads) == 1
+    assert b.w.load_errors() == set()
+    for src, dst in zip(stored[:4], [40, 41, 42, 43]):
+        assert all(torch.equal(x, y) for x, y in zip(block(kva, src), block(kvb, dst)))
+    assert_no_pins(b.w)
+
+
+def assert_no_pins(w: WorkerCache) -> None:
+    """No request is left, and the only pinned host slots are the fetch reserve."""
+    stats = w.cache.stats()
+    reserve = sum(v for k, v in stats.items() if k.startswith("fetch_reserve_"))
+    assert (stats["host_pinned"], stats["requests"]) == (reserve, 0)
+
+
+@pytest.mark.mooncake
+def test_a_store_object_gone_before_the_load_is_a_load_error_not_wrong_bytes(mooncake_master):
+    """b is granted four pages from the store tier; the last two objects are removed before
+    its load: the load copies the first two exact pages, reports the other two blocks (vLLM
+    recomputes them), copies nothing into them, and leaves no pin."""
+    a, b, kva, kvb, probe = mooncake_pair(mooncake_master)
+    prompt = list(range(500, 517))
+    stored = a.prefill(Req("a", prompt))
+    drain(a)
+    r = Req("r", [*prompt, 9])
+    assert b.books.matched_tokens(r, 0) == (16, False)
+    b.books.allocated(r, 16)
+    [(fp, chain, _)] = b.books.view.host_runs(r.all_token_ids, None, 0, 4)
+    gone = probe.groups(fp, chain, 2, 4)
+    assert len(gone) == 2 and probe._tier.remove(gone, force=True) == [0, 0]
+    before = {i: block(kvb, i) for i in (42, 43)}
+    b.step({"r": 2}, {"r": [40, 41, 42, 43, 44]})
+    assert b.w.load_errors() == {42, 43}
+    for src, dst in zip(stored[:2], [40, 41]):
+        assert all(torch.equal(x, y) for x, y in zip(block(kva, src), block(kvb, dst)))
+    for i, held in before.items():
+        assert all(torch.equal(x, y) for x, y in zip(block(kvb, i), held))
+    assert_no_pins(b.w)

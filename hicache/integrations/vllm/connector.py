@@ -14,7 +14,10 @@ Extra config keys: `config` (a hicache YAML file) or `hicache` (the same, inline
 (optional: names the weights in the page keys, instead of `worker.model_identity`: vLLM's
 model name and a digest of its config, dtype, quantization and weight files); `pin_share`
 (optional, default 0.5: the share of a rank's host tier that answered hits waiting for their
-load may keep pinned). The config has no `layout` section: the layout comes from vLLM.
+load may keep pinned); `answer_in_step` (optional, default true: answer from the scheduler's
+view where it can tell); `probe_wait_ms` (optional, default 5: how long the scheduler waits
+for a shared store tier's answer to which groups it holds). The config has no `layout`
+section: the layout comes from vLLM.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from hicache.config import ConfigError, HiCacheConfig, load_config
 from hicache.integrations.vllm.inputs import refuse_unsupported
 from hicache.integrations.vllm.meta import HiCacheStats, StepMeta
+from hicache.integrations.vllm.probe import StoreProbe
 from hicache.integrations.vllm.scheduler import SchedulerBooks
 from hicache.integrations.vllm.worker import WorkerCache, layout_fields
 
@@ -101,6 +105,14 @@ def answer_in_step(extra: dict[str, Any]) -> bool:
     return value
 
 
+def probe_wait_s(extra: dict[str, Any]) -> float:
+    """The extra config's `probe_wait_ms` (default 5), in seconds: a number in [0, 1000]."""
+    wait = extra.get("probe_wait_ms", 5)
+    if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 1000:
+        raise ConfigError(f"hicache: probe_wait_ms must be a number in [0, 1000], got {wait!r}")
+    return wait / 1e3
+
+
 def rank_path(path: str, rank: int) -> str:
     """A store tier's directory for the worker of index `rank`: `{rank}` in `path` replaced, or
     else the subdirectory ``rank<r>`` of `path` (`path` made here if absent: its parent must
@@ -165,7 +177,9 @@ class HiCacheConnector(KVConnectorBase_V1):
             ranks = vllm_config.parallel_config.tensor_parallel_size
             reprefillable = max(0, vllm_config.num_prefill_lookahead_tokens - 1)
             floor = config.policy.min_recompute_tokens
-            self._books = SchedulerBooks(block, ranks, reprefillable, floor, in_step)
+            wait = probe_wait_s(extra)
+            probe = StoreProbe.for_config(config, wait) if in_step and wait else None
+            self._books = SchedulerBooks(block, ranks, reprefillable, floor, in_step, probe)
         else:
             fields = layout_fields(vllm_config, kv_cache_config, extra)
             index = node_index(vllm_config, fields["tp_rank"], fields["tp_size"])
@@ -218,6 +232,8 @@ class HiCacheConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._books is not None and self._books.probe is not None:
+            self._books.probe.close()
 
     def _worker_side(self) -> WorkerCache:
         if self._worker is None:

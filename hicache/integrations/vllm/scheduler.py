@@ -3,7 +3,11 @@
 The scheduler process holds no pages. For each waiting request it first consults its
 `TierView` (what the workers reported their tiers hold): when the view can tell the whole
 answer (a host-tier hit, or a miss no store tier can turn into a hit) it answers in the same
-step, and the worker matches and pins the pages only when it loads them. Otherwise it asks the
+step, and the worker matches and pins the pages only when it loads them. Where the view cannot
+tell because a shared store tier may hold the next pages, and that tier can be asked from this
+process (`StoreProbe`), the scheduler asks it which of the prompt's next groups it holds,
+waiting a bounded few milliseconds, and answers in the step too: the worker's load fetches
+those groups into host slots and loads them like a host hit. Otherwise it asks the
 workers (a `Lookup` in the next step's metadata) and answers "not yet" (None) until every TP
 rank has answered; vLLM asks again on a later step, so the scheduler never waits. The hit it
 grants is the smallest of the ranks' answers. After vLLM has allocated blocks, a granted hit
@@ -23,6 +27,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hicache.integrations.vllm.inputs import keyed_tokens, request_salt
 from hicache.integrations.vllm.meta import Answer, Answers, Load, Lookup, StepMeta, Store
+from hicache.integrations.vllm.probe import StoreProbe
 from hicache.integrations.vllm.view import TierView
 
 if TYPE_CHECKING:
@@ -48,7 +53,8 @@ class SchedulerBooks:
     final yet (a speculative drafter's prefill lookahead, vLLM's `num_prefill_lookahead_tokens`
     less one): they are not stored, as vLLM does not cache them; `min_recompute` the policy's
     `min_recompute_tokens` (a hit leaves at least these to compute); `in_step` whether to answer
-    from the view where it can tell (else every question is asked)."""
+    from the view where it can tell (else every question is asked); `probe` the store tier it
+    may ask itself where the view cannot tell (used only with `in_step`)."""
 
     def __init__(
         self,
@@ -57,12 +63,14 @@ class SchedulerBooks:
         reprefillable: int = 0,
         min_recompute: int = 1,
         in_step: bool = True,
+        probe: StoreProbe | None = None,
     ) -> None:
         self._page = page_tokens
         self._ranks = ranks
         self._reprefillable = reprefillable
         self._min_recompute = min_recompute
         self.view = TierView(ranks, page_tokens) if in_step else None
+        self.probe = probe if in_step else None
         self._claims: dict[str, list[int]] = {}  # granted from the view: the prompt, for its Load
         self._tracked: dict[str, _Tracked] = {}
         self._asked: dict[str, int] = {}  # request -> the computed tokens of its open question
@@ -103,14 +111,53 @@ class SchedulerBooks:
         if self.view is None:
             return None
         cap = max(0, n - self._min_recompute) // self._page
-        pages = self.view.hit_pages(tokens, salt, computed // self._page, cap)
+        first = computed // self._page
+        pages = self.view.hit_pages(tokens, salt, first, cap)
+        sources: tuple[tuple[str, int], ...] = ()
+        if pages is None and self.probe is not None:
+            found = self._from_store(tokens, salt, first, cap)
+            if found is None:
+                return None
+            pages, host = found
+            sources = (("p2p", (pages - host) * self._page),)
+        else:
+            host = pages
         if pages is None:
             return None
         hit = pages * self._page
         if hit > computed:
-            self._granted[rid] = Answer(rid, computed, hit, (("host", hit - computed),))
+            in_host = ("host", max(0, host * self._page - computed))
+            self._granted[rid] = Answer(rid, computed, hit, (in_host, *sources))
             self._claims[rid] = tokens
         return max(hit, computed)
+
+    def _from_store(
+        self, tokens: list[int], salt: bytes | None, first: int, cap: int
+    ) -> tuple[int, int] | None:
+        """The pages [first, h) every rank can load, its host tier's run followed by the leading
+        run of groups the store tier holds (one batched probe for every rank), and the host
+        part of it; None where the probe did not answer in time (the workers are asked)."""
+        view, probe = self.view, self.probe
+        if view is None or probe is None:
+            return None
+        runs = view.host_runs(tokens, salt, first, cap)
+        if runs is None:
+            return None
+        if not runs:
+            return first, first
+        names = [probe.groups(fp, chain, h, cap) for fp, chain, h in runs]
+        present = probe.exists([name for each in names for name in each])
+        if present is None:
+            return None
+        G, at, hit, host = probe.group_pages, 0, cap, cap
+        for (_, _, h), each in zip(runs, names):
+            held = 0
+            while held < len(each) and present[at + held]:
+                held += 1
+            at += len(each)
+            reach = min(cap, (h // G + held) * G) if held else h
+            hit, host = min(hit, max(h, reach)), min(host, h)
+        return max(first, hit), max(first, min(host, hit))
 
     def _withdraw(self, rid: str) -> None:
         """Close `rid`'s question, if one is open (asked, answered, granted or allocated and not

@@ -98,28 +98,43 @@ class TierView:
         before the cap may end past it (the workers fetch it and load its pages up to the
         cap), so every full page of `tokens` from h on is looked for among the group ends.
         Each rank's seed is derived here, per question (one hash): nothing is kept per salt."""
-        if len(self._ranks) < self._want or cap <= first:
-            return None if len(self._ranks) < self._want else first
-        arr = as_tokens(tokens)
-        pages = arr.shape[0] // self._page
+        if self.ready and any(view.lower_unknown for view in self._ranks.values()):
+            return None
+        runs = self.host_runs(tokens, salt, first, cap)
+        if runs is None:
+            return None
         hit = cap
+        for view, (_, chain, h) in zip(self._ranks.values(), runs):
+            hit = min(hit, h)
+            if view.lower and any(k in view.lower for k in chain.hash_to(chain.pages)[h:]):
+                return None  # a store tier took a group past the host hit: fetch it
+        return max(first, hit) if runs else first
+
+    def host_runs(
+        self, tokens: list[int], salt: str | bytes | None, first: int, cap: int
+    ) -> list[tuple[bytes, KeyChain, int]] | None:
+        """Per rank: its fingerprint, the prompt's key chain under its seed, and the page h
+        its host tier's run from `first` ends at (at most `cap`); None until every rank has
+        reported, [] when nothing lies between `first` and `cap`."""
+        if len(self._ranks) < self._want:
+            return None
+        if cap <= first:
+            return []
+        arr = as_tokens(tokens)
+        out = []
         for view in self._ranks.values():
-            if view.lower_unknown:
-                return None
             chain = KeyChain(chain_seed(view.fingerprint, salt), self._page, arr)
             h, step = first, 16
-            while h < hit:  # hash only as far as the host tier holds, in doubling steps
-                end = min(hit, h + step)
+            while h < cap:  # hash only as far as the host tier holds, in doubling steps
+                end = min(cap, h + step)
                 keys = chain.hash_to(end)
                 while h < end and keys[h] in view.host:
                     h += 1
                 if h < end:
                     break
                 step *= 2
-            hit = h
-            if view.lower and any(k in view.lower for k in chain.hash_to(pages)[h:]):
-                return None  # a store tier took a group past the host hit: fetch it
-        return hit
+            out.append((view.fingerprint, chain, h))
+        return out
 
     @property
     def ready(self) -> bool:

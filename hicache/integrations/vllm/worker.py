@@ -2,16 +2,21 @@
 
 Each TP rank's worker process has one HiCache over that rank's KV tensors (its own shard: the
 rank is in the layout's fingerprint). Per step, vLLM calls `start` before the forward (sync
-loads must precede it) and `after` once the forward is enqueued; both run on the engine thread
-and never wait for a store tier: a question whose fetch is still running is asked again on
-the next step, and only then answered.
+loads must precede it) and `after` once the forward is enqueued; both run on the engine thread.
+A question whose fetch is still running is asked again on the next step, and only then
+answered. The one wait on a store tier is a load the scheduler granted from a store tier it
+asked itself (`hicache.integrations.vllm.probe`): `start` fetches those groups into host slots
+(every such load of the step at once) and waits for them, at most the policy's
+`fetch_max_wait_ms`, before it loads them like a host hit; what did not come is a load error.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +47,10 @@ log = logging.getLogger("hicache.vllm")
 REPORTED = (
     "hit_tokens_host", "pages_loaded", "pages_stored", "pages_dropped", "pages_evicted",
 )  # fmt: skip
+
+FETCH_WAIT_MARGIN_S = 0.05
+"""A load waits for its fetch at most the policy's `fetch_max_wait_ms` plus this (the fetch
+gives up at its deadline by itself; this bounds the wait should a tier's thread stall)."""
 
 READY_TIMEOUT_S = 10.0
 """How long vLLM's start waits for the host pools and the store tiers (see `register`)."""
@@ -112,6 +121,7 @@ class WorkerCache:
         self._layer_of: dict[str, int] = {}  # vLLM's layer name -> its index, for layered loads
         self._loading: list[Completion] = []  # this step's loads, arriving layer by layer
         self._told = False  # whether the scheduler has had news from this rank yet
+        self._woken = threading.Event()  # a store tier's thread has posted a result
 
     @property
     def rank(self) -> int:
@@ -131,7 +141,7 @@ class WorkerCache:
             self._layer_of = {name: i for i, name in enumerate(kv_caches)}
         self.cache = HiCache(
             self.config, pool, layout=self.layout, events=self._on_event,
-            layers=len(self._layer_of),
+            layers=len(self._layer_of), wake=self._woken.set,
         )  # fmt: skip
         # vLLM is still starting: let the first requests find the pools and the tiers ready
         if not self.cache.wait_ready(READY_TIMEOUT_S):
@@ -174,8 +184,10 @@ class WorkerCache:
             self._close(rid)
         for rid in step.unused:  # a question closed without a load, answered or not
             self._close(rid)
-        for load in step.loads:
-            self._load(load)
+        loading = [self._rematch(load) for load in step.loads]
+        self._await_fetches(loading)
+        for one in loading:
+            self._load(one)
         for lookup in step.lookups:
             self._matched.pop(lookup.request_id, None)
             self._asking[lookup.request_id] = lookup
@@ -291,22 +303,49 @@ class WorkerCache:
             sources[kind] = sources.get(kind, 0) + tokens
         return Answer(lookup.request_id, lookup.computed, m.hit_tokens, tuple(sources.items()))
 
-    def _load(self, load: Load) -> None:
+    def _rematch(self, load: Load) -> _Loading:
+        """The match `load` copies from: the answer's own, or, where it was given unpinned,
+        another rank holds less, it answers another question or the scheduler granted the hit
+        without asking (its view or its probe of a store tier), a new match, no further than
+        granted (pending while it fetches groups from a store tier)."""
+        cache, rid = self._cache(), load.request_id
+        m, lookup = self._matched.pop(rid, (None, None))
+        if load.tokens is not None:  # granted by the scheduler itself
+            lookup = Lookup(rid, load.tokens, load.computed, load.salt)
+        stale = m is None or m.hit_tokens > load.hit or m.computed_tokens != load.computed
+        upto = load.hit + self.config.policy.min_recompute_tokens
+        if lookup is not None and stale:
+            cache.release(rid)
+            m = self._match(lookup, upto)
+            self._matched.pop(rid, None)
+        return _Loading(load, m, lookup, upto)
+
+    def _await_fetches(self, loading: list[_Loading]) -> None:
+        """Wait until no load's match is pending (their fetches run side by side), at most the
+        policy's `fetch_max_wait_ms` (and a margin): the fetch ends at its deadline by itself,
+        and the match then answers what the host tier holds."""
+        waiting = [one for one in loading if one.m is not None and one.m.pending]
+        if not waiting:
+            return
+        deadline = time.monotonic() + self.config.policy.fetch_max_wait_ms / 1e3
+        deadline += FETCH_WAIT_MARGIN_S
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._woken.wait(min(left, 0.01))  # and a look now and then: deadlines pass silently
+            self._woken.clear()
+            for one in waiting:
+                one.m = self._match(one.lookup, one.upto)  # type: ignore[arg-type]
+                self._matched.pop(one.load.request_id, None)
+            waiting = [one for one in waiting if one.m is not None and one.m.pending]
+
+    def _load(self, one: _Loading) -> None:
         """Copy the granted hit into its blocks, or as much of its head as hicache still holds;
         report the granted blocks it did not fill so that vLLM recomputes them. Never serves
         more than granted."""
         cache, P = self._cache(), self._layout["page_tokens"]
-        rid = load.request_id
-        m, lookup = self._matched.pop(rid, (None, None))
-        if load.tokens is not None:  # granted from the scheduler's view
-            lookup = Lookup(rid, load.tokens, load.computed, load.salt)
-        stale = m is None or m.hit_tokens > load.hit or m.computed_tokens != load.computed
-        if lookup is not None and stale:
-            # given unpinned, another rank holds less, or an answer to another question: match
-            # again, no further than granted
-            cache.release(rid)
-            m = self._match(lookup, load.hit + self.config.policy.min_recompute_tokens)
-            self._matched.pop(rid, None)
+        load, m, rid = one.load, one.m, one.load.request_id
         filled = load.computed
         usable = m is not None and not m.pending and m.computed_tokens == load.computed
         if m is not None and usable and m.hit_tokens <= load.hit:
@@ -353,6 +392,17 @@ class WorkerCache:
             log.warning("hicache: store of request %s: %s", rid, err)
         finally:
             cache.release(rid)
+
+
+@dataclass
+class _Loading:
+    """A load of this step: the match it copies from and the question it was matched for."""
+
+    load: Load
+    m: Match | None
+    lookup: Lookup | None
+    upto: int
+    """The prompt tokens matched (the grant plus the engine's minimum recompute)."""
 
 
 class PrefillClock:
