@@ -850,21 +850,24 @@ def test_two_dp_engines_on_a_node_get_their_own_directories_and_ports(tmp_path):
 Tensors = dict[str, torch.Tensor]
 
 
-def mooncake_pair(master) -> tuple[Engine, Engine, Tensors, Tensors, StoreProbe]:
+def mooncake_pair(
+    master, wait_s: float = 30.0, in_step: bool = True
+) -> tuple[Engine, Engine, Tensors, Tensors, StoreProbe]:
     """Two instances on one Mooncake store node: `a` (view answers only) writes, `b` answers
-    from its view and a probe of its own. Generous waits: the machine may be busy."""
+    from its view and a probe of its own (waiting `wait_s`; generous by default: the machine
+    may be busy), or with `in_step` false asks its worker every time."""
     tier = {"type": "mooncake", **master.tier_config, "group_pages": 1}
     wa, kva = worker(blocks=64, tiers=(tier,))
     wb, kvb = worker(blocks=64, tiers=(tier,))
     for w in (wa, wb):
         master.track(w.cache)  # closed before the master stops
     config = load_config({"tiers": [{"type": "host", "size": "1MiB"}, tier]}, env={})
-    probe = StoreProbe.for_config(config, wait_s=30.0)
+    probe = StoreProbe.for_config(config, wait_s=wait_s)
     assert probe is not None
     master.track(probe._tier)
     assert probe._tier.wait_ready(60)
     a = Engine(wa, SchedulerBooks(P, ranks=1))
-    b = Engine(wb, SchedulerBooks(P, ranks=1, probe=probe))
+    b = Engine(wb, SchedulerBooks(P, ranks=1, in_step=in_step, probe=probe))
     b.step()  # b's worker reports (an empty host tier, a shared store tier)
     for t in kva.values():
         t[:, :8] = torch.randn(2, 8, P, 8)
@@ -930,4 +933,42 @@ def test_a_store_object_gone_before_the_load_is_a_load_error_not_wrong_bytes(moo
         assert all(torch.equal(x, y) for x, y in zip(block(kva, src), block(kvb, dst)))
     for i, held in before.items():
         assert all(torch.equal(x, y) for x, y in zip(block(kvb, i), held))
+    assert_no_pins(b.w)
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("why", ["master paused", "answer_in_step false"])
+def test_without_a_probe_answer_in_time_the_workers_are_asked_and_still_grant_it(
+    start_mooncake_master, why
+):
+    """The probe's wait is bounded: with the master paused the scheduler answers "not yet"
+    within it and asks the worker (as with `answer_in_step: false`, which never probes); the
+    worker's answer a step later grants the same four pages and loads a's bytes."""
+    master = start_mooncake_master()
+    paused = why == "master paused"
+    a, b, kva, kvb, probe = mooncake_pair(master, wait_s=0.2, in_step=paused)
+    prompt = list(range(700, 717))
+    stored = a.prefill(Req("a", prompt))
+    drain(a)
+    r = Req("r", [*prompt, 9])
+    if paused:
+        master.pause()
+    try:
+        assert b.books.matched_tokens(r, 0) == (None, False)
+        assert probe.late == int(paused) and probe.answered == 0
+    finally:
+        master.resume()
+    meta = b.step()
+    assert [q.request_id for q in meta.lookups] == ["r"]
+    deadline = time.monotonic() + 60
+    while (got := b.books.matched_tokens(r, 0)) == (None, False):
+        assert time.monotonic() < deadline
+        b.step()
+        time.sleep(0.01)
+    assert got == (16, False)
+    b.books.allocated(r, 16)
+    b.step({"r": 2}, {"r": [40, 41, 42, 43, 44]})
+    assert b.w.load_errors() == set()
+    for src, dst in zip(stored[:4], [40, 41, 42, 43]):
+        assert all(torch.equal(x, y) for x, y in zip(block(kva, src), block(kvb, dst)))
     assert_no_pins(b.w)
