@@ -232,8 +232,10 @@ class HiCacheConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
-        if self._books is not None and self._books.probe is not None:
-            self._books.probe.close()
+        probe = self._books.probe if self._books is not None else None
+        if probe is not None:  # raise probe_wait_ms where many were late
+            log.info("hicache: store probes in time %d, late %d", probe.answered, probe.late)
+            probe.close()
 
     def _worker_side(self) -> WorkerCache:
         if self._worker is None:
