@@ -26,7 +26,12 @@ from vllm.v1.request import Request  # noqa: E402
 
 from hicache import load_config  # noqa: E402
 from hicache.config import ConfigError  # noqa: E402
-from hicache.integrations.vllm.connector import for_rank, in_one_line, node_index  # noqa: E402
+from hicache.integrations.vllm.connector import (  # noqa: E402
+    for_rank,
+    in_one_line,
+    node_index,
+    probe_wait_s,
+)
 from hicache.integrations.vllm.inputs import refuse_unsupported  # noqa: E402
 from hicache.integrations.vllm.meta import (  # noqa: E402
     Answer,
@@ -972,3 +977,14 @@ def test_without_a_probe_answer_in_time_the_workers_are_asked_and_still_grant_it
     for src, dst in zip(stored[:4], [40, 41, 42, 43]):
         assert all(torch.equal(x, y) for x, y in zip(block(kva, src), block(kvb, dst)))
     assert_no_pins(b.w)
+
+
+def test_probe_wait_ms_is_a_bounded_number_and_no_probe_without_a_tier_any_process_can_ask():
+    assert probe_wait_s({}) == 0.005
+    for bad in (-1, 1001, True, "5"):
+        with pytest.raises(ConfigError, match="probe_wait_ms must be a number in"):
+            probe_wait_s({"probe_wait_ms": bad})
+    host = {"type": "host", "size": "1MiB"}
+    disk = {"type": "disk", "path": "/nonexistent", "size": "1MiB"}
+    for tiers in ([host], [host, disk]):
+        assert StoreProbe.for_config(load_config({"tiers": tiers}, env={}), 0.005) is None
