@@ -4,10 +4,11 @@ Each TP rank's worker process has one HiCache over that rank's KV tensors (its o
 rank is in the layout's fingerprint). Per step, vLLM calls `start` before the forward (sync
 loads must precede it) and `after` once the forward is enqueued; both run on the engine thread.
 A question whose fetch is still running is asked again on the next step, and only then
-answered. The one wait on a store tier is a load the scheduler granted from a store tier it
-asked itself (`hicache.integrations.vllm.probe`): `start` fetches those groups into host slots
-(every such load of the step at once) and waits for them, at most the policy's
-`fetch_max_wait_ms`, before it loads them like a host hit; what did not come is a load error.
+answered. The one wait on a store tier is a load whose match must fetch (a hit the scheduler
+granted from its own probe of a store tier, `hicache.integrations.vllm.probe`, or pages the
+host tier lost since the answer): `start` fetches those groups into host slots (every such
+load of the step at once) and waits for them, at most the policy's `fetch_max_wait_ms`, before
+it loads them like a host hit; what did not come is a load error.
 """
 
 from __future__ import annotations
