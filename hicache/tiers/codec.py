@@ -38,6 +38,10 @@ ALIGN = 4096
 LEVEL = 1
 """zstd's level: the fastest of its levels that entropy-codes (what shrinks the high plane)."""
 _PREFIX = 8
+PLANNED_RATIO = 1.45
+"""The ratio the planner assumes for codec: lossless (synthetic bf16 KV, bench/codec.py)."""
+PLANNED_DECODE_GBPS = 2.0
+"""The raw bytes per second the planner assumes a tier's codec threads decode (bench/codec.py)."""
 
 
 def problem() -> str | None:
