@@ -40,8 +40,10 @@ LEVEL = 1
 _PREFIX = 8
 PLANNED_RATIO = 1.45
 """The ratio the planner assumes for codec: lossless (synthetic bf16 KV, bench/codec.py)."""
-PLANNED_DECODE_GBPS = 2.0
-"""The raw bytes per second the planner assumes a tier's codec threads decode (bench/codec.py)."""
+PLANNED_DECODE_GBPS = 0.45
+"""The raw bytes per second the planner assumes a tier's codec threads decode: what 2 threads did
+on the 2-core development machine (bench/results/codec_cpu.json); give your own (decode_gbps=).
+"""
 
 
 def problem() -> str | None:
