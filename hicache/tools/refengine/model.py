@@ -4,7 +4,9 @@
 of one sequence starting at position ``start`` (a prefill chunk or one decode token). Projections
 and MLPs run on all tokens of the step at once; attention runs per item against that sequence's
 pages (full layers) or ring (sliding layers). The arithmetic mirrors transformers' modeling code op
-for op (RMSNorm in float32, RoPE tables in float32 cast to the model dtype, SDPA).
+for op (RMSNorm in float32, RoPE tables in float32 cast to the model dtype, SDPA). With `exact`,
+RMSNorm and attention are those of `hicache.tools.refengine.exact`: a token's results then do not
+depend on how its sequence was chunked or batched.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from hicache.tools.refengine import exact as exact_ops
 from hicache.tools.refengine.config import ModelConfig
 from hicache.tools.refengine.memory import KVMemory
 
@@ -66,8 +69,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Transformer:
     """Weights as a flat dict named like Hugging Face checkpoints (``model.layers.0...``)."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, cfg: ModelConfig, weights: dict[str, torch.Tensor], exact: bool = False
+    ) -> None:
         self.cfg = cfg
+        self.exact = exact  # chunk- and batch-invariant RMSNorm and attention (see module doc)
         self.w = weights
         first = weights["model.embed_tokens.weight"]
         self.device, self.dtype = first.device, first.dtype
@@ -150,6 +156,7 @@ class Transformer:
 
         T = ids.shape[0]
         H, Hk, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        norm = exact_ops.rms_norm if self.exact else rms_norm
         h = F.embedding(ids, w["model.embed_tokens.weight"])
         loads = [it.loading for it in items if it.loading is not None]
         for layer in range(cfg.num_layers):
@@ -157,13 +164,13 @@ class Transformer:
             if loads and layer in memory.full_index:  # the pool holds full layers only
                 for load in loads:
                     load.wait_layer(memory.full_index[layer])  # the stream waits, not the host
-            x = rms_norm(h, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+            x = norm(h, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
             q = self._lin(x, p + "self_attn.q_proj").view(T, H, D)
             k = self._lin(x, p + "self_attn.k_proj").view(T, Hk, D)
             v = self._lin(x, p + "self_attn.v_proj").view(T, Hk, D)
             if cfg.qk_norm:
-                q = rms_norm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
-                k = rms_norm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
+                q = norm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
+                k = norm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             if layer in memory.full_index:
@@ -173,14 +180,14 @@ class Transformer:
                 outs.append(self._attend(layer, it, qi, ki, vi, memory))
             o = torch.cat(outs).reshape(T, H * D)
             h = h + self._lin(o, p + "self_attn.o_proj")
-            x = rms_norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            x = norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             gate = F.silu(self._lin(x, p + "mlp.gate_proj"))
             h = h + self._lin(gate * self._lin(x, p + "mlp.up_proj"), p + "mlp.down_proj")
         for it, n in zip(items, lens):
             if it.slot is not None:
                 memory.slot_len[it.slot] = it.start + n
         last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))], device=dev)
-        hl = rms_norm(h[last], w["model.norm.weight"], cfg.rms_norm_eps)
+        hl = norm(h[last], w["model.norm.weight"], cfg.rms_norm_eps)
         return F.linear(hl, self.lm_head).float()
 
     def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -211,12 +218,15 @@ class Transformer:
             kpos = torch.arange(first, s + L, device=q.device)[None, :]
             mask = (kpos <= qpos) & (kpos > qpos - memory.window)
         rep = self.cfg.num_heads // self.cfg.num_kv_heads
+        scale = self.cfg.head_dim**-0.5
+        if self.exact:
+            keys, vals = keys.repeat_interleave(rep, dim=1), vals.repeat_interleave(rep, dim=1)
+            window = None if layer in memory.full_index else memory.window
+            return exact_ops.attend(q, keys, vals, s, s + L - keys.shape[0], scale, window)
         qt = q.transpose(0, 1)[None]
         kt = keys.transpose(0, 1).repeat_interleave(rep, dim=0)[None]
         vt = vals.transpose(0, 1).repeat_interleave(rep, dim=0)[None]
-        out = F.scaled_dot_product_attention(
-            qt, kt, vt, attn_mask=mask, scale=self.cfg.head_dim**-0.5
-        )
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
         return out[0].transpose(0, 1)
 
 
