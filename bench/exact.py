@@ -5,11 +5,13 @@
 On a GPU, Llama-3-8B's shapes in bfloat16 (random weights):
 
 - ``gemm_rows``: for each projection's shape, the largest difference between the rows of an
-  M-row product and the same rows of the 8,192-row product, over M from 1 to 8,191;
+  M-row product and the same rows of the 8,192-row product, over M from 1 to 8,191, and the M
+  for which a row differed;
 - ``rms_rows``: the same for RMSNorm, as transformers computes it and as the exact mode does;
 - ``attention``: the largest difference between the queries of a chunk (L queries ending at
   position E, keys 0..E) and the same queries in one causal pass over all positions, for
-  SDPA as the engine calls it and for the exact mode's attention;
+  SDPA as the engine calls it, FlashAttention 2 on the chunk's queries alone, and the exact
+  mode's attention;
 - ``model``: the largest difference in the last token's logits and in the K/V between a prompt
   prefilled whole and prefilled in chunks (a suffix, decode-sized steps), mode off and on;
 - ``cost``: prefill tokens per second and decode step times, mode off and on, at a few context
@@ -38,7 +40,22 @@ from hicache.tools.refengine.config import resolve
 from hicache.tools.refengine.memory import KVMemory
 from hicache.tools.refengine.model import Item, Transformer, rms_norm
 
-ROWS = [*range(1, 17), 31, 64, 100, 112, 128, 255, 256, 512, 513, 1000, 1536, 2048, 4096, 8191]
+ROWS = [
+    *range(1, 17),
+    31,
+    64,
+    100,
+    112,
+    128,
+    129,
+    160,
+    192,
+    200,
+    224,
+    *range(240, 300),
+    *range(300, 8192, 97),
+    8191,
+]
 PAGE = 128
 
 
@@ -96,12 +113,22 @@ def _sdpa(q, k, v, scale):
     )
 
 
+def _flash(q, k, v, scale):
+    """FlashAttention 2 (bottom-right causal) on the chunk's queries alone."""
+    qt, kt, vt = (t.transpose(0, 1)[None] for t in (q, k, v))
+    out = torch.ops.aten._scaled_dot_product_flash_attention(
+        qt, kt, vt, 0.0, True, False, scale=scale
+    )
+    return out[0][0].transpose(0, 1)
+
+
 def attention(cfg, gen: torch.Generator, n: int = 4096) -> dict[str, dict]:
     H, D = cfg.num_heads, cfg.head_dim
     q, k, v = (torch.randn(n, H, D, device="cuda", generator=gen).bfloat16() for _ in range(3))
     scale = D**-0.5
     ways = {
         "sdpa": lambda q, k, v, s: _sdpa(q, k, v, scale),
+        "flash": lambda q, k, v, s: _flash(q, k, v, scale),
         "exact": lambda q, k, v, s: exact.attend(q, k, v, s, 0, scale),
     }
     res = {}
@@ -109,7 +136,7 @@ def attention(cfg, gen: torch.Generator, n: int = 4096) -> dict[str, dict]:
         full = fn(q, k, v, 0)
         cases = {}
         for end in (n, 3000, 1000):
-            for L in (1, 2, 16, 112, 512, 1000):
+            for L in (1, 2, 16, 112, 256, 384, 447, 448, 449, 512, 1000):
                 s = end - L
                 cases[f"L{L}_end{end}"] = _diff(fn(q[s:end], k[:end], v[:end], s), full[s:end])
         res[name] = {"max": max(cases.values()), "cases": cases}

@@ -1,18 +1,22 @@
-"""The reference engine's exact mode: RMSNorm and attention whose result for one token does not
-depend on how its sequence was cut into chunks or on what else shares the step.
+"""The reference engine's exact mode: matrix products, RMSNorm and attention whose result for one
+token does not depend on how its sequence was cut into chunks or on what else shares the step.
 
 With the mode on, a token's K/V and logits are bit-identical whether its row was computed in a
-whole-prompt prefill, in a suffix chunk after a cache hit, or as one decode token, in bf16 on a
-GPU as in float32 on the CPU. Elementwise ops are invariant by nature; the matrix products of the
-projections and MLPs are too, row by row, on the devices checked (docs/decisions/ records which);
-what is left are the reductions this module replaces:
+whole-prompt prefill, in a suffix chunk after a cache hit, or as one decode token, in bfloat16
+on a GPU and on the CPU (in float32 the CPU's GEMMs round a row differently by row count, so
+the mode does not make float32 CPU runs exact). Elementwise ops are invariant by nature; the
+reductions are what this module makes invariant:
 
+- `linear` gives every matrix product on CUDA at least `GEMM_MIN_ROWS` rows: cuBLAS picks other
+  kernels (other reduction orders) for fewer rows, and rounds a row alike for any count above;
 - `rms_norm` sums the squares by a fixed pairwise tree of elementwise adds, so a row's sum does
   not depend on how many rows the reduction kernel sees;
 - `attend` computes every query over keys in fixed blocks aligned at absolute positions, in the
   same order whatever the chunk: on CUDA in half precision, FlashAttention 2 (bottom-right causal)
   with at least `flash_rows` query rows, so that its split-KV path (taken for few queries) is never
   used; elsewhere, a plain online softmax in float32 over `KV_BLOCK`-key blocks.
+
+docs/decisions/exact-mode.md records what differed, on which device, and what the mode costs.
 """
 
 from __future__ import annotations
@@ -27,9 +31,23 @@ KV_BLOCK = 256
 Q_TILE = 16
 """Queries per matrix product of the plain online softmax."""
 
-_SPLIT_FREE_SHARE = 0.8
+GEMM_MIN_ROWS = 256
+"""Rows below which a matrix product is padded (on an H100, bf16 products of Llama-3-8B's shapes
+rounded rows differently for 1 to 128 rows, alike from 255 to 8,192)."""
+
+_SPLIT_FREE_SHARE = 1.6
 """FlashAttention 2 runs without splitting the keys once heads x 64-row query blocks reach this
-share of the multiprocessors (its ``num_splits_heuristic``)."""
+share of the multiprocessors (its ``num_splits_heuristic``: 0.8 of twice their number)."""
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, on CUDA on at least `GEMM_MIN_ROWS` rows (zero rows added, their results
+    dropped; the CPU's bfloat16 products round a row alike for any count)."""
+    n = x.shape[0]
+    if n >= GEMM_MIN_ROWS or not x.is_cuda:
+        return torch.nn.functional.linear(x, w, b)
+    padded = torch.cat((x, x.new_zeros(GEMM_MIN_ROWS - n, *x.shape[1:])))
+    return torch.nn.functional.linear(padded, w, b)[:n]
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

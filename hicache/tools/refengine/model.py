@@ -5,8 +5,8 @@ of one sequence starting at position ``start`` (a prefill chunk or one decode to
 and MLPs run on all tokens of the step at once; attention runs per item against that sequence's
 pages (full layers) or ring (sliding layers). The arithmetic mirrors transformers' modeling code op
 for op (RMSNorm in float32, RoPE tables in float32 cast to the model dtype, SDPA). With `exact`,
-RMSNorm and attention are those of `hicache.tools.refengine.exact`: a token's results then do not
-depend on how its sequence was chunked or batched.
+matrix products, RMSNorm and attention are those of `hicache.tools.refengine.exact`: a token's
+results then do not depend on how its sequence was chunked or batched.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Transformer:
         self, cfg: ModelConfig, weights: dict[str, torch.Tensor], exact: bool = False
     ) -> None:
         self.cfg = cfg
-        self.exact = exact  # chunk- and batch-invariant RMSNorm and attention (see module doc)
+        self.exact = exact  # chunk- and batch-invariant products, norms, attention (module doc)
         self.w = weights
         first = weights["model.embed_tokens.weight"]
         self.device, self.dtype = first.device, first.dtype
@@ -188,10 +188,12 @@ class Transformer:
                 memory.slot_len[it.slot] = it.start + n
         last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))], device=dev)
         hl = norm(h[last], w["model.norm.weight"], cfg.rms_norm_eps)
-        return F.linear(hl, self.lm_head).float()
+        linear = exact_ops.linear if self.exact else F.linear
+        return linear(hl, self.lm_head).float()
 
     def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+        linear = exact_ops.linear if self.exact else F.linear
+        return linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
     def _attend(
         self,
