@@ -21,18 +21,19 @@ pytestmark = [
 ]
 
 GPU_SHAPES = {
-    # Llama-3-8B's heads (32 query, 8 K/V, 128 wide): FlashAttention's path, split-KV included
+    # two layers of Llama-3-8B (32 query heads, 8 K/V, 128 wide: FlashAttention's path, split-KV
+    # included; its projections' shapes, for which GEMM_MIN_ROWS was measured)
     "llama": ModelConfig(
         family="llama",
         vocab_size=4096,
-        hidden_size=512,
-        intermediate_size=1024,
+        hidden_size=4096,
+        intermediate_size=14336,
         num_layers=2,
         num_heads=32,
         num_kv_heads=8,
         head_dim=128,
         layer_types=(FULL, FULL),
-        initializer_range=0.05,
+        initializer_range=0.02,
         name="g-llama",
     ),
     # sliding layers: the plain online softmax, on the GPU
