@@ -7,8 +7,9 @@ on a GPU and on the CPU (in float32 the CPU's GEMMs round a row differently by r
 the mode does not make float32 CPU runs exact). Elementwise ops are invariant by nature; the
 reductions are what this module makes invariant:
 
-- `linear` gives every matrix product on CUDA at least `GEMM_MIN_ROWS` rows: cuBLAS picks other
-  kernels (other reduction orders) for fewer rows, and rounds a row alike for any count above;
+- a step on CUDA gets at least `GEMM_MIN_ROWS` rows (`step_padding`; `linear` for a product
+  outside it): cuBLAS picks other kernels (other reduction orders) for fewer rows, and rounds a
+  row alike for any count above;
 - `rms_norm` sums the squares by a fixed pairwise tree of elementwise adds, so a row's sum does
   not depend on how many rows the reduction kernel sees;
 - `attend` computes every query over keys in fixed blocks aligned at absolute positions, in the
@@ -40,13 +41,22 @@ _SPLIT_FREE_SHARE = 1.6
 share of the multiprocessors (its ``num_splits_heuristic``: 0.8 of twice their number)."""
 
 
+PADDED_DEVICES = ("cuda",)
+"""Device types whose products get `GEMM_MIN_ROWS` rows (the CPU's bfloat16 products round a
+row alike for any count)."""
+
+
+def step_padding(rows: int, device: torch.device) -> int:
+    """Rows to add to a step of `rows` rows on `device` so that its products have enough."""
+    return max(0, GEMM_MIN_ROWS - rows) if device.type in PADDED_DEVICES else 0
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, on CUDA on at least `GEMM_MIN_ROWS` rows (zero rows added, their results
-    dropped; the CPU's bfloat16 products round a row alike for any count)."""
-    n = x.shape[0]
-    if n >= GEMM_MIN_ROWS or not x.is_cuda:
+    """``F.linear`` with `step_padding` zero rows added (their results dropped)."""
+    n, pad = x.shape[0], step_padding(x.shape[0], x.device)
+    if not pad:
         return torch.nn.functional.linear(x, w, b)
-    padded = torch.cat((x, x.new_zeros(GEMM_MIN_ROWS - n, *x.shape[1:])))
+    padded = torch.cat((x, x.new_zeros(pad, *x.shape[1:])))
     return torch.nn.functional.linear(padded, w, b)[:n]
 
 

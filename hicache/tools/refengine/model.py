@@ -141,20 +141,23 @@ class Transformer:
         """
         cfg, w, dev = self.cfg, self.w, self.device
         lens = [len(it.tokens) for it in items]
-        ids = torch.tensor([t for it in items for t in it.tokens], device=dev)
-        pos = torch.cat([torch.arange(it.start, it.start + n) for it, n in zip(items, lens)])
+        T = sum(lens)
+        # exact mode: rows added (token 0 at position 0) so that every product has as many rows
+        # as its invariance needs; the added rows are in no item and write no K/V
+        pad = exact_ops.step_padding(T, dev) if self.exact else 0
+        ids = torch.tensor([t for it in items for t in it.tokens] + [0] * pad, device=dev)
+        spans = [torch.arange(it.start, it.start + n) for it, n in zip(items, lens)]
+        pos = torch.cat([*spans, torch.zeros(pad, dtype=torch.int64)])
         pos_d = pos.to(dev)
         P = memory.page_tokens
-        blocks = torch.cat(
-            [it.table[(pos_i // P).to(dev)] for it, pos_i in zip(items, pos.split(lens))]
-        )
-        offsets = pos_d % P
+        blocks = torch.cat([it.table[(span // P).to(dev)] for it, span in zip(items, spans)])
+        offsets = pos_d[:T] % P
         freqs = pos_d[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(self.dtype)[:, None, :]
         sin = emb.sin().to(self.dtype)[:, None, :]
 
-        T = ids.shape[0]
+        R = T + pad
         H, Hk, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         norm = exact_ops.rms_norm if self.exact else rms_norm
         h = F.embedding(ids, w["model.embed_tokens.weight"])
@@ -165,20 +168,23 @@ class Transformer:
                 for load in loads:
                     load.wait_layer(memory.full_index[layer])  # the stream waits, not the host
             x = norm(h, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-            q = self._lin(x, p + "self_attn.q_proj").view(T, H, D)
-            k = self._lin(x, p + "self_attn.k_proj").view(T, Hk, D)
-            v = self._lin(x, p + "self_attn.v_proj").view(T, Hk, D)
+            q = self._lin(x, p + "self_attn.q_proj").view(R, H, D)
+            k = self._lin(x, p + "self_attn.k_proj").view(R, Hk, D)
+            v = self._lin(x, p + "self_attn.v_proj").view(R, Hk, D)
             if cfg.qk_norm:
                 q = norm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
                 k = norm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
+            q, k, v = q[:T], k[:T], v[:T]
             if layer in memory.full_index:
                 memory.write_full(layer, blocks, offsets, k, v)
             outs = []
             for it, qi, ki, vi in zip(items, q.split(lens), k.split(lens), v.split(lens)):
                 outs.append(self._attend(layer, it, qi, ki, vi, memory))
-            o = torch.cat(outs).reshape(T, H * D)
+            if pad:
+                outs.append(q.new_zeros(pad, H, D))
+            o = torch.cat(outs).reshape(R, H * D)
             h = h + self._lin(o, p + "self_attn.o_proj")
             x = norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             gate = F.silu(self._lin(x, p + "mlp.gate_proj"))
@@ -192,8 +198,7 @@ class Transformer:
         return linear(hl, self.lm_head).float()
 
     def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        linear = exact_ops.linear if self.exact else F.linear
-        return linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
     def _attend(
         self,
