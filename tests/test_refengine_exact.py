@@ -157,6 +157,24 @@ def test_rows_added_to_a_step_change_no_bit_of_the_real_ones(monkeypatch):
     assert chunking_differences(model) == []
 
 
+def test_replay_runs_in_exact_mode_by_default_in_bf16_and_not_in_float32(tmp_path):
+    import json
+
+    from hicache.tools.refengine.replay import main
+    from hicache.tools.refengine.replay_args import parser
+
+    out = tmp_path / "r.json"
+    args = ["--model", "tiny-llama", "--conversations", "2", "--turns", "2", "--first-tokens",
+            "128", "--message-tokens", "16", "--answer-tokens", "2", "--quiet",
+            "--json", str(out)]  # fmt: skip
+    for extra, expected in ((["--dtype", "bfloat16"], True), ([], False)):
+        assert main([*args, *extra]) == 0
+        res = json.loads(out.read_text())
+        assert res["setup"]["exact"] is expected, extra
+        assert res["identical"] or not expected
+    assert parser().parse_args(["--no-exact"]).exact is False
+
+
 def test_tree_sum_adds_a_row_alike_whatever_the_rows_around_it():
     x = torch.randn(300, 200, dtype=torch.float32)
     whole = exact.tree_sum(x)

@@ -81,9 +81,9 @@ def _engine(p: argparse.ArgumentParser) -> None:
         "--exact",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="the model's exact mode: chunk- and batch-invariant RMSNorm and attention, so "
-        "that the runs with and without hicache compute every token alike (None: on in bfloat16 "
-        "and float16, off in float32)",
+        help="the model's exact mode: chunk- and batch-invariant products, RMSNorm and "
+        "attention, so that the runs with and without hicache compute every token alike "
+        "(unset: on in bfloat16 and float16, off in float32)",
     )
     p.add_argument(
         "--prefix-share",
