@@ -33,13 +33,13 @@ Q_TILE = 16
 """Queries per matrix product of the plain online softmax."""
 
 GEMM_MIN_ROWS = 256
-"""Rows below which a matrix product is padded (on an H100, bf16 products of Llama-3-8B's shapes
-rounded rows differently for 1 to 128 rows, alike from 255 to 8,192)."""
+"""Rows below which a CUDA step is padded (on an H100, bf16 products of Llama-3-8B's shapes
+rounded a row differently for up to 240 rows, alike from 241 to 8,191; other shapes may need
+more: bench/exact.py measures it)."""
 
 _SPLIT_FREE_SHARE = 1.6
 """FlashAttention 2 runs without splitting the keys once heads x 64-row query blocks reach this
 share of the multiprocessors (its ``num_splits_heuristic``: 0.8 of twice their number)."""
-
 
 PADDED_DEVICES = ("cuda",)
 """Device types whose products get `GEMM_MIN_ROWS` rows (the CPU's bfloat16 products round a
