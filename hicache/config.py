@@ -204,6 +204,38 @@ class StoreTierConfig(TierConfig):
     them): give CPUs other than the engine thread's, so that a tier never takes its core. Empty:
     wherever the process may run."""
 
+    codec: Literal["none", "lossless"] = "none"
+    """How objects are stored: none (as they are) or lossless (``hicache.tiers.codec``: 16-bit
+    KV as byte planes, the high plane compressed with zstd; 8-bit KV compressed whole; an object
+    that does not shrink stored as it is). Needs the ``codec`` extra (zstandard) and a backend
+    that reads objects shorter than their buffers (`StoreTier.reads_prefix`); whatever the
+    setting, a tier reads every object it knows how to decode."""
+    codec_threads: int = Field(default=2, ge=1, le=64)
+    """With codec: lossless, threads that encode and decode one call's objects in parallel."""
+
+    @field_validator("codec")
+    @classmethod
+    def _codec_here(cls, v: str) -> str:
+        if v == "lossless":
+            from hicache.tiers.codec import problem
+
+            reason = problem()
+            if reason is not None:
+                raise ValueError(f"lossless {reason}")
+        return v
+
+    @model_validator(mode="after")
+    def _codec_backend(self) -> StoreTierConfig:
+        if self.codec != "none":
+            from hicache.registry import tier_class
+
+            if not getattr(tier_class(self.type), "reads_prefix", False):
+                raise ValueError(
+                    f"codec: the {self.type} tier cannot hold encoded objects (its gets need "
+                    "an object's exact size); use codec: none"
+                )
+        return self
+
     def check_machine(self) -> None:
         check_cpus(self.worker_cpus, "worker_cpus")
 

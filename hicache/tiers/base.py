@@ -105,6 +105,10 @@ class StoreTier(Tier):
     exists_from_any_process: ClassVar[bool] = False
     """Whether a client of this tier made in another process (from the same config, never
     registering memory) answers `exists` for the objects every process wrote, cheaply."""
+    reads_prefix: ClassVar[bool] = False
+    """A get into buffers larger than the object reads it into their front and answers its
+    length (not a failure). Only such a tier can store encoded objects (`codec: lossless`),
+    whose size its reader does not know in advance."""
     breaker: CircuitBreaker | None = None
     """The store's own circuit breaker, if it keeps one (and counts its failures itself);
     otherwise the tier chain keeps one for it, fed by the outcomes of its calls."""
@@ -136,7 +140,8 @@ class StoreTier(Tier):
 
     @abstractmethod
     def get_into(self, keys: Sequence[str], buffers: Buffers) -> list[int]:
-        """Read each object into its pieces; per key the bytes read or a negative code."""
+        """Read each object into its pieces; per key the bytes read or a negative code (for an
+        object of another size than its buffers, unless `reads_prefix` and it is shorter)."""
 
     @abstractmethod
     def put_from(self, keys: Sequence[str], buffers: Buffers) -> list[int]:

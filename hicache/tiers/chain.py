@@ -32,6 +32,7 @@ from hicache.core.plan import PrefillSpeed, plan_fetch
 from hicache.observability.events import EventSink
 from hicache.observability.stats import Stats
 from hicache.registry import tier_class
+from hicache.tiers import codec as codecs
 from hicache.tiers.base import StoreTier
 from hicache.tiers.fetch import Fetch
 from hicache.tiers.host import HostTier
@@ -78,6 +79,8 @@ class TierChain:
                 read_gbps=cfg.read_gbps or store.read_gbps,
                 breaker_failures=cfg.breaker_failures,
                 breaker_reprobe_s=cfg.breaker_reprobe_s,
+                codec=codecs.for_dtype(layout.kv_dtype) if cfg.codec == "lossless" else None,
+                codec_threads=cfg.codec_threads,
             )
             link = StoreLink(
                 store, settings, host, layout, fingerprint, policy, self.prefill,

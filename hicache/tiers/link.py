@@ -44,6 +44,7 @@ from hicache.observability.events import EventSink
 from hicache.observability.stats import TierStats
 from hicache.tiers.base import StoreTier, StoreUnavailable
 from hicache.tiers.breaker import CircuitBreaker
+from hicache.tiers.codec import Codec
 from hicache.tiers.fetch import Fetch, FetchSide
 from hicache.tiers.host import HostTier
 from hicache.tiers.worker import Job, Worker
@@ -81,6 +82,10 @@ class LinkSettings:
     """The read throughput the cost model starts from."""
     breaker_failures: int = 3
     breaker_reprobe_s: float = 5.0
+    codec: Codec | None = None
+    """Encodes the objects a put writes (`codec: lossless`); None: stored raw."""
+    codec_threads: int = 1
+    """Threads that encode and decode one call's objects in parallel."""
 
 
 class StoreLink(FetchSide, WriteSide):
@@ -136,6 +141,8 @@ class StoreLink(FetchSide, WriteSide):
             self.G,
             layout.page_tokens,
             bool(layout.state_bytes),
+            settings.codec,
+            settings.codec_threads,
         )
         # what the tier holds (or receives), by the key naming the object: engine thread only
         self._groups_held = _Seen(1 << 20)
@@ -307,7 +314,7 @@ class StoreLink(FetchSide, WriteSide):
         except HiCacheError:  # the host tier could not be allocated: its wait_ready says so
             return
         try:
-            for tensor in (*self.host.memory(), self._worker.envelopes.memory):
+            for tensor in (*self.host.memory(), *self._worker.memory()):
                 self.store.register(tensor)
         except Exception as err:  # the tier stays unused; the engine goes on without it
             log.error("hicache tier %s: registering the host pools failed: %r", self.name, err)
@@ -335,6 +342,7 @@ class StoreLink(FetchSide, WriteSide):
         self._put_jobs.put(None)
         for t in self._threads:
             t.join(timeout=30)
+        self._worker.close()
         self.poll()
         self._reserve.release()
         self.store.close()

@@ -9,20 +9,27 @@ it can run on any thread; `StoreLink` runs it on its worker threads.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 import numpy as np
+import torch
 
+from hicache.core.checksum import checksum
 from hicache.core.keys import page_keys, store_key
 from hicache.core.slots import Lease
+from hicache.tiers import codec as codecs
 from hicache.tiers.base import Buffers, StoreTier
-from hicache.tiers.envelope import CORRUPT, HEADER, Envelopes
+from hicache.tiers.envelope import CORRUPT, HEADER, RAW, Envelopes, gather, seed
 from hicache.tiers.host import HostTier
 from hicache.transfer.completions import DONE, Completion
 
 _NO_BUFFERS = Buffers([], [])  # a probe's (read by nobody)
+STAGED_OBJECTS = 8
+"""Objects a put of a tier with a codec encodes at a time (its staging memory holds them)."""
 
 
 @dataclass
@@ -82,6 +89,8 @@ class Worker:
         group_pages: int,
         page_tokens: int,
         states: bool,
+        codec: codecs.Codec | None = None,
+        codec_threads: int = 1,
     ) -> None:
         self.store = store
         self.host = host
@@ -93,6 +102,43 @@ class Worker:
         self._state_names = store_key(key_prefix, fingerprint, b"", None)
         self.envelopes = Envelopes(host.page_slots.capacity, host.state_slots.capacity)
         """The objects' headers (registered with the store beside the host pools)."""
+        self.codec = codec
+        """Encodes what a put writes (None: objects are stored raw)."""
+        self.decoder = codec
+        """Decodes what a get reads: any tier that reads objects shorter than their buffers
+        decodes encoded objects where zstandard is here, whatever it writes."""
+        if codec is None and store.reads_prefix and codecs.problem() is None:
+            self.decoder = codecs.Codec(codecs.ZSTD)
+        self._pool = (
+            ThreadPoolExecutor(codec_threads, thread_name_prefix="hicache-codec")
+            if self.decoder is not None and codec_threads > 1
+            else None
+        )
+        self._staging: torch.Tensor | None = None
+
+    def memory(self) -> list[torch.Tensor]:
+        """What the store registers beside the host pools: the headers and, with a codec, the
+        staging memory that a put encodes into (made now: the host pools exist by then)."""
+        if self.codec is None:
+            return [self.envelopes.memory]
+        rows = self._page_rows
+        state = self.host.state(0).numel() if self.states else 0
+        slot = -(-max(self.G * rows[2], state) // codecs.ALIGN) * codecs.ALIGN
+        raw = torch.empty(STAGED_OBJECTS * slot + codecs.ALIGN, dtype=torch.uint8)
+        skip = -raw.data_ptr() % codecs.ALIGN  # aligned, so that the disk tier can use O_DIRECT
+        self._staging = raw[skip : skip + STAGED_OBJECTS * slot].view(STAGED_OBJECTS, slot)
+        return [self.envelopes.memory, raw]
+
+    def close(self) -> None:
+        """Stop the codec threads (after the jobs have ended)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def _map(self, fn: Callable[..., Any], *args: Iterable[Any]) -> list[Any]:
+        """`fn` over the objects' arguments, on the codec threads where there are any."""
+        if self._pool is None:
+            return list(map(fn, *args))
+        return list(self._pool.map(fn, *args))
 
     def run(self, job: Job) -> object:
         """Finish `job` and make its call: `exists` answers (a bool per object), a get's or a
@@ -112,19 +158,59 @@ class Worker:
         # an object the store holds already is not sent again: it answers 0
         job.ready.wait()  # the host copy of the pages (a CUDA event; released GIL)
         seal, buffers = self.envelopes.seal, job.buffers
+        if self.codec is not None:
+            return self._put_encoded(job.names, buffers)
         for name, ptrs, sizes in zip(job.names, buffers.ptrs, buffers.sizes):
             seal(name, ptrs, sizes)
         return self.store.put_from(job.names, buffers)
 
+    def _put_encoded(self, names: list[str], buffers: Buffers) -> list[int]:
+        """Put the objects encoded, `STAGED_OBJECTS` at a time (a call each)."""
+        codes: list[int] = []
+        for at in range(0, len(names), STAGED_OBJECTS):
+            part = slice(at, at + STAGED_OBJECTS)
+            pieces = self._map(
+                self._encode,
+                names[part],
+                buffers.ptrs[part],
+                buffers.sizes[part],
+                range(STAGED_OBJECTS),
+            )
+            ptrs, sizes = [p for p, _ in pieces], [s for _, s in pieces]
+            codes += self.store.put_from(names[part], Buffers(ptrs, sizes))
+        return codes
+
+    def _encode(
+        self, name: str, ptrs: list[int], sizes: list[int], k: int
+    ) -> tuple[list[int], list[int]]:
+        """Encode object `name` (header first, then its raw pieces) into staging slot `k`;
+        write its header; the pieces to put (its own where it does not shrink)."""
+        codec, staging = self.codec, self._staging
+        if codec is None or staging is None:  # memory() made it before the first put
+            raise RuntimeError("a put before the staging memory was registered")
+        raw = sum(sizes) - HEADER
+        value = checksum(ptrs[1:], sizes[1:], seed(name))
+        out = staging[k, :raw].numpy()
+        stored = codec.encode(gather(codec, ptrs[1:], sizes[1:], raw), out)
+        if stored is None:
+            self.envelopes.write(ptrs[0], codec.ident, RAW, raw, raw, value)
+            return ptrs, sizes
+        self.envelopes.write(ptrs[0], codec.ident, 0, raw, stored, value)
+        return [ptrs[0], out.ctypes.data], [HEADER, stored]
+
     def _check(self, job: Job, codes: list[int]) -> list[int]:
         """A get's codes with each object's header checked (the store's own codes beyond the
         job's objects, if it gave more, are left for the engine thread to judge)."""
-        out = list(codes)
-        check, buffers = self.envelopes.check, job.buffers
-        for i, name in enumerate(job.names[: len(out)]):
-            out[i] = check(name, buffers.ptrs[i], buffers.sizes[i], out[i])
-            job.corrupt += out[i] == CORRUPT
-        return out
+        n = min(len(codes), len(job.names))
+        buffers = job.buffers
+        checked = self._map(
+            self._check_one, job.names[:n], buffers.ptrs[:n], buffers.sizes[:n], codes[:n]
+        )
+        job.corrupt += checked.count(CORRUPT)
+        return checked + list(codes[n:])
+
+    def _check_one(self, name: str, ptrs: list[int], sizes: list[int], code: int) -> int:
+        return self.envelopes.check(name, ptrs, sizes, code, self.decoder)
 
     def _hash(self, job: Job) -> None:
         """Hash the pages of a fetch that the engine thread left (`hash_from`). The hashing

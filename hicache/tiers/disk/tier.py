@@ -17,8 +17,9 @@ The contract the tier chain's workers rely on:
   and the caller's registered memory (O_DIRECT where the memory and sizes are aligned and the file
   system takes it, buffered otherwise). Per key they return the bytes read / 0, or a negative
   errno: `missing_code` (-ENOENT) for an object not held, -ENOSPC (size bound, or the disk full),
-  -EFBIG (file size limit), -EIO and so on for failed I/O, -EMSGSIZE for buffers whose size is
-  not the object's. A failed put or get is counted and never raises; a failed get is not a hit.
+  -EFBIG (file size limit), -EIO and so on for failed I/O, -EMSGSIZE for buffers smaller than
+  the object (a smaller object is read into the buffers' front: `reads_prefix`). A failed put
+  or get is counted and never raises; a failed get is not a hit.
 - A record is published only whole (written to ``tmp``, synced, renamed into place). A record
   found damaged (its header does not verify or its length is wrong) is a miss and is removed.
 - Capacity: the records' bytes (headers included) stay within `size`; a put first evicts the
@@ -97,6 +98,7 @@ class DiskTier(StoreTier):
     shared = False  # one process per directory (see the module docstring)
     persistent = True
     missing_code = MISSING
+    reads_prefix = True  # a record's header holds its length
 
     def __init__(self, config: DiskTierConfig, layout: Layout | None = None) -> None:
         if not isinstance(config, DiskTierConfig):
@@ -316,7 +318,8 @@ class DiskTier(StoreTier):
     def _read(
         self, path: Path, key: str, views: list[memoryview], addresses: list[int], nbytes: int
     ) -> int:
-        """Read a record into `views`: `nbytes`, MISSING (absent or damaged), or -EMSGSIZE."""
+        """Read a record into the front of `views` (`nbytes` in all): the bytes read, MISSING
+        (absent or damaged), or -EMSGSIZE (a record larger than the views)."""
         head = rec.header_block()
         inline, rest = rec.split(views)
         after = nbytes - (inline.nbytes if inline is not None else 0)
@@ -332,11 +335,13 @@ class DiskTier(StoreTier):
         if found is None or found[0] != key:
             return MISSING
         kept = found[2]
-        if found[1] != after or kept.nbytes != (inline.nbytes if inline is not None else 0):
+        if found[1] > after or kept.nbytes != (inline.nbytes if inline is not None else 0):
             return -errno.EMSGSIZE
         if inline is not None:
             inline[:] = kept
-        return nbytes if got == rec.HEADER + after else MISSING  # shorter: a torn record
+        if got != rec.HEADER + found[1]:  # shorter: a torn record
+            return MISSING
+        return nbytes - after + found[1]
 
     def _put_one(self, key: str, obj: _Object) -> int:
         name = rec.file_name(key)

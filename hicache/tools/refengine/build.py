@@ -43,6 +43,9 @@ class EngineSpec:
     # off. Off for models with sliding-window layers, whatever is asked.
     prefix_share: float = 1.0
     prefix_blocks: int | None = None
+    # The model's exact mode (`hicache.tools.refengine.exact`): a token's results do not depend on
+    # how its sequence was chunked or batched, so runs with and without a cache agree bit for bit.
+    exact: bool = False
 
     @property
     def prefix_cache_blocks(self) -> int:
@@ -66,10 +69,12 @@ def load_model(spec: EngineSpec) -> tuple[Transformer, str]:
     dtype = DTYPES[spec.dtype]
     if folder is None:
         model = Transformer.random(cfg, seed=spec.seed, device=spec.device, dtype=dtype)
+        model.exact = spec.exact
         return model, f"{cfg.name}@random-seed{spec.seed}"
     from hicache.core.keys import weights_digest
 
     model = Transformer.load(cfg, folder, device=spec.device, dtype=dtype)
+    model.exact = spec.exact
     return model, f"{Path(folder).resolve().name}@{_digest(cfg)}:{weights_digest(folder)}"
 
 

@@ -123,10 +123,11 @@ def _setup(args: argparse.Namespace, cache_config: Any) -> _Setup:
     page = args.page_tokens or (128 if cuda else 32)
     probe = _workload(args, 2)  # the lengths alone size the pool: any vocabulary will do
     blocks = _pool_blocks(probe, page, args.pool_share)
+    dtype = args.dtype or ("bfloat16" if cuda else "float32")
     spec = EngineSpec(
         model=args.model,
         device=args.device,
-        dtype=args.dtype or ("bfloat16" if cuda else "float32"),
+        dtype=dtype,
         seed=args.seed,
         page_tokens=page,
         num_blocks=blocks,
@@ -134,6 +135,7 @@ def _setup(args: argparse.Namespace, cache_config: Any) -> _Setup:
         chunk_tokens=args.chunk_tokens or (8192 if cuda else 512),
         by_layer=cuda and not args.whole_loads,
         prefix_share=args.prefix_share,
+        exact=args.exact if args.exact is not None else dtype != "float32",
     )
     model = load_model(spec)
     convs = _workload(args, model[0].cfg.vocab_size)
