@@ -52,7 +52,8 @@ class Job:
     unprobed: bool = False
     """A get asked without an exists: a missing group ends the hit and is no failure."""
     ready: Completion = DONE
-    """For a put: the host write-through it sends; the worker waits for it before reading."""
+    """For a put: a fence made when it was queued (every copy into its slots is before it);
+    the worker waits for it before reading."""
     hash_from: tuple[bytes, bytes] | None = None
     """For a fetch's first job, when it has pages past `ENGINE_PREP_PAGES`: the key before them
     and the bytes of their tokens (int32), for the worker to hash."""
