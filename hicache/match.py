@@ -95,8 +95,8 @@ class MatchSide:
         (page-aligned; 0 for an engine without a prefix cache). `salt` separates tenants.
         The prompt is hashed once per request; asking again for the same request (for example
         after a pending answer) reuses its keys, and while its fetch is still running returns
-        the same pending answer without walking the tiers again. An int32 array is kept as it
-        is, not copied: the caller must not change it in place while the request lives. The
+        the same pending answer without walking the tiers again. hicache keeps a copy of the
+        tokens, never the caller's array: the caller may change or reuse it at once. The
         pages (and state) of the hit are pinned in the host tier until `load` has copied them or
         `release` is called.
 

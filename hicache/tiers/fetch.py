@@ -197,10 +197,9 @@ class FetchSide:
         chain.hash_to(own)
         job.page_keys = fetch.keys = chain.hashed[begin:own]
         if own < end:
-            # bytes, not an array copy: the caller may reuse its tokens, and numpy releases the
-            # GIL to copy an array this long (a worker waiting for it would cut into this call)
+            # a view, no copy: the chain's tokens are its own and never changed in place
             P = chain.page_tokens
-            job.hash_from = (job.page_keys[-1], chain.tokens[own * P : end * P].tobytes())
+            job.hash_from = (job.page_keys[-1], chain.tokens[own * P : end * P])
         self._submit_fetch(job)
         return fetch
 

@@ -54,9 +54,10 @@ class Job:
     ready: Completion = DONE
     """For a put: a fence made when it was queued (every copy into its slots is before it);
     the worker waits for it before reading."""
-    hash_from: tuple[bytes, bytes] | None = None
+    hash_from: tuple[bytes, np.ndarray] | None = None
     """For a fetch's first job, when it has pages past `ENGINE_PREP_PAGES`: the key before them
-    and the bytes of their tokens (int32), for the worker to hash."""
+    and their tokens (int32; a view of the request's `KeyChain.tokens`, never changed in
+    place), for the worker to hash."""
     page_keys: list[bytes] = field(default_factory=list)
     """For a fetch's first job: the keys of its pages (those after `hash_from` added by the
     worker)."""
@@ -110,8 +111,7 @@ class Worker:
     def _hash(self, job: Job) -> None:
         """Hash the pages of a fetch that the engine thread left (`hash_from`). The hashing
         releases the GIL."""
-        prev, data = job.hash_from  # type: ignore[misc]
-        tokens = np.frombuffer(data, dtype=np.int32)
+        prev, tokens = job.hash_from  # type: ignore[misc]
         keys = page_keys(prev, tokens, self.page_tokens, release_gil=True)
         job.page_keys = job.page_keys + keys  # a new list: the engine thread holds the old one
 
