@@ -255,6 +255,8 @@ class FetchSide:
         self._submit_fetch(get)
 
     def _on_get(self, job: Job, codes: list[int] | None) -> None:
+        """A get returned: `codes` one per object (the worker checked), or None for a failed
+        call (a miss; the fetch's slots are released)."""
         fetch = job.fetch
         run = job.groups
         if job.unprobed:  # its slots are the fetch's now (or free again): the reserve may refill

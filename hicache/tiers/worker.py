@@ -9,6 +9,7 @@ it can run on any thread; `StoreLink` runs it on its worker threads.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -17,6 +18,7 @@ import numpy as np
 
 from hicache.core.keys import page_keys, store_key
 from hicache.core.slots import Lease
+from hicache.errors import HiCacheError
 from hicache.tiers.base import Buffers, StoreTier
 from hicache.tiers.host import HostTier
 from hicache.transfer.completions import DONE, Completion
@@ -91,22 +93,23 @@ class Worker:
         self._group_names = store_key(key_prefix, fingerprint, b"", group_pages)
         self._state_names = store_key(key_prefix, fingerprint, b"", None)
 
-    def run(self, job: Job) -> object:
+    def run(self, job: Job) -> list[bool] | list[int]:
         """Finish `job` and make its call: `exists` answers (a bool per object), a get's or a
-        put's codes (per object, negative on failure). A put waits for its host copy
-        (`job.ready`) first. Raises what the store raises."""
+        put's codes (per object, negative on failure), as plain lists of one entry per object.
+        A put waits for its host copy (`job.ready`) first. Raises what the store raises, and
+        `BadResult` for an answer of the wrong length or type (a failed call)."""
         if job.hash_from is not None:
             self._hash(job)
         if job.page_keys and not job.ends:  # a fetch's first job: name its groups
             self._name_groups(job)
         self._place(job)
         if job.kind == "probe":
-            return self.store.exists(job.names)
+            return [c != 0 for c in _answer(self.store.exists(job.names), job)]
         if job.kind == "get":
-            return self.store.get_into(job.names, job.buffers)
+            return _answer(self.store.get_into(job.names, job.buffers), job)
         # an object the store holds already is not sent again: it answers 0
         job.ready.wait()  # the host copy of the pages (a CUDA event; released GIL)
-        return self.store.put_from(job.names, job.buffers)
+        return _answer(self.store.put_from(job.names, job.buffers), job)
 
     def _hash(self, job: Job) -> None:
         """Hash the pages of a fetch that the engine thread left (`hash_from`). The hashing
@@ -146,6 +149,27 @@ class Worker:
             pieces.ptrs.append([row.data_ptr()])
             pieces.sizes.append([row.numel()])
         return Buffers(pieces.ptrs, pieces.sizes)
+
+
+class BadResult(HiCacheError):
+    """A store tier answered a call with a result of the wrong length or type."""
+
+
+def _answer(out: object, job: Job) -> list[int]:
+    """A store call's answer as a list of ints, one per object of `job` (bools and numpy
+    integers are ints); `BadResult` where it is not a sequence of as many integers."""
+    n = len(job.names)
+    if isinstance(out, str | bytes) or not isinstance(out, Sequence | np.ndarray):
+        raise BadResult(f"{job.kind}: the store returned {type(out).__name__}, not a list")
+    if len(out) != n:
+        raise BadResult(f"{job.kind}: the store returned {len(out)} results for {n} objects")
+    if not all(isinstance(c, _INTEGERS) for c in out):
+        kinds = sorted({type(c).__name__ for c in out})
+        raise BadResult(f"{job.kind}: the store returned {', '.join(kinds)}, not ints")
+    return [int(c) for c in out]
+
+
+_INTEGERS = (int, np.integer, np.bool_)  # bool is an int
 
 
 def group_pieces(rows: tuple[int, int, int], G: int, slots: list[int]) -> Buffers:

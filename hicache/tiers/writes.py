@@ -193,7 +193,8 @@ class WriteSide:
         groups, layout, stats = len(job.ends), self.layout, self.stats
         group_bytes = self.G * layout.page_size
         n = groups + len(job.state_ends)
-        if codes and len(codes) == n and min(codes) >= 0:  # the usual case: counted in one step
+        # codes: one per object (the worker checked), or None for a failed call
+        if codes is not None and min(codes) >= 0:  # the usual case: counted in one step
             stats.objects_put += n
             stats.put_bytes += (
                 len(job.page_slots) * layout.page_size + len(job.state_slots) * layout.state_bytes
@@ -202,7 +203,7 @@ class WriteSide:
         else:
             put = []
             for i, key in enumerate(job.ends + job.state_ends):
-                if codes and i < len(codes) and codes[i] >= 0:
+                if codes is not None and codes[i] >= 0:
                     stats.objects_put += 1
                     stats.put_bytes += group_bytes if i < groups else layout.state_bytes
                     if i < groups:
