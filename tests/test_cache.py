@@ -289,6 +289,19 @@ def test_an_engine_that_reuses_its_token_buffer_gets_the_keys_of_what_it_holds_n
     books_are_clean(e)
 
 
+def test_the_seeds_of_many_salts_are_kept_bounded_and_stay_right():
+    """One salt per tenant or user: the seeds `match` keeps are bounded (the oldest go), and a
+    salt whose seed went is hashed again to the same namespace."""
+    e = FakeEngine(config())
+    e.run("a", toks((0, 20)), salt="t0")
+    for i in range(3000):
+        e.cache.match("x", toks((0, 20)), salt=f"user-{i}")
+        e.cache.release("x")
+    assert len(e.cache._seeds) <= 1024  # (before the bound: 3001)
+    assert e.run("b", toks((0, 20)), salt="t0").hit_tokens == 16  # the same namespace again
+    books_are_clean(e)
+
+
 def test_store_keeps_the_sequence_head_when_evicting():
     e = FakeEngine(config(host_pages=4))
     e.run("a", toks((0, 16)))  # four pages: the host tier is full
