@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from fake_engine import FakeEngine, config, settle
+from fake_engine import FakeEngine, config, kv_bytes, settle
 from late_copies import LateTransfers
 from memory_tier import MemoryTier
 
@@ -140,3 +140,27 @@ def test_a_write_behind_waits_for_the_copy_of_the_pages_it_puts(engines):
     store_late(e, "a", p)
     complete_late(e)
     assert read_back(engines, space, p) == 32
+
+
+def test_a_load_of_pages_whose_store_is_in_flight_gets_the_stored_bytes():
+    """A hit on pages whose store copy has not completed yet is loaded after it, on the same
+    stream: the engine's blocks get the stored bytes, never the empty slots'."""
+    space = uuid.uuid4().hex
+    p = prompt(4, 33)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hicache.cache, "Transfers", LateTransfers)
+        e = FakeEngine(chain(memory(space, write="off")))
+    try:
+        store_late(e, "a", p)
+        m = e.cache.match("b", p)
+        assert (m.hit_tokens, m.load_pages) == (32, 8)
+        blocks = e.allocate(8)
+        e.cache.load(m, blocks)
+        assert e.cache._transfers.complete() == 2  # the store's copy, then the load's
+        e.cache.poll()
+        e.cache.release("b")
+        for i, block in enumerate(blocks):
+            assert np.array_equal(e.page(block), kv_bytes(p, (i + 1) * P, 64)), i
+        assert e.cache.stats()["host_pinned"] == 0
+    finally:
+        e.cache.close()
