@@ -177,7 +177,10 @@ class KeyChain:
     ) -> None:
         self.seed = seed
         self.page_tokens = page_tokens
-        self.tokens = tokens = _copy(tokens)
+        # a copy made with the GIL kept (a bytearray's): numpy lets go of it to copy an array
+        # of more than a few hundred elements, which would let a hicache worker cut into the
+        # engine-thread call (the README's engine contract)
+        self.tokens = tokens = np.frombuffer(bytearray(tokens), dtype=np.int32)
         self.pages: int = tokens.shape[0] // page_tokens
         self.hashed: list[bytes] = memo.shared_keys(seed, tokens) if memo is not None else []
 
@@ -209,16 +212,9 @@ class KeyChain:
         if tokens.shape[0] < held or native.common_tokens(tokens, self.tokens) != held:
             return False
         if tokens.shape[0] > held:
-            self.tokens = _copy(tokens)
+            self.tokens = np.frombuffer(bytearray(tokens), dtype=np.int32)  # (as __init__)
             self.pages = tokens.shape[0] // self.page_tokens
         return True
-
-
-def _copy(tokens: np.ndarray) -> np.ndarray:
-    """A copy of C-contiguous int32 `tokens`, made with the GIL kept: numpy lets go of it to
-    copy an array of more than a few hundred elements, which would let a hicache worker cut
-    into the engine-thread call that copies (the README's engine contract)."""
-    return np.frombuffer(bytearray(tokens), dtype=np.int32)
 
 
 class PrefixMemo:
