@@ -219,14 +219,6 @@ def _list_tokens(tokens: list | tuple) -> np.ndarray:
         raise ValueError(f"token ids must be integers, got {type(bad).__name__}") from None
 
 
-def starts_with(tokens: np.ndarray, head: np.ndarray) -> bool:
-    """Whether `tokens` begins with `head` (both C-contiguous int32). Compiled where possible:
-    numpy releases the GIL to compare arrays this long, which would let a hicache worker cut
-    into the engine-thread call that asks."""
-    n = head.shape[0]
-    return tokens.shape[0] >= n and native.common_tokens(tokens[:n], head) == n
-
-
 def page_keys(
     seed: bytes, tokens: np.ndarray, page_tokens: int, release_gil: bool = False
 ) -> list[bytes]:
@@ -264,6 +256,11 @@ class KeyChain:
     one are not hashed at all. So `match` hashes a prompt only as far as the tiers could hit, and
     `store` hashes the rest.
 
+    The chain holds its own copy of the tokens, never the caller's array: an engine may reuse
+    or change its token buffer at once (a copy of a 128k-token prompt takes about 50 us, once
+    per request and per growth). The array held is never changed in place (growing replaces
+    it), so views of it stay valid.
+
     Attributes (read them; only the chain's methods change them): `tokens`, the int32 tokens
     held; `pages`, the full pages in them; `hashed`, the keys hashed so far, those of the first
     ``len(hashed)`` pages (a caller that hashed the pages right after them from ``hashed[-1]``,
@@ -277,7 +274,10 @@ class KeyChain:
     ) -> None:
         self.seed = seed
         self.page_tokens = page_tokens
-        self.tokens = tokens
+        # a copy made with the GIL kept (a bytearray's): numpy lets go of it to copy an array
+        # of more than a few hundred elements, which would let a hicache worker cut into the
+        # engine-thread call (the README's engine contract)
+        self.tokens = tokens = np.frombuffer(bytearray(tokens), dtype=np.int32)
         self.pages: int = tokens.shape[0] // page_tokens
         self.hashed: list[bytes] = memo.shared_keys(seed, tokens) if memo is not None else []
 
@@ -300,12 +300,16 @@ class KeyChain:
         self.hashed += keys
 
     def try_extend(self, tokens: np.ndarray) -> bool:
-        """Grow to `tokens` if they start with the tokens held now; False (and nothing changed)
-        if they do not. The same array again is not compared at all (a request asked again)."""
-        if tokens is not self.tokens:
-            if not starts_with(tokens, self.tokens):
-                return False
-            self.tokens = tokens
+        """Grow to `tokens` (a copy of them) if they start with the tokens held now; False (and
+        nothing changed) if they do not. Always compared: the caller may have changed its
+        array in place since."""
+        # compiled (numpy releases the GIL to compare arrays this long, which would let a
+        # hicache worker cut into the engine-thread call that asks)
+        held = self.tokens.shape[0]
+        if tokens.shape[0] < held or native.common_tokens(tokens, self.tokens) != held:
+            return False
+        if tokens.shape[0] > held:
+            self.tokens = np.frombuffer(bytearray(tokens), dtype=np.int32)  # (as __init__)
             self.pages = tokens.shape[0] // self.page_tokens
         return True
 

@@ -37,7 +37,7 @@ from hicache.tiers.base import StoreTier
 from hicache.tiers.fetch import Fetch
 from hicache.tiers.host import HostTier
 from hicache.tiers.link import LinkSettings, StoreLink
-from hicache.transfer.completions import DONE, Completion
+from hicache.transfer.completions import Completion
 
 
 class TierChain:
@@ -54,7 +54,12 @@ class TierChain:
         events: EventSink | None = None,
         wake: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        fence: Callable[[], Completion],
     ) -> None:
+        """`fence`: a completion of every copy enqueued so far on the engine's stream
+        (`hicache.transfer.completions.Transfers.fence`); every put waits for one made when it
+        was queued."""
         self.policy = policy
         self.layout = layout
         self.clock = clock
@@ -84,7 +89,7 @@ class TierChain:
             )
             link = StoreLink(
                 store, settings, host, layout, fingerprint, policy, self.prefill,
-                clock=clock, events=events, wake=wake, on_done=self._walk_on,
+                clock=clock, events=events, wake=wake, on_done=self._walk_on, fence=fence,
             )  # fmt: skip
             self.links.append(link)
             self._close_timeouts.append(cfg.close_timeout_s)
@@ -195,11 +200,10 @@ class TierChain:
 
     # -- writes -----------------------------------------------------------------------------------
 
-    def stored(
-        self, keys: list[bytes], ready: Completion = DONE, slots: list[int] | None = None
-    ) -> None:
+    def stored(self, keys: list[bytes], ready: Completion, slots: list[int] | None = None) -> None:
         """`store` copied `keys` (a sequence from its first page) to the host tier: hand them
-        to every tier as its `write:` says. `ready` completes with the host copy."""
+        to every tier as its `write:` says. `ready`: a fence made after the host copy (what
+        `Transfers.then` returned for it)."""
         n = len(keys)
         for link in self._behind:
             link.write_behind(keys, n, range(link.G, n + 1, link.G), ready, slots)

@@ -49,6 +49,7 @@ from hicache.tiers.fetch import Fetch, FetchSide
 from hicache.tiers.host import HostTier
 from hicache.tiers.worker import Job, Worker
 from hicache.tiers.writes import WriteSide
+from hicache.transfer.completions import Completion
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,8 @@ class StoreLink(FetchSide, WriteSide):
         events: EventSink | None = None,
         wake: Callable[[], None] | None = None,
         on_done: Callable[[Fetch], None] | None = None,
+        *,
+        fence: Callable[[], Completion],
     ) -> None:
         self.store = store
         self.settings = settings
@@ -120,6 +123,8 @@ class StoreLink(FetchSide, WriteSide):
         """Called by a worker after it posted a result (see `HiCache`'s `wake`)."""
         self.on_done = on_done
         """Called on the engine thread when a fetch's part here is done (the chain walks on)."""
+        self.fence = fence
+        """A completion of every copy enqueued so far on the engine's stream (a put waits)."""
         self.read = Rate(settings.read_gbps * 1e9)
         """This tier's read throughput (bytes/s), learned from its gets."""
         self._verdict = Verdict(self.read, prefill, layout.page_size, layout.page_tokens)

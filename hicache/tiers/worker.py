@@ -9,7 +9,7 @@ it can run on any thread; `StoreLink` runs it on its worker threads.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -21,6 +21,7 @@ import torch
 from hicache.core.checksum import checksum
 from hicache.core.keys import page_keys, store_key
 from hicache.core.slots import Lease
+from hicache.errors import HiCacheError
 from hicache.tiers import codec as codecs
 from hicache.tiers.base import Buffers, StoreTier
 from hicache.tiers.envelope import CORRUPT, HEADER, RAW, Envelopes, gather, seed
@@ -60,10 +61,12 @@ class Job:
     unprobed: bool = False
     """A get asked without an exists: a missing group ends the hit and is no failure."""
     ready: Completion = DONE
-    """For a put: the host write-through it sends; the worker waits for it before reading."""
-    hash_from: tuple[bytes, bytes] | None = None
+    """For a put: a fence made when it was queued (every copy into its slots is before it);
+    the worker waits for it before reading."""
+    hash_from: tuple[bytes, np.ndarray] | None = None
     """For a fetch's first job, when it has pages past `ENGINE_PREP_PAGES`: the key before them
-    and the bytes of their tokens (int32), for the worker to hash."""
+    and their tokens (int32; a view of the request's `KeyChain.tokens`, never changed in
+    place), for the worker to hash."""
     page_keys: list[bytes] = field(default_factory=list)
     """For a fetch's first job: the keys of its pages (those after `hash_from` added by the
     worker)."""
@@ -140,29 +143,30 @@ class Worker:
             return list(map(fn, *args))
         return list(self._pool.map(fn, *args))
 
-    def run(self, job: Job) -> object:
+    def run(self, job: Job) -> list[bool] | list[int]:
         """Finish `job` and make its call: `exists` answers (a bool per object), a get's or a
-        put's codes (per object, negative on failure). A put waits for its host copy
-        (`job.ready`) first and writes each object's header; a get checks them, and its codes
-        count the payload's bytes (`CORRUPT` for an object that did not verify, counted in
-        `job.corrupt`). Raises what the store raises."""
+        put's codes (per object, negative on failure), as plain lists of one entry per object.
+        A put waits for its host copy (`job.ready`) first and writes each object's header; a
+        get checks them, and its codes count the payload's bytes (`CORRUPT` for an object that
+        did not verify, counted in `job.corrupt`). Raises what the store raises, and
+        `BadResult` for an answer of the wrong length or type (a failed call)."""
         if job.hash_from is not None:
             self._hash(job)
         if job.page_keys and not job.ends:  # a fetch's first job: name its groups
             self._name_groups(job)
         self._place(job)
         if job.kind == "probe":
-            return self.store.exists(job.names)
+            return [c != 0 for c in _answer(self.store.exists(job.names), job)]
         if job.kind == "get":
-            return self._check(job, self.store.get_into(job.names, job.buffers))
+            return self._check(job, _answer(self.store.get_into(job.names, job.buffers), job))
         # an object the store holds already is not sent again: it answers 0
         job.ready.wait()  # the host copy of the pages (a CUDA event; released GIL)
         seal, buffers = self.envelopes.seal, job.buffers
         if self.codec is not None:
-            return self._put_encoded(job.names, buffers)
+            return _answer(self._put_encoded(job.names, buffers), job)
         for name, ptrs, sizes in zip(job.names, buffers.ptrs, buffers.sizes):
             seal(name, ptrs, sizes)
-        return self.store.put_from(job.names, buffers)
+        return _answer(self.store.put_from(job.names, buffers), job)
 
     def _put_encoded(self, names: list[str], buffers: Buffers) -> list[int]:
         """Put the objects encoded, `STAGED_OBJECTS` at a time (a call each)."""
@@ -215,8 +219,7 @@ class Worker:
     def _hash(self, job: Job) -> None:
         """Hash the pages of a fetch that the engine thread left (`hash_from`). The hashing
         releases the GIL."""
-        prev, data = job.hash_from  # type: ignore[misc]
-        tokens = np.frombuffer(data, dtype=np.int32)
+        prev, tokens = job.hash_from  # type: ignore[misc]
         keys = page_keys(prev, tokens, self.page_tokens, release_gil=True)
         job.page_keys = job.page_keys + keys  # a new list: the engine thread holds the old one
 
@@ -254,6 +257,27 @@ class Worker:
             pieces.ptrs.append([self.envelopes.state_header(slot), row.data_ptr()])
             pieces.sizes.append([HEADER, row.numel()])
         return Buffers(pieces.ptrs, pieces.sizes)
+
+
+class BadResult(HiCacheError):
+    """A store tier answered a call with a result of the wrong length or type."""
+
+
+def _answer(out: object, job: Job) -> list[int]:
+    """A store call's answer as a list of ints, one per object of `job` (bools and numpy
+    integers are ints); `BadResult` where it is not a sequence of as many integers."""
+    n = len(job.names)
+    if isinstance(out, str | bytes) or not isinstance(out, Sequence | np.ndarray):
+        raise BadResult(f"{job.kind}: the store returned {type(out).__name__}, not a list")
+    if len(out) != n:
+        raise BadResult(f"{job.kind}: the store returned {len(out)} results for {n} objects")
+    if not all(isinstance(c, _INTEGERS) for c in out):
+        kinds = sorted({type(c).__name__ for c in out})
+        raise BadResult(f"{job.kind}: the store returned {', '.join(kinds)}, not ints")
+    return [int(c) for c in out]
+
+
+_INTEGERS = (int, np.integer, np.bool_)  # bool is an int
 
 
 def group_pieces(rows: tuple[int, int, int], G: int, slots: list[int]) -> Buffers:

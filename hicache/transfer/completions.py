@@ -12,7 +12,9 @@ Events without timing are recorded again once `poll` has seen them complete (mak
 destroying one per copy costs more); the completion they leave reads done from then on.
 
 Copies in both directions go on the same stream, so a load enqueued after a store reads the
-stored bytes, and the engine's kernels enqueued after a load see the loaded pages.
+stored bytes, and the engine's kernels enqueued after a load see the loaded pages. A thread that
+reads host slots itself (a store tier's worker) waits first for `Transfers.fence()`: the
+completion of every copy enqueued so far, so no slot is read before the copy that fills it.
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ class Transfers:
         self._used: int | None = None  # the stream of the copies enqueued since the last `then`
         self._side: torch.cuda.Stream | None = None  # the stream of layer-by-layer copies
         self._fork: CudaEvent | None = None  # orders it after the engine's stream
+        self._last: Completion = DONE  # the completion `then` made last (`fence`)
         if self.on_cuda:
             from hicache.transfer.kernels.cuda import current_stream_handle, event_class
 
@@ -222,9 +225,20 @@ class Transfers:
         else:
             event = self._event(self._index, timing=timing is not None)
         event.record(stream, self._index)
-        done = Completion(event)
+        done = self._last = Completion(event)
         self._waiting.append((done, callback, timing))
         return done
+
+    def fence(self) -> Completion:
+        """A completion of every copy enqueued so far on the engine's stream: what a worker that
+        reads host slots waits for first (every copy into a slot published so far is covered).
+        The last one `then` made where no copy was enqueued since (no new event); on the CPU,
+        where a copy finishes before it returns, `DONE`."""
+        if not self.on_cuda:
+            return DONE
+        if self._used is None:
+            return self._last
+        return self.then(_nothing)
 
     def poll(self) -> int:
         """Run the callbacks of finished copies, oldest first. Returns how many ran."""
@@ -249,3 +263,7 @@ class Transfers:
 
 
 _Timing = tuple[Histogram, "CudaEvent"]
+
+
+def _nothing() -> None:
+    """The callback of a `fence`."""
