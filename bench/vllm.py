@@ -13,6 +13,9 @@ in an order rotated by one from the repetition before, so load from other work o
 falls on all ways alike:
 
 - ``vllm``: vLLM alone;
+- ``vllm_floor``: vLLM alone with a KV budget that holds every prompt and answer of the run
+  (`floor_kv_tokens` in the JSON), so its own prefix cache keeps every prefix: nothing loaded,
+  no reused token computed again. The physical best for this workload on this engine;
 - ``hicache``: vLLM + `HiCacheConnector`, a host tier and a disk tier;
 - ``lmcache256``, ``lmcache32``: vLLM + LMCache's `LMCacheMPConnector` with an `lmcache server`
   started for the run (an L1 of the host tier's size, a file-system L2 of the disk's), chunks of
@@ -34,10 +37,11 @@ No reuse: prompts of the same lengths whose every block is new. Then, for the co
 a shared tier, a **second instance** (a fresh vLLM beside the same disk or LMCache server,
 after the first has exited) sends the sessions' first requests again.
 
-On the 2-core VM a run of the four default ways takes about 27 minutes (longer while other
-work shares the machine). Rows: each way's TTFT p50 and p90 per workload, median [min-max] over
-the repetitions, the prompt tokens each source served, whether greedy answers equal vLLM
-alone's; then the targets, as ratios of the medians and within each repetition.
+On the 2-core VM a run of the four ways before ``vllm_floor`` took about 27 minutes (the floor
+adds about a fifth; longer while other work shares the machine). Rows: each way's TTFT p50 and
+p90 per workload, median [min-max] over the repetitions, the prompt tokens each source served,
+whether greedy answers equal vLLM alone's; then the targets, as ratios of the medians and
+within each repetition.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ from hicache.tools.mooncake_local import LocalMaster
 from hicache.tools.trace.workload import BLOCK_TOKENS, block_tokens_of
 
 RUNNER = ["-m", "hicache.tools.vllm_run"]  # one vLLM process (the tests run it too)
-TRACE = ROOT.parent / "shared" / "traces" / "agentic_sessions.jsonl.gz"
+TRACE = ROOT / "examples" / "traces" / "agentic_sample.jsonl.gz"  # its first sessions: the same
 VOCAB = 512  # the model's vocabulary (hicache.tools.vllm_run.VOCAB)
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4  # 4 layers, K and V, 2 KV heads of 64, fp32
 NEW_IDS = 1 << 40  # hash ids above every id of the trace: blocks no other prompt has
@@ -159,11 +163,12 @@ class LMCacheServer:
 
 def run_vllm(way: str, config: dict, workload: Path, out: Path, args: argparse.Namespace) -> dict:
     """One vLLM process through one workload file; its result (`hicache.tools.vllm_run`'s JSON)."""
-    kind = next((k for k in ("hicache", "lmcache") if way.startswith(k)), way)
+    kind = next((k for k in ("hicache", "lmcache", "vllm") if way.startswith(k)), way)
+    kv_tokens = args.floor_kv_tokens if way == "vllm_floor" else args.kv_tokens
     cmd = [
         sys.executable, *RUNNER, "--model", args.model, "--workload", workload, "--out", out,
         "--way", kind, "--config", json.dumps(config), "--block", str(args.block),
-        "--kv-bytes", str(args.kv_tokens * KV_BYTES_PER_TOKEN), "--output", str(args.output),
+        "--kv-bytes", str(kv_tokens * KV_BYTES_PER_TOKEN), "--output", str(args.output),
         "--max-model-len", str(args.max_tokens + args.output), "--max-num-seqs", "16",
     ]  # fmt: skip
     env = {
@@ -280,6 +285,8 @@ def summarize(rows: list[dict], ways: list[str]) -> tuple[dict, dict]:
     if "hicache" in ways and "vllm" in ways:
         targets["reuse_p50_vs_vllm"] = compare("hicache", "vllm", "reuse_ttft_p50_ms", 0.3)
         targets["no_reuse_p50_vs_vllm"] = compare("hicache", "vllm", "no_reuse_ttft_p50_ms", 1.05)
+    if "hicache" in ways and "vllm_floor" in ways:
+        targets["reuse_p50_vs_floor"] = compare("hicache", "vllm_floor", "reuse_ttft_p50_ms", 1.2)
     if "hicache" in ways and lmcaches:
         best = min(lmcaches, key=lambda w: summary[w]["reuse_ttft_p50_ms"]["median"])
         targets["lmcache_best"] = best
@@ -299,7 +306,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out")
     p.add_argument("--trace", default=str(TRACE), help="agentic_sessions.jsonl.gz")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--ways", default="vllm,hicache,lmcache256,lmcache32")
+    p.add_argument("--ways", default="vllm,vllm_floor,hicache,lmcache256,lmcache32")
     p.add_argument("--example", action="store_true", help="add vLLM's ExampleConnector as a row")
     p.add_argument("--second", default="hicache,hicache_mooncake,lmcache256,lmcache32",
                    help="ways that also run a second instance")  # fmt: skip
@@ -323,6 +330,9 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     loads = workloads(args)
+    every = [p for r in loads["reuse"] + loads["no_reuse"] for p in r]  # each prompt + answer
+    blocks = sum(-(-(len(p) + args.output) // args.block) for p in every)
+    args.floor_kv_tokens = (blocks + 1) * args.block  # and vLLM's null block
     phases = {
         "reuse": range(len(loads["reuse"])),
         "no_reuse": range(len(loads["reuse"]), len(loads["reuse"]) + len(loads["no_reuse"])),
