@@ -40,7 +40,10 @@ def plan(seed: int, count: int, skip: frozenset[str] = frozenset()) -> tuple[Set
 
 def replay(seed: int, setup: Setup, ops: list[Op]) -> tuple[int, str | None]:
     """Run `ops` in a fresh world; (operations run, the violation or None)."""
-    from hicache.testing.world import World
+    if setup.engine == "vllm":
+        from hicache.testing.vllm_world import VllmWorld as World
+    else:
+        from hicache.testing.world import World
 
     world = World(setup, f"sim-{seed}")
     done, error = 0, None
@@ -51,7 +54,11 @@ def replay(seed: int, setup: Setup, ops: list[Op]) -> tuple[int, str | None]:
     except Violation as err:
         error = str(err)
     except Exception as err:  # an API call raised where it must not
-        error = f"{type(err).__name__} in {ops[done]!r}: {err}"
+        where = traceback.extract_tb(err.__traceback__)[-1]
+        error = (
+            f"{type(err).__name__} in {ops[done]!r}: {err} "
+            f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})"
+        )
     try:
         world.close()
     except Violation as err:

@@ -45,6 +45,10 @@ class Setup:
     memo: int = 64
     blocks: int = 128
     decode_max: int = 6
+    engine: str = "direct"
+    """direct: an engine on HiCache's API; vllm: vLLM's connector pair (`vllm_world`)."""
+    pin_share: float = 0.5
+    in_step: bool = True
     features: frozenset[str] = frozenset()
     """The `FEATURES` this world exercises."""
 
@@ -54,6 +58,7 @@ FEATURES = {
     "reuse-buffers": "the engine reuses a released request's token buffer",
     "on-evict": "store tiers with write: on_evict",
     "replaced": "objects replaced at rest by other bytes of the same length",
+    "alias-salt": "a tenant salt spelled as hicache spells a LoRA adapter's namespace (vLLM)",
 }
 """Parts of the workload that `--skip` can leave out (each finds a class of defect)."""
 
@@ -70,6 +75,19 @@ def draw_setup(rng: random.Random, skip: frozenset[str] = frozenset()) -> Setup:
         kind = "disk" if disk else "memory"
         write = rng.choice(modes)
         stores.append((kind, write, rng.choice((1, 2, 4))))
+    if rng.random() < VLLM_SHARE and _has_vllm():
+        return Setup(
+            page_bytes=2 * 2 * 4 * 8 * 4,  # two layers of K and V, (4 tokens, 8) float32 each
+            host_pages=rng.choice((8, 12, 24, 48)),
+            stores=tuple(stores),
+            fetch_workers=rng.choice((1, 2)),
+            reserve_pages=rng.choice((0, 4)),
+            memo=rng.choice((0, 64)),
+            engine="vllm",
+            pin_share=rng.choice((0.5, 0.1)),
+            in_step=rng.random() < 0.7,
+            features=features,
+        )
     return Setup(
         host_pages=rng.choice((8, 12, 24, 48)),
         state_bytes=rng.choice((0, 0, 24)),
@@ -80,6 +98,17 @@ def draw_setup(rng: random.Random, skip: frozenset[str] = frozenset()) -> Setup:
         memo=rng.choice((0, 64)),
         features=features,
     )
+
+
+VLLM_SHARE = 0.35
+"""The share of seeds whose engine is vLLM's connector pair (where vLLM is installed)."""
+
+
+@lru_cache(maxsize=1)
+def _has_vllm() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
 
 
 @lru_cache(maxsize=64)
@@ -99,6 +128,8 @@ def content_of(spec: tuple) -> Content:
 
 def operations(rng: random.Random, setup: Setup, count: int) -> list[Op]:
     """`count` operations for a world of `setup`."""
+    if setup.engine == "vllm":
+        return vllm_operations(rng, setup, count)
     ops: list[Op] = []
     live: list[str] = []
     specs: list[tuple] = []
@@ -140,21 +171,65 @@ def operations(rng: random.Random, setup: Setup, count: int) -> list[Op]:
             rid = rng.choice(live)
             live.remove(rid)
             ops.append(("release", rid))
-        elif kind == "device":
-            ops.append(("device", rng.choice((1, 1, 2, 3, -1))))
-        elif kind == "call":
-            faults = CALL_FAULTS if "bad-codes" in setup.features else GOOD_CODES
-            fault = rng.choice(faults) if rng.random() < 0.2 else None
-            ops.append(("call", rng.randrange(4), fault))
         elif kind == "poll":
             ops.append(("poll",))
-        elif rng.random() < 0.1:
-            ops.append(("reopen",))
         else:
-            replaced = ("replaced",) if "replaced" in setup.features else ()
-            what = rng.choice(STORE_FAULTS + replaced)
-            if what == "down":  # down for a while, then back
-                ops.append(("space", "down", 0))
+            ops.append(_common(rng, setup, kind))
+    return ops
+
+
+def _common(rng: random.Random, setup: Setup, kind: str) -> Op:
+    """An operation on the device, the store calls or the store."""
+    if kind == "device":
+        return ("device", rng.choice((1, 1, 2, 3, -1)))
+    if kind == "call":
+        faults = CALL_FAULTS if "bad-codes" in setup.features else GOOD_CODES
+        return ("call", rng.randrange(4), rng.choice(faults) if rng.random() < 0.2 else None)
+    if rng.random() < 0.1:
+        return ("reopen",)
+    replaced = ("replaced",) if "replaced" in setup.features else ()
+    what = rng.choice(STORE_FAULTS + replaced)
+    return ("space", what, rng.randrange(64) if what != "full" else 8)
+
+
+def vllm_operations(rng: random.Random, setup: Setup, count: int) -> list[Op]:
+    """Operations for vLLM's side: requests (tenants, LoRA adapters, images) arrive, engine
+    steps run, requests decode, are preempted and finish (or abort)."""
+    ops: list[Op] = []
+    live: list[str] = []
+    specs: list[tuple] = []
+    kinds = ("ask", "step", "decode", "preempt", "release", "device", "call", "fault")
+    weights = (2, 6, 1.5, 0.5, 1.5, 4, 4, 0.4)
+    for i in range(count):
+        kind = rng.choices(kinds, weights)[0]
+        if kind == "ask" or (kind in ("decode", "preempt", "release") and not live):
+            if specs and rng.random() < 0.6:
+                old = rng.choice(specs)
+                n = max(2, old[4] + rng.randrange(-8, 24))
+                spec = (*old[:2], old[4], rng.randrange(99), n, *old[5:])
+                if rng.random() < 0.3:  # the same text under another namespace
+                    spec = (*spec[:5], rng.randrange(3), rng.randrange(3), spec[7])
             else:
-                ops.append(("space", what, rng.randrange(64) if what != "full" else 8))
+                n = rng.randrange(2, 100)
+                image = None
+                if rng.random() < 0.3:
+                    image = (rng.randrange(2), rng.randrange(n), rng.randrange(1, 12))
+                spec = (0, rng.randrange(4), rng.randrange(0, n + 1), rng.randrange(99), n,
+                        rng.randrange(3), rng.randrange(3), image)  # fmt: skip
+            specs.append(spec)
+            rid = f"v{i}"
+            live.append(rid)
+            ops.append(("ask", rid, spec, rng.choice((0, 0, 0, 1, 2)), False))
+        elif kind == "step":
+            ops.append(("step",))
+        elif kind == "decode":
+            ops.append(("decode", rng.choice(live), rng.choice((1, 4, setup.decode_max))))
+        elif kind == "preempt":
+            ops.append(("preempt", rng.choice(live)))
+        elif kind == "release":
+            rid = rng.choice(live)
+            live.remove(rid)
+            ops.append(("release", rid))
+        else:
+            ops.append(_common(rng, setup, kind))
     return ops

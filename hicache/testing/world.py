@@ -134,7 +134,13 @@ class World:
         if s.state_bytes:
             self.states = SimStates(self, s.blocks, s.state_bytes, s.history_tokens)
         self.cache = HiCache(self.config, gpu, layout=layout, states=self.states, layers=s.layers)
-        cache = self.cache
+        self._attach(self.cache)
+        self.free_blocks = list(range(s.blocks - 1, -1, -1))
+        self.free_slots = list(range(s.blocks - 1, -1, -1))
+        self.reqs: dict[str, Req] = {}
+
+    def _attach(self, cache: HiCache) -> None:
+        """Put `cache` on the simulated device and clock, once its tiers are ready."""
         cache._transfers.device = self.device
         self._wait_ready(cache)
         self.device.to_host = cache._routes[0]  # type: ignore[index]
@@ -144,10 +150,11 @@ class World:
             for link in chain.links:
                 link.clock = self.clock
                 link.breaker._clock = self.clock
-        self.free_blocks = list(range(s.blocks - 1, -1, -1))
-        self.free_slots = list(range(s.blocks - 1, -1, -1))
-        self.reqs: dict[str, Req] = {}
         self._instrument(cache)
+
+    def _live(self) -> set[str]:
+        """The requests the engine has not released."""
+        return set(self.reqs)
 
     @staticmethod
     def _wait_ready(cache: HiCache) -> None:
@@ -420,11 +427,11 @@ class World:
                 raise Violation(f"host slot {slot} holds other bytes than its key's page")
         if self.states is not None:
             self._check_states()
-        stray = set(cache._requests) - set(self.reqs)
+        stray = set(cache._requests) - self._live()
         if stray:
             raise Violation(f"the cache keeps released requests: {sorted(stray)[:3]}")
         quiet = self.device.idle and not cache._transfers.in_flight and cache.tiers_idle
-        if not self.reqs and quiet and not self.space.gate.parked:
+        if not self._live() and quiet and not self.space.gate.parked:
             chain = cache._chain
             reserve = 0 if chain is None else sum(len(ln._reserve.slots) for ln in chain.links)
             if pages.pinned != reserve:
