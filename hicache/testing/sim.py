@@ -6,6 +6,7 @@ else 1, printing each failing seed with a shrunk sequence of operations that rep
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import random
 import sys
@@ -45,6 +46,8 @@ def replay(seed: int, setup: Setup, ops: list[Op]) -> tuple[int, str | None]:
     else:
         from hicache.testing.world import World
 
+    gc.collect()
+    gc.disable()  # collections at fixed steps only (`GC_EVERY`), so that a seed reproduces
     world = World(setup, f"sim-{seed}")
     done, error = 0, None
     try:
@@ -65,6 +68,10 @@ def replay(seed: int, setup: Setup, ops: list[Op]) -> tuple[int, str | None]:
         error = error or f"at close: {err}"
     except Exception as err:
         error = error or f"at close: {type(err).__name__}: {err}\n{traceback.format_exc()}"
+    finally:
+        gc.enable()
+    if error is None and world.failure is not None:  # found at close, by the collector
+        error = f"at close: {world.failure}"
     return done, error
 
 
@@ -77,6 +84,8 @@ def run_seed(
 ) -> Outcome:
     """One seed, with `canary` (a defect reintroduced) if given; the failure shrunk."""
     logging.getLogger("hicache").setLevel(logging.CRITICAL)
+    if canary is not None:
+        skip = skip - canaries.NEEDS.get(canary, set())
     with canaries.applied(canary):
         setup, ops = plan(seed, count, skip)
         done, error = replay(seed, setup, ops)

@@ -27,6 +27,8 @@ SALTS = (
     json.dumps({"salt": None, "lora": list(LORAS[1])}, separators=(",", ":")),  # an alias try
 )
 IMAGES = ("cat", "dog")
+PLACEHOLDER = 0
+"""The token id of every image placeholder (the image's content hash tells images apart)."""
 
 
 @dataclass
@@ -116,6 +118,7 @@ class VllmWorld(World):
         if image is not None:
             which, offset, length = image
             offset, length = min(offset, len(tokens) - 1), min(length, len(tokens))
+            tokens[offset : offset + length] = [PLACEHOLDER] * len(tokens[offset : offset + length])
             features = [
                 MultiModalFeatureSpec(
                     None, "image", IMAGES[which], PlaceholderRange(offset=offset, length=length)

@@ -10,6 +10,7 @@ after the copies enqueued before it, as a GPU's kernel would see them.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
@@ -23,12 +24,27 @@ import torch
 
 from hicache import HiCache, PagedBuffer, load_config
 from hicache.config import HiCacheConfig, Layout
+from hicache.core.native.books import Lease
 from hicache.core.request import Match
 from hicache.testing.device import SimDevice
 from hicache.testing.faults import SPACES, Space
 from hicache.testing.oracle import Content, Oracle, Violation
 from hicache.testing.workload import Op, Setup, content_of
 
+
+def _lease_dropped(lease: Lease) -> None:
+    """A lease garbage-collected while it holds pins: they can never be released."""
+    world = World.active
+    books = lease._books
+    if world is not None and lease.slots and any(b is books for b in world.slot_books):
+        found = Violation(f"a lease of {len(lease.slots)} host slots was dropped holding its pins")
+        world.failure = world.failure or found
+
+
+Lease.__del__ = _lease_dropped  # type: ignore[attr-defined]
+
+GC_EVERY = 100
+"""Operations between collections of cyclic garbage (a lease dropped in a cycle shows then)."""
 SETTLE_S = 120.0
 """How long a step waits for the worker threads to park or finish (a real deadlock fails)."""
 
@@ -73,6 +89,9 @@ class SimStates:
 class World:
     """One seed's world (see the module docstring). `close` checks that nothing leaked."""
 
+    active: World | None = None
+    """The world running in this process (a dropped lease is reported to it)."""
+
     def __init__(self, setup: Setup, name: str) -> None:
         self.setup = setup
         self.name = name
@@ -87,6 +106,8 @@ class World:
         self.config = self._config()
         self.cache: HiCache | None = None
         self.buffers: list[np.ndarray] = []  # free token buffers, reused last-in first-out
+        World.active = self
+        self.slot_books: list[Any] = []  # the cache's slot books (see `_lease_dropped`)
         self._open()
 
     # -- building -----------------------------------------------------------------------------
@@ -142,6 +163,7 @@ class World:
     def _attach(self, cache: HiCache) -> None:
         """Put `cache` on the simulated device and clock, once its tiers are ready."""
         cache._transfers.device = self.device
+        self.slot_books += [cache.host.page_slots._books, cache.host.state_slots._books]
         self._wait_ready(cache)
         self.device.to_host = cache._routes[0]  # type: ignore[index]
         chain = cache._chain
@@ -199,6 +221,8 @@ class World:
         """Apply `op`, let the worker threads settle, and check the invariants."""
         self.now += 0.01
         self.log.append(repr(op))
+        if len(self.log) % GC_EVERY == 0:  # the garbage collector runs here only (see `sim`)
+            gc.collect()
         getattr(self, "op_" + op[0])(*op[1:])
         self.settle()
         self.check()
@@ -498,6 +522,8 @@ class World:
             self.cache = None
             self._check_leaks()
         if final:
+            gc.collect()  # a lease dropped in a cycle of this world's garbage shows now
+            World.active = None
             SPACES.pop(self.name, None)
             shutil.rmtree(self.dir, ignore_errors=True)
 
