@@ -191,6 +191,7 @@ NEEDS = {
     "keep-caller-array": {"reuse-buffers"},
     "short-codes-accepted": {"bad-codes"},
     "raw-salt-namespace": {"alias-salt"},
+    "drop-superseded-question": {"cache-grows"},
 }
 """The parts of the workload a canary needs (`--skip` does not leave them out for it)."""
 

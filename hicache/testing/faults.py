@@ -138,6 +138,9 @@ class SimTierConfig(StoreTierConfig):
     """A directory: the store behind the gate is the real disk tier there (not the space's
     objects)."""
     disk_size: int = 1 << 20
+    private: bool = False
+    """In memory, declared neither shared nor persistent: it starts empty and only this
+    instance writes it (the tier chain, and vLLM's scheduler, trust their own books of it)."""
 
 
 @register_tier("sim", SimTierConfig)
@@ -162,10 +165,12 @@ class SimTier(StoreTier):
             self.inner = DiskTier(cfg)
             self.shared, self.persistent = DiskTier.shared, DiskTier.persistent
             self.missing_code = DiskTier.missing_code
+        elif config.private:
+            self.shared = False
         self._registered = 0
 
     def empty_at_start(self) -> bool:
-        return False
+        return self.config.private
 
     def start(self) -> None:
         if self.inner is not None:

@@ -26,7 +26,9 @@ SALTS = (
     "tenant-a",
     json.dumps({"salt": None, "lora": list(LORAS[1])}, separators=(",", ":")),  # an alias try
 )
-IMAGES = ("cat", "dog")
+IMAGES = (("cat", 5), ("dog", 3))
+"""Each image's content hash and its number of placeholder tokens (an image that does not fit
+in the prompt is left out)."""
 PLACEHOLDER = 0
 """The token id of every image placeholder (the image's content hash tells images apart)."""
 
@@ -115,13 +117,12 @@ class VllmWorld(World):
             salt = 1
         tokens = list(content_of((0, *spec[1:5])).tokens)
         features = []
-        if image is not None:
-            which, offset, length = image
-            offset, length = min(offset, len(tokens) - 1), min(length, len(tokens))
-            tokens[offset : offset + length] = [PLACEHOLDER] * len(tokens[offset : offset + length])
+        if image is not None and image[1] + IMAGES[image[0]][1] <= len(tokens):
+            (name, length), offset = IMAGES[image[0]], image[1]
+            tokens[offset : offset + length] = [PLACEHOLDER] * length
             features = [
                 MultiModalFeatureSpec(
-                    None, "image", IMAGES[which], PlaceholderRange(offset=offset, length=length)
+                    None, "image", name, PlaceholderRange(offset=offset, length=length)
                 )
             ]
         adapter = None
@@ -133,6 +134,12 @@ class VllmWorld(World):
             mm_features=features, lora_request=adapter, cache_salt=SALTS[salt],
         )  # fmt: skip
         self.vreqs[rid] = VReq(request, own)
+
+    def op_grow(self, rid: str, pages: int) -> None:
+        """vLLM's own prefix cache came to hold `pages` more pages of a waiting request."""
+        vr = self.vreqs.get(rid)
+        if vr is not None and not vr.running:
+            vr.own += pages
 
     def op_decode(self, rid: str, tokens: int) -> None:
         vr = self.vreqs.get(rid)
@@ -245,6 +252,22 @@ class VllmWorld(World):
         self.device.run_later(read)
         for i in pages:
             vr.kv_pages = max(vr.kv_pages, i + 1)
+
+    def check(self) -> None:
+        """The world's invariants, and the two halves' books agree: every question the worker
+        holds (asked, or answered and pinned) is one the scheduler still has open, or is about
+        to close (`unused`, `forget`)."""
+        super().check()
+        books, step = self.books, self.books._step
+        sent = {r for r in (*books._granted, *books._loads) if r not in books._claims}
+        open_ = sent | set(books._asked) | {q.request_id for q in step.lookups}
+        closing = set(step.unused) | set(step.forget)
+        for rid in (*self.worker._matched, *self.worker._asking):
+            if rid not in open_ and rid not in closing:
+                raise Violation(
+                    f"request {rid}: the worker holds a question the scheduler closed without "
+                    "telling it"
+                )
 
     # the direct engine's operations have no meaning here
     def op_load(self, *_: Any) -> None:

@@ -39,7 +39,8 @@ class Setup:
     history_tokens: int = 8
     layers: int = 0
     stores: tuple[tuple[str, str, int], ...] = ()
-    """(memory | disk, write mode, group pages) of each store tier, in walk order."""
+    """(memory | private | disk, write mode, group pages) of each store tier, in walk order
+    (memory: shared by every instance of the world; private: this instance's alone)."""
     fetch_workers: int = 1
     reserve_pages: int = 0
     memo: int = 64
@@ -59,6 +60,7 @@ FEATURES = {
     "on-evict": "store tiers with write: on_evict",
     "replaced": "objects replaced at rest by other bytes of the same length",
     "alias-salt": "a tenant salt spelled as hicache spells a LoRA adapter's namespace (vLLM)",
+    "cache-grows": "vLLM's own prefix cache grows while a request waits for its answer",
 }
 """Parts of the workload that `--skip` can leave out (each finds a class of defect)."""
 
@@ -72,10 +74,12 @@ def draw_setup(rng: random.Random, skip: frozenset[str] = frozenset()) -> Setup:
     stores = []
     for _ in range(rng.choice((0, 1, 1, 2))):
         disk = not any(s[0] == "disk" for s in stores) and rng.random() < 0.4
-        kind = "disk" if disk else "memory"
+        kind = "disk" if disk else rng.choice(("memory", "memory", "private"))
         write = rng.choice(modes)
         stores.append((kind, write, rng.choice((1, 2, 4))))
     if rng.random() < VLLM_SHARE and _has_vllm():
+        if stores and rng.random() < 0.5:  # tiers vLLM's scheduler knows: it answers in step
+            stores = [("private", "behind", G) for _, _, G in stores[:1]]
         return Setup(
             page_bytes=2 * 2 * 4 * 8 * 4,  # two layers of K and V, (4 tokens, 8) float32 each
             host_pages=rng.choice((8, 12, 24, 48)),
@@ -85,7 +89,7 @@ def draw_setup(rng: random.Random, skip: frozenset[str] = frozenset()) -> Setup:
             memo=rng.choice((0, 64)),
             engine="vllm",
             pin_share=rng.choice((0.5, 0.1)),
-            in_step=rng.random() < 0.7,
+            in_step=rng.random() < 0.8,
             features=features,
         )
     return Setup(
@@ -198,11 +202,11 @@ def vllm_operations(rng: random.Random, setup: Setup, count: int) -> list[Op]:
     ops: list[Op] = []
     live: list[str] = []
     specs: list[tuple] = []
-    kinds = ("ask", "step", "decode", "preempt", "release", "device", "call", "fault")
-    weights = (2, 6, 1.5, 0.5, 1.5, 4, 4, 0.4)
+    kinds = ("ask", "step", "decode", "preempt", "grow", "release", "device", "call", "fault")
+    weights = (2, 6, 1.5, 0.5, 1 if "cache-grows" in setup.features else 0, 1.5, 4, 4, 0.4)
     for i in range(count):
         kind = rng.choices(kinds, weights)[0]
-        if kind == "ask" or (kind in ("decode", "preempt", "release") and not live):
+        if kind == "ask" or (kind in ("decode", "preempt", "grow", "release") and not live):
             if specs and rng.random() < 0.6:
                 old = rng.choice(specs)
                 n = max(2, old[4] + rng.randrange(-8, 24))
@@ -226,6 +230,8 @@ def vllm_operations(rng: random.Random, setup: Setup, count: int) -> list[Op]:
             ops.append(("decode", rng.choice(live), rng.choice((1, 4, setup.decode_max))))
         elif kind == "preempt":
             ops.append(("preempt", rng.choice(live)))
+        elif kind == "grow":
+            ops.append(("grow", rng.choice(live), rng.choice((1, 2, 4, 8))))
         elif kind == "release":
             rid = rng.choice(live)
             live.remove(rid)

@@ -98,6 +98,9 @@ class World:
         self.dir = tempfile.mkdtemp(prefix="hicache-sim-")
         self.space = SPACES[name] = Space()
         self.space.on_put = self._on_put
+        for i, (kind, _, _) in enumerate(setup.stores):
+            if kind == "private":  # its own objects, behind the same gate
+                SPACES[f"{name}-private{i}"] = Space(self.space.gate, on_put=self._on_put)
         self.now = 0.0
         self.log: list[str] = []
         self.failure: Violation | None = None  # one found on another thread, raised by `check`
@@ -124,6 +127,9 @@ class World:
                 "breaker_reprobe_s": 5.0, "fetch_reserve": s.reserve_pages * s.page_bytes,
                 "close_timeout_s": 30.0,
             }  # fmt: skip
+            if kind == "private":
+                tier["private"] = True
+                tier["space"] = f"{self.name}-private{i}"
             if kind == "disk":
                 tier["disk"] = os.path.join(self.dir, f"disk{i}")
                 tier["disk_size"] = 64 * G * s.page_bytes
@@ -524,7 +530,8 @@ class World:
         if final:
             gc.collect()  # a lease dropped in a cycle of this world's garbage shows now
             World.active = None
-            SPACES.pop(self.name, None)
+            for name in [n for n in SPACES if n == self.name or n.startswith(self.name + "-")]:
+                del SPACES[name]
             shutil.rmtree(self.dir, ignore_errors=True)
 
     def _check_leaks(self) -> None:
