@@ -78,7 +78,7 @@ def draw_setup(rng: random.Random, skip: frozenset[str] = frozenset()) -> Setup:
         write = rng.choice(modes)
         stores.append((kind, write, rng.choice((1, 2, 4))))
     if rng.random() < VLLM_SHARE and _has_vllm():
-        if stores and rng.random() < 0.5:  # tiers vLLM's scheduler knows: it answers in step
+        if stores and rng.random() < 0.7:  # tiers vLLM's scheduler knows: it answers in step
             stores = [("private", "behind", G) for _, _, G in stores[:1]]
         return Setup(
             page_bytes=2 * 2 * 4 * 8 * 4,  # two layers of K and V, (4 tokens, 8) float32 each
@@ -88,7 +88,7 @@ def draw_setup(rng: random.Random, skip: frozenset[str] = frozenset()) -> Setup:
             reserve_pages=rng.choice((0, 4)),
             memo=rng.choice((0, 64)),
             engine="vllm",
-            pin_share=rng.choice((0.5, 0.1)),
+            pin_share=rng.choice((0.5, 0.1, 0.1)),
             in_step=rng.random() < 0.8,
             features=features,
         )
@@ -203,7 +203,7 @@ def vllm_operations(rng: random.Random, setup: Setup, count: int) -> list[Op]:
     live: list[str] = []
     specs: list[tuple] = []
     kinds = ("ask", "step", "decode", "preempt", "grow", "release", "device", "call", "fault")
-    weights = (2, 6, 1.5, 0.5, 1 if "cache-grows" in setup.features else 0, 1.5, 4, 4, 0.4)
+    weights = (2, 6, 1.5, 0.5, 2.5 if "cache-grows" in setup.features else 0, 1.5, 4, 4, 0.4)
     for i in range(count):
         kind = rng.choices(kinds, weights)[0]
         if kind == "ask" or (kind in ("decode", "preempt", "grow", "release") and not live):
