@@ -81,9 +81,13 @@ def test_the_documented_commands_run():
 
 
 def test_a_failure_exits_non_zero_with_the_command_that_reproduces_it():
-    done = _run("python -m hicache.testing.sim --seeds 1 --ops 400 --canary pin-not-released")
+    seed = CATCHERS["pin-not-released"]
+    done = _run(
+        f"python -m hicache.testing.sim --seed {seed} --seeds 1 --ops {CI_OPS} --shrink-s 5 "
+        f"--skip {','.join(sorted(SKIP))} --canary pin-not-released"
+    )
     assert done.returncode == 1
-    assert "reproduce: python -m hicache.testing.sim --seed 0 --seeds 1" in done.stdout
+    assert f"reproduce: python -m hicache.testing.sim --seed {seed} --seeds 1" in done.stdout
 
 
 def test_a_bad_argument_is_one_line():
