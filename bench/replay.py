@@ -16,7 +16,9 @@ fetch all (``match``), recompute all (a prompt no tier holds) and the chain's ow
 (``match(partial=True)``, the cost model given B and the measured prefill rate). B spans tiers
 whose time for the whole hit is ``--tier-ratios`` times its recompute time. Each row records
 the tokens each way got from the cache and the tier's gets. Every turn size and mode warms up
-once, unreported.
+once, unreported. The store tier holds one row's prefixes at a time (sized to them, and dropped
+with the row's engines after it), and the JSON records the host's memory: available before the
+run, after each row and after the run, and the process's peak resident size.
 
     python bench/replay.py               # GPU if there is one: llama-8b shape, 32K context
     python bench/replay.py --cpu         # a tiny model on the CPU (a check that it runs)
@@ -26,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import platform
+import resource
 import statistics
 import sys
 import threading
@@ -47,6 +51,7 @@ from common import command, commit
 from memory_tier import MISSING, MemoryConfig, MemoryTier
 
 from hicache.registry import register_tier
+from hicache.tiers.memory import available_bytes
 from hicache.tools.refengine.build import DTYPES, EngineSpec, build_engine, load_model
 from hicache.tools.refengine.engine import Engine, Request
 from hicache.tools.refengine.replay_measure import time_prefill  # as replay's floor
@@ -70,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parser().parse_args(argv)
+    available_before = available_bytes()
     cuda = torch.cuda.is_available() and not args.cpu
     device = "cuda" if cuda else "cpu"
     machine = args.machine or (_gpu_name() if cuda else "cpu")
@@ -121,12 +127,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args.repeats,
         ),
     }
+    engine.cache.close()
+    del engine
+    gc.collect()
+    out["host_memory"] = {"available_before_bytes": available_before, **_host_memory()}
     path = Path(args.json or Path(__file__).parent / "results" / f"ttft_{machine}.json")
     path.write_text(json.dumps(out, indent=1) + "\n")
     _print(out)
     print(f"wrote {path}")
-    engine.cache.close()
     return out
+
+
+def _host_memory() -> dict[str, int | None]:
+    """The host memory available now (MemAvailable) and this process's peak resident size."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {"available_bytes": available_bytes(), "peak_rss_bytes": peak}
 
 
 # -- part 1: host hits -----------------------------------------------------------------------
@@ -274,31 +289,26 @@ def _slow_tier(
     P, page_bytes = engine.memory.page_tokens, _page_bytes(engine)
     hit = hit // P * P
     recompute_s = time_prefill(engine, _tokens(hit, 7), 0)
-    space = uuid.uuid4().hex
     modes = ("fetch_all", "recompute_all", "partial")
-    # every measured request gets a prefix of its own, stored in the slow tier beforehand
+    # every measured request gets a prefix of its own, stored in the slow tier before its row
     prefixes = {
         (ratio, mode, r): _tokens(hit, seed=10_000 + 1000 * i + 10 * j + r)
         for i, ratio in enumerate(ratios)
         for j, mode in enumerate(modes)
         for r in range(-1, repeats)
     }
-    host = {"type": "host", "size": 3 * (hit // P + 2) * page_bytes}
-    # room for every object of the run (the memory tier's default of 1 GiB held 64 pages of
-    # an 8B model: the other prefixes were refused, and every way recomputed)
-    store = {"type": "throttled_memory", "space": space, "capacity": 1 << 40}
-    writer_tiers = {"tiers": [host, store]}
-    writer = build_engine(spec, writer_tiers, model=model)
-    for key, prefix in prefixes.items():
-        if key[1] != "recompute_all":
-            _serve(writer, Request(f"w{len(writer.finished)}{key}", [*prefix, 1], 1))
-            _drain(writer)  # each prefix whole in the store before the host tier evicts it
-    writer.cache.close()
-    del writer
     reserve = (hit // P + 4) * page_bytes  # the hit's groups, the last one partly past it
     reader_host = {"type": "host", "size": 8 * reserve}
     rows = []
     for ratio in ratios:
+        row = {k: v for k, v in prefixes.items() if k[0] == ratio and k[1] != "recompute_all"}
+        # room for the row's objects alone (whole groups of the default 4 pages)
+        store = {
+            "type": "throttled_memory",
+            "space": uuid.uuid4().hex,
+            "capacity": len(row) * (hit // P + 4) * page_bytes,
+        }
+        _store_prefixes(spec, model, store, row, 3 * (hit // P + 2) * page_bytes)
         bps = hit // P * page_bytes / (ratio * recompute_s)
         config = {
             "tiers": [
@@ -337,6 +347,9 @@ def _slow_tier(
                     heads.append(int(getattr(req.match, "head_tokens", 0) or 0))
         reader.cache.close()
         del reader
+        ThrottledTier.spaces.pop(store["space"])  # the row's objects go with it
+        ThrottledTier.calls.pop(store["space"], None)
+        gc.collect()
         if any(t != hit for t in cached["fetch_all"]):
             print(f"warning: fetch all got {cached['fetch_all']} of {hit} tokens from the tiers")
         med = {m: statistics.median(v) for m, v in ttft.items()}
@@ -355,9 +368,29 @@ def _slow_tier(
                 "cached_tokens": cached,
                 "tier_reads": reads,
                 "partial_over_best": med["partial"] / best,
+                "host_memory_after": _host_memory(),
             }
         )
     return rows
+
+
+def _store_prefixes(
+    spec: EngineSpec,
+    model: tuple[Any, str],
+    store: dict[str, Any],
+    prefixes: dict[tuple[float, str, int], list[int]],
+    host_bytes: int,
+) -> None:
+    """Store `prefixes` in the `store` tier through a writer engine of its own (closed after)."""
+    writer = build_engine(
+        spec, {"tiers": [{"type": "host", "size": host_bytes}, store]}, model=model
+    )
+    for key, prefix in prefixes.items():
+        _serve(writer, Request(f"w{len(writer.finished)}{key}", [*prefix, 1], 1))
+        _drain(writer)  # each prefix whole in the store before the host tier evicts it
+    writer.cache.close()
+    del writer
+    gc.collect()
 
 
 def _read_times(req: Request, reads: list[tuple[float, float, float, int]]) -> dict[str, float]:

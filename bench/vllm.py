@@ -13,11 +13,19 @@ in an order rotated by one from the repetition before, so load from other work o
 falls on all ways alike:
 
 - ``vllm``: vLLM alone;
+- ``vllm_floor``: vLLM alone with a KV budget that holds every prompt and answer of the run
+  (`floor_kv_tokens` in the JSON), so its own prefix cache keeps every prefix: nothing loaded,
+  no reused token computed again. The physical best for this workload on this engine;
 - ``hicache``: vLLM + `HiCacheConnector`, a host tier and a disk tier;
 - ``lmcache256``, ``lmcache32``: vLLM + LMCache's `LMCacheMPConnector` with an `lmcache server`
   started for the run (an L1 of the host tier's size, a file-system L2 of the disk's), chunks of
   256 and 32 tokens (LMCache's only CPU path: its in-process connector has none);
 - ``hicache_host`` (an extra row, named in `--ways`): hicache with its host tier alone;
+- ``hicache_mooncake`` (an extra row, named in `--ways`): hicache with its host tier and a
+  Mooncake store tier on the store node that `hicache.tools.mooncake_local` starts for the run
+  (a node of `--disk-bytes`, pages kept in memory across engines: the second instance reads
+  them there), one page an object, so that a prompt's pages past its last whole group of 4
+  are shared too;
 - ``example`` (with `--example`): vLLM's `ExampleConnector` on a directory, an extra row.
 
 Every way pins the same OpenMP threads (`VLLM_CPU_OMP_THREADS_BIND`, `--omp-bind`): vLLM's CPU
@@ -29,10 +37,11 @@ No reuse: prompts of the same lengths whose every block is new. Then, for the co
 a shared tier, a **second instance** (a fresh vLLM beside the same disk or LMCache server,
 after the first has exited) sends the sessions' first requests again.
 
-On the 2-core VM a run of the four default ways takes about 27 minutes (longer while other
-work shares the machine). Rows: each way's TTFT p50 and p90 per workload, median [min-max] over
-the repetitions, the prompt tokens each source served, whether greedy answers equal vLLM
-alone's; then the targets, as ratios of the medians and within each repetition.
+On the 2-core VM a run of the four ways before ``vllm_floor`` took about 27 minutes (the floor
+adds about a fifth; longer while other work shares the machine). Rows: each way's TTFT p50 and
+p90 per workload, median [min-max] over the repetitions, the prompt tokens each source served,
+whether greedy answers equal vLLM alone's; then the targets, as ratios of the medians and
+within each repetition.
 """
 
 from __future__ import annotations
@@ -57,10 +66,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, command, commit, cpu_model
 
+from hicache.tools.mooncake_local import LocalMaster
 from hicache.tools.trace.workload import BLOCK_TOKENS, block_tokens_of
 
 RUNNER = ["-m", "hicache.tools.vllm_run"]  # one vLLM process (the tests run it too)
-TRACE = ROOT.parent / "shared" / "traces" / "agentic_sessions.jsonl.gz"
+TRACE = ROOT / "examples" / "traces" / "agentic_sample.jsonl.gz"  # its first sessions: the same
 VOCAB = 512  # the model's vocabulary (hicache.tools.vllm_run.VOCAB)
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4  # 4 layers, K and V, 2 KV heads of 64, fp32
 NEW_IDS = 1 << 40  # hash ids above every id of the trace: blocks no other prompt has
@@ -153,11 +163,12 @@ class LMCacheServer:
 
 def run_vllm(way: str, config: dict, workload: Path, out: Path, args: argparse.Namespace) -> dict:
     """One vLLM process through one workload file; its result (`hicache.tools.vllm_run`'s JSON)."""
-    kind = next((k for k in ("hicache", "lmcache") if way.startswith(k)), way)
+    kind = next((k for k in ("hicache", "lmcache", "vllm") if way.startswith(k)), way)
+    kv_tokens = args.floor_kv_tokens if way == "vllm_floor" else args.kv_tokens
     cmd = [
         sys.executable, *RUNNER, "--model", args.model, "--workload", workload, "--out", out,
         "--way", kind, "--config", json.dumps(config), "--block", str(args.block),
-        "--kv-bytes", str(args.kv_tokens * KV_BYTES_PER_TOKEN), "--output", str(args.output),
+        "--kv-bytes", str(kv_tokens * KV_BYTES_PER_TOKEN), "--output", str(args.output),
         "--max-model-len", str(args.max_tokens + args.output), "--max-num-seqs", "16",
     ]  # fmt: skip
     env = {
@@ -179,12 +190,15 @@ def run_way(way: str, rep: int, files: dict[str, Path], args: argparse.Namespace
     """One way's first instance (both workloads), then its second instance where it has a
     tier that outlives the process. Every store starts empty."""
     work = Path(tempfile.mkdtemp(prefix=f"{way}-{rep}-", dir=args.work))
-    server = None
+    server = store = None
     try:
         if way.startswith("hicache"):
             tiers = [{"type": "host", "size": args.host_bytes}]
             if way == "hicache":
                 tiers.append({"type": "disk", "path": str(work / "disk"), "size": args.disk_bytes})
+            elif way == "hicache_mooncake":
+                store = LocalMaster(log_dir=str(work / "mooncake"), segment_bytes=args.disk_bytes)
+                tiers.append({**store.start().engine_tier(), "group_pages": 1})
             config = {"tiers": tiers}
         elif way.startswith("lmcache"):
             chunk = int(way.removeprefix("lmcache"))
@@ -202,6 +216,8 @@ def run_way(way: str, rep: int, files: dict[str, Path], args: argparse.Namespace
     finally:
         if server:
             server.close()
+        if store:
+            store.stop()
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -269,19 +285,19 @@ def summarize(rows: list[dict], ways: list[str]) -> tuple[dict, dict]:
     if "hicache" in ways and "vllm" in ways:
         targets["reuse_p50_vs_vllm"] = compare("hicache", "vllm", "reuse_ttft_p50_ms", 0.3)
         targets["no_reuse_p50_vs_vllm"] = compare("hicache", "vllm", "no_reuse_ttft_p50_ms", 1.05)
+    if "hicache" in ways and "vllm_floor" in ways:
+        targets["reuse_p50_vs_floor"] = compare("hicache", "vllm_floor", "reuse_ttft_p50_ms", 1.2)
     if "hicache" in ways and lmcaches:
         best = min(lmcaches, key=lambda w: summary[w]["reuse_ttft_p50_ms"]["median"])
         targets["lmcache_best"] = best
         targets["reuse_p50_vs_lmcache"] = compare("hicache", best, "reuse_ttft_p50_ms", 0.6)
         targets["reuse_p90_vs_lmcache"] = compare("hicache", best, "reuse_ttft_p90_ms", 0.8)
-        key = "second_first_turns_ttft_p50_ms"
-        seconds = [w for w in lmcaches if key in summary[w]]
-        if key in summary["hicache"] and seconds:
+    key = "second_first_turns_ttft_p50_ms"
+    seconds = [w for w in lmcaches if key in summary[w]]
+    for way, name in (("hicache", "second_instance"), ("hicache_mooncake", "second_mooncake")):
+        if seconds and way in ways and key in summary[way]:
             other = min(seconds, key=lambda w: summary[w][key]["median"])
-            targets["second_instance_p50_vs_lmcache"] = {
-                **compare("hicache", other, key, 1.0),
-                "lmcache": other,
-            }
+            targets[f"{name}_p50_vs_lmcache"] = {**compare(way, other, key, 1.0), "lmcache": other}
     return summary, targets
 
 
@@ -290,9 +306,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out")
     p.add_argument("--trace", default=str(TRACE), help="agentic_sessions.jsonl.gz")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--ways", default="vllm,hicache,lmcache256,lmcache32")
+    p.add_argument("--ways", default="vllm,vllm_floor,hicache,lmcache256,lmcache32")
     p.add_argument("--example", action="store_true", help="add vLLM's ExampleConnector as a row")
-    p.add_argument("--second", default="hicache,lmcache256,lmcache32",
+    p.add_argument("--second", default="hicache,hicache_mooncake,lmcache256,lmcache32",
                    help="ways that also run a second instance")  # fmt: skip
     p.add_argument("--omp-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for every way")
     p.add_argument("--sessions", type=int, default=10)
@@ -314,6 +330,9 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     loads = workloads(args)
+    every = [p for r in loads["reuse"] + loads["no_reuse"] for p in r]  # each prompt + answer
+    blocks = sum(-(-(len(p) + args.output) // args.block) for p in every)
+    args.floor_kv_tokens = (blocks + 1) * args.block  # and vLLM's null block
     phases = {
         "reuse": range(len(loads["reuse"])),
         "no_reuse": range(len(loads["reuse"]), len(loads["reuse"]) + len(loads["no_reuse"])),

@@ -138,7 +138,7 @@ class HiCache(MatchSide, StoreSide):
         if store_configs:
             self._chain = TierChain(
                 store_configs, self.host, layout, self.fingerprint, self.policy, self._stats,
-                events, wake,
+                events, wake, fence=self._transfers.fence,
             )  # fmt: skip
         self.metrics_server = None
         if config.metrics.port is not None:

@@ -82,8 +82,11 @@ class Layout(_Strict):
     """
 
     model: str = Field(min_length=1)
-    """Names the weights (``llama-3.1-8b@main``; `hicache.core.keys.model_digest` makes one from a
-    model's config): pages of different models never mix."""
+    """Names the weights exactly (``llama-3.1-8b@main:<digests>``; `hicache.core.keys` has
+    `model_digest` for a model's config and `weights_digest` for its weight files): pages of
+    different models, or of one name over other weights, config or dtype, never mix. The vLLM
+    connector and the reference engine make theirs so (docs/vllm.md, *What the page keys
+    cover*)."""
     kv_dtype: str = Field(min_length=1)
     """The KV cache's dtype (``bfloat16``, ``float8_e4m3fn``): bf16 and fp8 pages never mix."""
     page_tokens: int = Field(default=128, gt=0)
@@ -200,6 +203,38 @@ class StoreTierConfig(TierConfig):
     """CPUs for this tier's threads (its workers, and the store client's threads, which inherit
     them): give CPUs other than the engine thread's, so that a tier never takes its core. Empty:
     wherever the process may run."""
+
+    codec: Literal["none", "lossless"] = "none"
+    """How objects are stored: none (as they are) or lossless (``hicache.tiers.codec``: 16-bit
+    KV as byte planes, the high plane compressed with zstd; 8-bit KV compressed whole; an object
+    that does not shrink stored as it is). Needs the ``codec`` extra (zstandard) and a backend
+    that reads objects shorter than their buffers (`StoreTier.reads_prefix`); whatever the
+    setting, a tier reads every object it knows how to decode."""
+    codec_threads: int = Field(default=2, ge=1, le=64)
+    """With codec: lossless, threads that encode and decode one call's objects in parallel."""
+
+    @field_validator("codec")
+    @classmethod
+    def _codec_here(cls, v: str) -> str:
+        if v == "lossless":
+            from hicache.tiers.codec import problem
+
+            reason = problem()
+            if reason is not None:
+                raise ValueError(f"lossless {reason}")
+        return v
+
+    @model_validator(mode="after")
+    def _codec_backend(self) -> StoreTierConfig:
+        if self.codec != "none":
+            from hicache.registry import tier_class
+
+            if not getattr(tier_class(self.type), "reads_prefix", False):
+                raise ValueError(
+                    f"codec: the {self.type} tier cannot hold encoded objects (its gets need "
+                    "an object's exact size); use codec: none"
+                )
+        return self
 
     def check_machine(self) -> None:
         check_cpus(self.worker_cpus, "worker_cpus")

@@ -33,6 +33,9 @@ from hicache.tiers.chain import TierChain, adopt_keys
 from hicache.tiers.fetch import Fetch
 from hicache.tiers.host import HostTier
 
+SEED_MEMO = 1024
+"""Salts whose chain seeds `match` keeps (the oldest go first): a seed costs ~5 us to make."""
+
 
 @dataclass
 class Request:
@@ -95,8 +98,8 @@ class MatchSide:
         (page-aligned; 0 for an engine without a prefix cache). `salt` separates tenants.
         The prompt is hashed once per request; asking again for the same request (for example
         after a pending answer) reuses its keys, and while its fetch is still running returns
-        the same pending answer without walking the tiers again. An int32 array is kept as it
-        is, not copied: the caller must not change it in place while the request lives. The
+        the same pending answer without walking the tiers again. hicache keeps a copy of the
+        tokens, never the caller's array: the caller may change or reuse it at once. The
         pages (and state) of the hit are pinned in the host tier until `load` has copied them or
         `release` is called.
 
@@ -287,9 +290,12 @@ class MatchSide:
         """The request's state, its chain grown to `tokens`; a new one where the request is new,
         its salt differs, or `tokens` do not extend its tokens (the old one's pins are dropped
         and its walk down the tiers forgotten then)."""
-        seed = self._seeds.get(salt)
-        if seed is None:
-            seed = self._seeds[salt] = chain_seed(self.fingerprint, salt)
+        seeds = self._seeds
+        seed = seeds.get(salt)
+        if seed is None:  # bounded: a salt per tenant or per user must not grow it forever
+            if len(seeds) >= SEED_MEMO:
+                del seeds[next(iter(seeds))]  # the oldest (a salt asked again costs ~5 us)
+            seed = seeds[salt] = chain_seed(self.fingerprint, salt)
         req = self._requests.get(request_id)
         if req is not None:
             if req.chain.seed == seed and req.chain.try_extend(tokens):

@@ -14,12 +14,14 @@ if ! ldconfig -p | grep -q 'libibverbs\.so\.1'; then
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q torch==2.13.0   # the CPU build (a bare "torch" pulls CUDA)
-.venv/bin/python -m pip install -q -e ".[test,mooncake,plot,vllm]"
-# vLLM pulls torchvision, torchaudio and torchcodec built for another torch; hicache's tests
-# need none of them, and torchvision fails to import beside the CPU torch.
-.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+. .venv/bin/activate
+pip install -q torch==2.13.0 -e ".[test,mooncake,plot]"   # the CPU torch where the index has it
+# The vLLM user's install, as docs/vllm.md gives it, line for line (tests/test_vllm_docs.py
+# checks): vLLM pulls torchvision, torchaudio and torchcodec built for another torch, which
+# nothing here needs and torchvision fails to import beside this one, hence the last line.
+pip install torch==2.13.0
+pip install -e '.[vllm]'
+pip uninstall -y torchvision torchaudio torchcodec
 
 export HICACHE_REQUIRE_MOONCAKE=1 HICACHE_REQUIRE_VLLM=1   # never skip these tests here
-. .venv/bin/activate
 ruff check . && python -m pytest -q

@@ -146,6 +146,17 @@ class FakeEngine:
         return m
 
 
+def settle(engine: FakeEngine, timeout: float = 120) -> None:
+    """Poll until no store tier has work queued or running."""
+    deadline = time.monotonic() + timeout
+    while not engine.cache.tiers_idle:
+        if time.monotonic() > deadline:
+            raise AssertionError("the store tiers did not settle in time")
+        engine.cache.poll()
+        time.sleep(0.005)
+    engine.cache.poll()
+
+
 PATIENT_WAIT_MS = 600_000.0
 """`Policy.fetch_max_wait_ms` of the tests' configurations: ten minutes, that is no deadline."""
 

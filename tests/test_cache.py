@@ -266,6 +266,42 @@ def test_a_match_under_another_salt_or_prompt_drops_the_older_requests_pins():
     books_are_clean(e)
 
 
+def test_an_engine_that_reuses_its_token_buffer_gets_the_keys_of_what_it_holds_now():
+    """An engine may write each prompt into the same token buffer. After `release` the memo
+    must not compare a new prompt with the buffer it was handed (which now holds that new
+    prompt, so every page would seem shared and reuse the old keys), and during a request a
+    buffer changed in place is compared, not trusted by its identity. (Before the fix the
+    second prompt hit 64 tokens, all but its first page another prompt's KV, and a store of the
+    changed buffer was taken as extending the match.)"""
+    e = FakeEngine(config(host_pages=64))
+    buf = toks((0, 65))  # 16 pages
+    e.run("a", buf)
+    buf[P:] = toks((1000, 1061))  # another prompt sharing only the first page
+    m = e.run("b", buf)  # checks every loaded byte
+    assert m.hit_tokens == P
+    m = e.cache.match("c", buf)
+    buf[P:] = toks((2000, 2061))
+    with pytest.raises(ValueError, match="must extend"):
+        e.cache.store("c", buf, e.allocate(16))
+    e.cache.release("c")
+    assert e.cache.match("d", buf).hit_tokens == P
+    e.cache.release("d")
+    books_are_clean(e)
+
+
+def test_the_seeds_of_many_salts_are_kept_bounded_and_stay_right():
+    """One salt per tenant or user: the seeds `match` keeps are bounded (the oldest go), and a
+    salt whose seed went is hashed again to the same namespace."""
+    e = FakeEngine(config())
+    e.run("a", toks((0, 20)), salt="t0")
+    for i in range(3000):
+        e.cache.match("x", toks((0, 20)), salt=f"user-{i}")
+        e.cache.release("x")
+    assert len(e.cache._seeds) <= 1024  # (before the bound: 3001)
+    assert e.run("b", toks((0, 20)), salt="t0").hit_tokens == 16  # the same namespace again
+    books_are_clean(e)
+
+
 def test_store_keeps_the_sequence_head_when_evicting():
     e = FakeEngine(config(host_pages=4))
     e.run("a", toks((0, 16)))  # four pages: the host tier is full

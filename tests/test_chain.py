@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fake_engine import FakeEngine, FakeStates, config
+from fake_engine import FakeEngine, FakeStates, config, settle
 from memory_tier import MemoryTier
 
 from hicache import load_config
@@ -57,17 +57,6 @@ def fresh_tier(kind: str, master, tmp_path: Path, **kw: object) -> dict:
     if kind == "mooncake":
         return mooncake(master, key_prefix=f"t{uuid.uuid4().hex[:12]}", **kw)
     return disk(tmp_path / "d", **kw)
-
-
-def settle(engine: FakeEngine, timeout: float = 120) -> None:
-    """Poll until no store tier has work queued or running."""
-    deadline = time.monotonic() + timeout
-    while not engine.cache.tiers_idle:
-        if time.monotonic() > deadline:
-            raise AssertionError("the store tiers did not settle in time")
-        engine.cache.poll()
-        time.sleep(0.005)
-    engine.cache.poll()
 
 
 def link(engine: FakeEngine, name: str):

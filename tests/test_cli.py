@@ -88,6 +88,11 @@ def test_a_short_replay_with_a_local_store_keeps_mooncake_quiet(tmp_path: Path):
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no plot unless asked
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["identical"] and result["requests"] == 2
+    assert result["interleaved"] == "by turn"  # and the load it ran under, printed and kept:
+    assert [len(result["load_average"][k]) for k in ("before", "after")] == [3, 3]
+    assert any(
+        line.startswith("load average (1, 5, 15 min): ") for line in done.stdout.splitlines()
+    )
     # the last prompt (256 + 2 + 9 tokens, seeded) holds 8 pages of 32 tokens: two groups of 4 in
     # the store, and a second instance, started after the first closed, takes all from there
     assert result["second_instance"] == {
@@ -106,10 +111,8 @@ def test_off_a_terminal_each_phase_is_a_line_on_stderr_and_l3_is_still_understoo
     assert done.returncode == 0, done.stderr
     lines = [line.split(" in ")[0] for line in done.stderr.splitlines()]
     assert lines == [
-        "hicache replay: engine: 2 requests",
-        "hicache replay: engine: done",
-        "hicache replay: + hicache: 2 requests",
-        "hicache replay: + hicache: done",
+        "hicache replay: engine / + hicache (by turn): 4 requests",
+        "hicache replay: engine / + hicache (by turn): done",
     ]
     assert "matplotlib" not in done.stdout + done.stderr
     assert list(tmp_path.iterdir()) == []

@@ -16,6 +16,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -267,6 +268,42 @@ def test_eviction_removes_the_least_recently_used_and_the_order_survives_a_resta
     tier.close()  # a restart with a smaller size trims the oldest at once
     tier = tiers(path, size=record)
     assert tier.exists(list("def")) == [False, False, True]
+
+
+def test_a_put_that_cannot_fit_beside_a_write_in_progress_evicts_nothing(tmp_path, tiers):
+    """A put that no eviction can make room for (the rest of the size is reserved by a put
+    still writing) fails with ENOSPC and leaves every record held, in the book and on disk.
+    (Before the fix the book dropped the victims and then refused, so their files were never
+    removed: orphaned, outside the size bound, and no longer found.)"""
+    path = tmp_path / "d"
+    record = HEADER + 64 * KiB
+    tier = tiers(path, size=3 * record)
+    mem = Memory(tier, 4 * MiB)
+    one, two = [[64 * KiB]], [[2 * record - HEADER]]
+    assert tier.put_from(["a"], mem.fill(["a"], one)) == [0]
+    writing, release = threading.Event(), threading.Event()
+    real = tier._write
+
+    def slow(tmp: Path, key: str, *args) -> None:
+        if key == "slow":
+            writing.set()
+            release.wait(60)
+        real(tmp, key, *args)
+
+    tier._write = slow
+    with ThreadPoolExecutor(1) as pool:
+        slow_put = pool.submit(tier.put_from, ["slow"], mem.fill(["slow"], two))
+        assert writing.wait(60)
+        assert tier.put_from(["c"], mem.fill(["c"], two)) == [-errno.ENOSPC]
+        assert tier.exists(["a"]) == [True]
+        release.set()
+        assert slow_put.result(60) == [0]
+    assert tier.get_into(["a"], mem.buffers(one)) == [64 * KiB]
+    assert mem.wrong(["a"], one, [64 * KiB]) == []
+    objects = path / "objects"
+    on_disk = sorted(str(p.relative_to(objects)) for p in objects.rglob("*") if p.is_file())
+    assert on_disk == sorted(file_name(k) for k in ("a", "slow"))
+    assert tier.stats().bytes_used == 3 * record
 
 
 def test_puts_and_gets_from_several_threads_under_eviction_keep_bytes_and_books_exact(

@@ -133,12 +133,14 @@ def test_a_chain_hashes_each_page_once_and_only_when_asked(monkeypatch):
     assert chain.hash_to(1) == want[:1]
     assert chain.try_extend(TOKENS)
     assert chain.pages == 4 and len(chain.hashed) == 1  # extending hashes nothing yet
+    held = chain.tokens
+    assert held is not TOKENS and np.array_equal(held, TOKENS)  # a copy, never the caller's
     hashed.clear()
     assert chain.hash_to(3) == want[:3]
     assert chain.hash_to(9) == want  # never past the full pages held
     assert hashed == [2, 1]  # pages 1..2 from key 0, then page 3; none twice
     assert not chain.try_extend(TOKENS[::-1].copy())
-    assert chain.tokens is TOKENS and chain.pages == 4  # unchanged
+    assert chain.tokens is held and chain.pages == 4  # unchanged
 
 
 def test_salt_and_every_layout_field_change_the_namespace():

@@ -20,6 +20,7 @@ import pytest
 from fake_engine import FakeEngine, FakeStates, config, kv_bytes
 
 from hicache.core import native
+from hicache.tiers.envelope import HEADER
 
 pytestmark = pytest.mark.mooncake
 
@@ -753,13 +754,14 @@ def test_a_group_in_consecutive_slots_travels_as_one_piece(mooncake_master, engi
         writer.cache.store(rid, tokens, blocks)
         writer.cache.release(rid)
     settled(writer)
-    assert puts == [[256], [256], [64] * 4, [64] * 4]  # p's slots run up, q's down
+    H = HEADER  # every object's header (hicache.tiers.envelope) goes first, as a piece of its own
+    assert puts == [[H, 256], [H, 256], [H] + [64] * 4, [H] + [64] * 4]  # p's run up, q's down
     reader = engines(cfg)
     gets = _pieces(reader, "get_into")
     for rid, tokens in (("p", p), ("q", q)):
         m = reader.run(rid, tokens)
         assert (m.hit_tokens, m.fetched_tokens) == (32, 32)
-    assert gets == [[256]] * 4
+    assert gets == [[H, 256]] * 4
 
 
 def test_l3_threads_and_the_store_clients_run_on_the_worker_cpus(mooncake_master):

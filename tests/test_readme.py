@@ -48,3 +48,10 @@ def test_python_blocks_run(tmp_path, line, text):
         [sys.executable, "-c", text], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, f"README.md line {line}:\n{done.stderr[-2000:]}"
+
+
+def test_the_readme_stays_a_guide():
+    """What, why, two commands, embedding, configuration, a performance summary: details go to
+    docs/, so the README stays short enough to read through."""
+    lines = len(README.read_text().splitlines())
+    assert lines <= 350, f"README.md has {lines} lines: move details to docs/"

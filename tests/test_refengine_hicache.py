@@ -17,7 +17,7 @@ from hicache.tools.refengine.build import EngineSpec, build_engine, load_model
 from hicache.tools.refengine.config import FULL, SLIDING, ModelConfig
 from hicache.tools.refengine.memory import RingStates
 from hicache.tools.refengine.model import Transformer
-from hicache.tools.refengine.workload import drive, make_workload
+from hicache.tools.refengine.workload import drive, drive_interleaved, make_workload
 
 PAGE = 16
 HOST = {"tiers": [{"type": "host", "size": "32MiB"}]}
@@ -190,3 +190,26 @@ def test_second_instance_hits_through_l3(model, mooncake_master):
     # A stored each first prompt with its answer: 153 tokens, 9 full pages of 16, of which the
     # 8 in two whole groups of 4 (group_pages) went to L3: B's first turns take 128 from it
     assert [conv[0].l3_tokens for conv in on] == [128, 128], f"A: {stored} B: {busy}"
+
+
+def test_interleaved_runs_take_turns_and_answer_as_each_engine_alone(model):
+    """`hicache replay`'s runs: turn t of every conversation through one engine until it is
+    idle, then through the next, the order rotating each turn; each engine's answers are
+    those it gives driven alone (its prompts built from its own answers)."""
+    convs = make_workload(
+        conversations=2, turns=3, first_tokens=60, message_tokens=8, answer_tokens=3,
+        vocab_size=1000, seed=4,
+    )  # fmt: skip
+    engines = [build_engine(_spec(), model=model), build_engine(_spec(), HOST, model=model)]
+    finished = []
+    done, elapsed = drive_interleaved(engines, convs, on_finish=finished.append)
+    whose = [next(e for e in (0, 1) if any(r in c for c in done[e])) for r in finished]
+    turns = [int(r.rid.split("t")[1]) for r in finished]
+    assert (
+        list(zip(turns, whose))
+        == [(0, 0)] * 2 + [(0, 1)] * 2 + [(1, 1)] * 2 + [(1, 0)] * 2 + [(2, 0)] * 2 + [(2, 1)] * 2
+    )
+    alone = drive(build_engine(_spec(), model=model), convs)
+    assert _outputs(done[0]) == _outputs(alone) == _outputs(done[1])
+    assert all(t > 0 for t in elapsed)
+    assert sum(r.hit_tokens for c in done[1] for r in c) > 0  # the hicache engine hit

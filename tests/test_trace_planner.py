@@ -132,3 +132,26 @@ def test_planner_refuses_what_it_does_not_simulate(
     assert "write: on_evict is not planned" in capsys.readouterr().err
     assert main([*argv[:-1], "host=1GiB,policy=mru"]) == 2
     assert "unknown eviction policy 'mru'" in capsys.readouterr().err
+
+
+def test_a_lossless_tier_holds_ratio_times_the_pages_and_reads_kv_faster(trace: Path) -> None:
+    """`--tier disk=...,codec=lossless`: the disk holds `codec_ratio` times the pages (whole
+    records), serves at least the hits it served raw, and delivers KV at its read rate times the
+    ratio, capped by what the codec decodes."""
+    workload = Workload(read_trace(trace), 128)
+    kv = 128 * 1024
+    host = parse_tier("host=64MiB")
+    raw = parse_tier("disk=256MiB,read_gbps=1.5,group_pages=4")
+    coded = parse_tier(
+        "disk=256MiB,read_gbps=1.5,group_pages=4,codec=lossless,codec_ratio=1.5,decode_gbps=4"
+    )
+    assert coded.raw_read_gbps == 2.25 > raw.raw_read_gbps == 1.5
+    slow = parse_tier("disk=1GiB,read_gbps=1.5,codec=lossless,decode_gbps=1")
+    assert slow.raw_read_gbps == 1.0  # decoding bounds it
+    a, b = (plan(workload, [host, t], kv)["tiers"][1] for t in (raw, coded))
+    assert a["capacity_pages"] == 256 * 1024 * 1024 // (4 * kv + HEADER) * 4
+    assert b["capacity_pages"] == 256 * 1024 * 1024 // (4 * kv * 2 // 3 + HEADER) * 4
+    assert (b["codec"], b["codec_ratio"]) == ("lossless", 1.5)
+    assert b["hit_tokens"] >= a["hit_tokens"] > 0
+    with pytest.raises(ValueError, match="codec is none or lossless"):
+        parse_tier("disk=2TiB,codec=lz4")

@@ -26,7 +26,12 @@ from vllm.v1.request import Request  # noqa: E402
 
 from hicache import load_config  # noqa: E402
 from hicache.config import ConfigError  # noqa: E402
-from hicache.integrations.vllm.connector import for_rank, in_one_line  # noqa: E402
+from hicache.integrations.vllm.connector import (  # noqa: E402
+    for_rank,
+    in_one_line,
+    node_index,
+    probe_wait_s,
+)
 from hicache.integrations.vllm.inputs import refuse_unsupported  # noqa: E402
 from hicache.integrations.vllm.meta import (  # noqa: E402
     Answer,
@@ -37,6 +42,7 @@ from hicache.integrations.vllm.meta import (  # noqa: E402
     StepMeta,
     Store,
 )
+from hicache.integrations.vllm.probe import StoreProbe  # noqa: E402
 from hicache.integrations.vllm.scheduler import SchedulerBooks  # noqa: E402
 from hicache.integrations.vllm.view import RankNews  # noqa: E402
 from hicache.integrations.vllm.worker import WorkerCache  # noqa: E402
@@ -136,12 +142,12 @@ def test_stores_follow_completed_pages_with_only_the_new_tokens():
     books.matched_tokens(r, 0)
     table = {"s": [3, 1, 4, 2]}
     step = books.build(sched({"s": 10}, table))  # the prefill writes blocks 3 and 1
-    assert step.stores == [Store("s", 0, list(range(10)), 10, [3, 1, 4, 2])]
+    assert step.stores == [Store("s", 0, list(range(8)), 8, [3, 1, 4, 2])]  # whole pages
     advance(r, 10, 11)
     assert books.build(sched({"s": 1}, table)).stores == []  # token 10: no new whole block
     advance(r, 12, 13)
     assert books.build(sched({"s": 1}, table)).stores == [
-        Store("s", 10, [10, 11, 12], 13, table["s"])
+        Store("s", 8, [8, 9, 10, 11], 12, table["s"])
     ]
     advance(r, 13, 14)
     # three of the four scheduled tokens are speculative: only token 13 is surely written
@@ -324,6 +330,30 @@ def test_two_images_behind_the_same_placeholder_ids_share_only_the_pages_before_
     assert e.ask(Req("e", prompt, images=(("cat", 8, 4),))) == 4  # the same image, elsewhere
 
 
+def test_no_cache_salt_names_a_lora_adapters_namespace():
+    """A client's cache_salt that spells out another request's salt and adapter (as the old
+    JSON salt of an adapter did) is a tenant of its own: it never reads the adapter's pages."""
+    e = Engine(worker(blocks=32)[0])
+    prompt = list(range(13))
+    e.prefill(Req("a", prompt, lora=("alpha", "/adapters/alpha")))
+    forged = '{"salt":null,"lora":["alpha","/adapters/alpha"]}'
+    assert e.ask(Req("b", prompt, salt=forged)) == 0
+    e.prefill(Req("c", prompt, salt="t1", lora=("beta", "/b")))
+    assert e.ask(Req("d", prompt, salt='{"salt":"t1","lora":["beta","/b"]}')) == 0
+    assert e.ask(Req("e", prompt, lora=("alpha", "/adapters/alpha"))) == 12
+
+
+def test_an_image_is_keyed_by_its_whole_hash_where_one_placeholder_lies_on_a_page():
+    """img-8548 and img-19451 agree in 31 bits of a SHA-256 of their identifiers (a birthday
+    search over img-0, img-1, ... finds the pair at 19,452): behind one placeholder at the end
+    of a page, the page is still the image's alone."""
+    e = Engine(worker(blocks=32)[0])
+    prompt = [7, 7, 7, 99, 5, 6, 7, 8, 9]  # the image's one placeholder ends page 0
+    e.prefill(Req("a", prompt, images=(("img-8548", 3, 1),)))
+    assert e.ask(Req("b", prompt, images=(("img-19451", 3, 1),))) == 0
+    assert e.ask(Req("c", prompt, images=(("img-8548", 3, 1),))) == 8
+
+
 def test_prompt_embeddings_are_refused_at_start_in_one_line():
     config = SimpleNamespace(model_config=SimpleNamespace(enable_prompt_embeds=True))
     with pytest.raises(ConfigError, match=r"^hicache: prompt embeddings .* not supported"):
@@ -471,7 +501,7 @@ def test_a_worker_out_of_step_asks_for_the_tokens_again_and_stores_again():
     assert w.cache.stats()["pages_stored"] == 2  # the prefill's pages only
     advance(r, 17, 21)
     meta = e.step({"s": 4}, {"s": [0, 1, 2, 3, 4, 5]})
-    assert (meta.stores[0].sent_before, len(meta.stores[0].new_tokens)) == (0, 21)
+    assert (meta.stores[0].sent_before, len(meta.stores[0].new_tokens)) == (0, 20)
     assert w.cache.stats()["pages_stored"] == 5
 
 
@@ -483,7 +513,7 @@ def test_the_drafters_reprefillable_tokens_are_not_stored():
     books.matched_tokens(r, 0)
     books.allocated(r, 0)
     assert books.build(sched({"s": 12}, {"s": [0, 1, 2]})).stores == [
-        Store("s", 0, list(range(11)), 11, [0, 1, 2])
+        Store("s", 0, list(range(8)), 8, [0, 1, 2])
     ]
 
 
@@ -691,3 +721,270 @@ def test_the_view_walks_long_prompts_and_bounds_what_it_keeps_of_store_tiers(mon
     monkeypatch.setattr(view_module, "LOWER_KEYS_MAX", 2)
     v.update({0: RankNews(fp, False, lower=[b"\x01" * 16, b"\x02" * 16])})
     assert v.hit_pages(list(range(9000, 9041)), None, 0, 10) is None
+
+
+@pytest.mark.parametrize("later", [4, 16], ids=["granted from the view", "a miss in the view"])
+def test_a_superseded_question_lets_its_pins_go_and_the_request_loads_and_stores(later):
+    """The question of q (computed 0) is asked before the view has news, and the worker pins
+    its hit of 4 pages. vLLM's own prefix cache then grows (computed `later`): the new question
+    is answered from the view, as a grant of the pages past vLLM's or as nothing to load. The
+    old question is closed on the worker: its pins go, the later grant loads the exact bytes
+    without load errors, and the request's pages are stored."""
+    w, kv = worker(blocks=64)
+    for t in kv.values():
+        t[:, :4] = torch.randn(2, 4, P, 8)
+    prompt = list(range(100, 117))
+    w.start(StepMeta())
+    w.after(StepMeta(stores=[Store("a", 0, prompt, 16, [0, 1, 2, 3])]))
+    e = Engine(w, SchedulerBooks(P, ranks=1))
+    q = Req("q", [*prompt, *range(7, 15)])  # 25 tokens: 6 pages
+    assert e.books.matched_tokens(q, 0) == (None, False)
+    e.step()
+    assert w.cache.stats()["host_pinned"] == 4
+    assert e.books.matched_tokens(q, later) == (16 - later, False)
+    e.books.allocated(q, 16 - later)
+    q.num_computed_tokens = 16
+    table = list(range(40, 47))
+    stored = w.cache.stats()["pages_stored"]
+    e.step({"q": 9}, {"q": table})
+    assert w.load_errors() == set()
+    for src in range(later // P, 4):
+        assert all(torch.equal(x, y) for x, y in zip(block(kv, src), block(kv, table[src])))
+    stats = w.cache.stats()
+    assert (stats["host_pinned"], stats["requests"]) == (0, 0)
+    assert stats["pages_stored"] - stored == 2  # pages 4 and 5 of q
+
+
+def test_the_model_identity_changes_with_anything_that_changes_the_kv(tmp_path):
+    """vLLM's ModelConfig of one saved model, loaded as is, in another dtype, with RoPE
+    scaling or a sliding window overridden, and after its weights are re-saved in place (same
+    name, size and config): five names, so none of them shares pages with another."""
+    import subprocess
+    import sys
+
+    from vllm.config import ModelConfig
+
+    from hicache.integrations.vllm.worker import model_identity
+
+    folder = tmp_path / "llama"
+    make = [sys.executable, "-m", "hicache.tools.vllm_run", "--model", str(folder)]
+    subprocess.run([*make, "--make-model", "llama"], check=True, capture_output=True)
+
+    def identity(**kw) -> str:
+        config = ModelConfig(model=str(folder), skip_tokenizer_init=True, **kw)
+        return model_identity(config)
+
+    names = [
+        identity(dtype="float32"),
+        identity(dtype="bfloat16"),
+        identity(
+            dtype="float32", hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+        ),
+        identity(dtype="float32", hf_overrides={"sliding_window": 64}),
+    ]
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 1
+    weights.write_bytes(bytes(data))
+    names.append(identity(dtype="float32"))
+    assert len(set(names)) == 5
+    assert all(name.startswith(f"{folder}@main:") for name in names)
+
+
+def test_the_view_asks_about_a_store_group_that_ends_past_the_cap():
+    """Host pages 0-1, a store tier's group of pages 2-4 (its end: page 4); the engine may skip
+    4 pages (the cap): the workers would fetch the group and load pages 2-3, so the view asks."""
+    from hicache.core.keys import chain_seed, page_keys
+    from hicache.integrations.vllm.view import TierView
+
+    fp = b"\x07" * 16
+    tokens = list(range(5 * P + 1))
+    keys = page_keys(chain_seed(fp, None), torch.tensor(tokens, dtype=torch.int32).numpy(), P)
+    v = TierView(ranks=1, page_tokens=P)
+    v.update({0: RankNews(fp, False, stored=keys[:2], lower=[keys[4]])})
+    assert v.hit_pages(tokens, None, 0, 4) is None
+    assert v.hit_pages(tokens[: 4 * P + 1], None, 0, 4) == 2  # the group's tokens are not there
+
+
+def test_the_view_keeps_nothing_per_salt():
+    """20,000 tenants asking once each leave the view no larger (the worker's news aside)."""
+    import tracemalloc
+
+    from hicache.integrations.vllm import view as view_module
+    from hicache.integrations.vllm.view import TierView
+
+    fp = b"\x07" * 16
+    v = TierView(ranks=1, page_tokens=P)
+    v.update({0: RankNews(fp, False)})
+    tokens = list(range(3 * P + 1))
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for i in range(20_000):
+        assert v.hit_pages(tokens, f"tenant-{i}", 0, 3) == 0
+    grown = tracemalloc.take_snapshot().compare_to(before, "filename")
+    tracemalloc.stop()
+    mine = [d.size_diff for d in grown if d.traceback[0].filename == view_module.__file__]
+    assert sum(mine) < 64 * 1024
+
+
+def test_two_dp_engines_on_a_node_get_their_own_directories_and_ports(tmp_path):
+    """DP 2 x TP 2 on one node (vLLM's config as each DP engine's workers see it: a dense
+    model's engine is reconfigured as DP 1, its local DP rank and DP index kept): four
+    workers, four disk directories, four metrics ports."""
+    from vllm.config import ParallelConfig
+
+    config = load_config({"tiers": [
+        {"type": "host", "size": "1MiB"},
+        {"type": "disk", "path": str(tmp_path / "d"), "size": "1GiB"},
+    ], "metrics": {"port": 9400}}, env={})  # fmt: skip
+    seen = []
+    for dp in (0, 1):
+        pc = ParallelConfig(data_parallel_size=2, data_parallel_rank=dp, tensor_parallel_size=2)
+        pc.data_parallel_rank_local = dp
+        pc.reconfigure_for_independent_dp_rank()
+        for tp in (0, 1):
+            mine = for_rank(config, node_index(SimpleNamespace(parallel_config=pc), tp, 2))
+            seen.append((mine.tiers[1].path, mine.metrics.port))
+    assert len({path for path, _ in seen}) == len({port for _, port in seen}) == 4
+    assert seen[0] == (str(tmp_path / "d" / "rank0"), 9400)  # without DP: as before
+
+
+# -- store-tier hits answered in the step, from the scheduler's own probe ----------------------
+
+
+Tensors = dict[str, torch.Tensor]
+
+
+def mooncake_pair(
+    master, wait_s: float = 30.0, in_step: bool = True
+) -> tuple[Engine, Engine, Tensors, Tensors, StoreProbe]:
+    """Two instances on one Mooncake store node: `a` (view answers only) writes, `b` answers
+    from its view and a probe of its own (waiting `wait_s`; generous by default: the machine
+    may be busy), or with `in_step` false asks its worker every time."""
+    tier = {"type": "mooncake", **master.tier_config, "group_pages": 1}
+    wa, kva = worker(blocks=64, tiers=(tier,))
+    wb, kvb = worker(blocks=64, tiers=(tier,))
+    for w in (wa, wb):
+        master.track(w.cache)  # closed before the master stops
+    config = load_config({"tiers": [{"type": "host", "size": "1MiB"}, tier]}, env={})
+    probe = StoreProbe.for_config(config, wait_s=wait_s)
+    assert probe is not None
+    master.track(probe._tier)
+    assert probe._tier.wait_ready(60)
+    a = Engine(wa, SchedulerBooks(P, ranks=1))
+    b = Engine(wb, SchedulerBooks(P, ranks=1, in_step=in_step, probe=probe))
+    b.step()  # b's worker reports (an empty host tier, a shared store tier)
+    for t in kva.values():
+        t[:, :8] = torch.randn(2, 8, P, 8)
+    return a, b, kva, kvb, probe
+
+
+def drain(e: Engine) -> None:
+    deadline = time.monotonic() + 60
+    while not e.w.cache.tiers_idle and time.monotonic() < deadline:
+        e.step()
+        time.sleep(0.01)
+    assert e.w.cache.tiers_idle
+
+
+@pytest.mark.mooncake
+def test_a_store_tier_hit_is_answered_in_the_step_and_loads_the_exact_bytes(mooncake_master):
+    """Instance a stores a prompt (its pages reach the store node); instance b, whose host
+    tier holds nothing, is granted the four pages in the step it asks (its probe of the store
+    tier, no question to its worker), and its load fetches them and copies a's exact bytes."""
+    a, b, kva, kvb, probe = mooncake_pair(mooncake_master)
+    prompt = list(range(300, 317))
+    stored = a.prefill(Req("a", prompt))
+    drain(a)
+    r = Req("r", [*prompt, 9])
+    assert b.books.matched_tokens(r, 0) == (16, False)
+    assert probe.answered == 1
+    b.books.allocated(r, 16)
+    assert b.books.hit_sources(r, 16) == {CacheHitSource.P2P: 16}
+    meta = b.step({"r": 2}, {"r": [40, 41, 42, 43, 44]})
+    assert meta.lookups == [] and len(meta.loads) == 1
+    assert b.w.load_errors() == set()
+    for src, dst in zip(stored[:4], [40, 41, 42, 43]):
+        assert all(torch.equal(x, y) for x, y in zip(block(kva, src), block(kvb, dst)))
+    assert_no_pins(b.w)
+
+
+def assert_no_pins(w: WorkerCache) -> None:
+    """No request is left, and the only pinned host slots are the fetch reserve."""
+    stats = w.cache.stats()
+    reserve = sum(v for k, v in stats.items() if k.startswith("fetch_reserve_"))
+    assert (stats["host_pinned"], stats["requests"]) == (reserve, 0)
+
+
+@pytest.mark.mooncake
+def test_a_store_object_gone_before_the_load_is_a_load_error_not_wrong_bytes(mooncake_master):
+    """b is granted four pages from the store tier; the last two objects are removed before
+    its load: the load copies the first two exact pages, reports the other two blocks (vLLM
+    recomputes them), copies nothing into them, and leaves no pin."""
+    a, b, kva, kvb, probe = mooncake_pair(mooncake_master)
+    prompt = list(range(500, 517))
+    stored = a.prefill(Req("a", prompt))
+    drain(a)
+    r = Req("r", [*prompt, 9])
+    assert b.books.matched_tokens(r, 0) == (16, False)
+    b.books.allocated(r, 16)
+    [(fp, chain, _)] = b.books.view.host_runs(r.all_token_ids, None, 0, 4)
+    gone = probe.groups(fp, chain, 2, 4)
+    assert len(gone) == 2 and probe._tier.remove(gone, force=True) == [0, 0]
+    before = {i: block(kvb, i) for i in (42, 43)}
+    b.step({"r": 2}, {"r": [40, 41, 42, 43, 44]})
+    assert b.w.load_errors() == {42, 43}
+    for src, dst in zip(stored[:2], [40, 41]):
+        assert all(torch.equal(x, y) for x, y in zip(block(kva, src), block(kvb, dst)))
+    for i, held in before.items():
+        assert all(torch.equal(x, y) for x, y in zip(block(kvb, i), held))
+    assert_no_pins(b.w)
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("why", ["master paused", "answer_in_step false"])
+def test_without_a_probe_answer_in_time_the_workers_are_asked_and_still_grant_it(
+    start_mooncake_master, why
+):
+    """The probe's wait is bounded: with the master paused the scheduler answers "not yet"
+    within it and asks the worker (as with `answer_in_step: false`, which never probes); the
+    worker's answer a step later grants the same four pages and loads a's bytes."""
+    master = start_mooncake_master()
+    paused = why == "master paused"
+    a, b, kva, kvb, probe = mooncake_pair(master, wait_s=0.2, in_step=paused)
+    prompt = list(range(700, 717))
+    stored = a.prefill(Req("a", prompt))
+    drain(a)
+    r = Req("r", [*prompt, 9])
+    if paused:
+        master.pause()
+    try:
+        assert b.books.matched_tokens(r, 0) == (None, False)
+        assert probe.late == int(paused) and probe.answered == 0
+    finally:
+        master.resume()
+    meta = b.step()
+    assert [q.request_id for q in meta.lookups] == ["r"]
+    deadline = time.monotonic() + 60
+    while (got := b.books.matched_tokens(r, 0)) == (None, False):
+        assert time.monotonic() < deadline
+        b.step()
+        time.sleep(0.01)
+    assert got == (16, False)
+    b.books.allocated(r, 16)
+    b.step({"r": 2}, {"r": [40, 41, 42, 43, 44]})
+    assert b.w.load_errors() == set()
+    for src, dst in zip(stored[:4], [40, 41, 42, 43]):
+        assert all(torch.equal(x, y) for x, y in zip(block(kva, src), block(kvb, dst)))
+    assert_no_pins(b.w)
+
+
+def test_probe_wait_ms_is_a_bounded_number_and_no_probe_without_a_tier_any_process_can_ask():
+    assert probe_wait_s({}) == 0.005
+    for bad in (-1, 1001, True, "5"):
+        with pytest.raises(ConfigError, match="probe_wait_ms must be a number in"):
+            probe_wait_s({"probe_wait_ms": bad})
+    host = {"type": "host", "size": "1MiB"}
+    disk = {"type": "disk", "path": "/nonexistent", "size": "1MiB"}
+    for tiers in ([host], [host, disk]):
+        assert StoreProbe.for_config(load_config({"tiers": tiers}, env={}), 0.005) is None

@@ -19,6 +19,7 @@ import json
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -78,6 +79,102 @@ def chain_seed(fingerprint_: bytes, salt: str | bytes | None = None) -> bytes:
     return _digest(b"hicache-ns\x00" + fingerprint_ + tail)
 
 
+def _field(tag: bytes, value: bytes) -> bytes:
+    """`value` tagged with `tag`, each behind its length: a run of fields parses one way only."""
+    return len(tag).to_bytes(2, "little") + tag + len(value).to_bytes(8, "little") + value
+
+
+def namespace(**fields: str | None) -> bytes | None:
+    """A request's namespace fields (a tenant salt, a LoRA adapter's name and path, ...) in one
+    encoding, to give `match` and `store` as the salt: each field's name and value behind their
+    lengths, in name order; None fields are left out (None when all are). The encoding is
+    injective: no value of one field (a client's salt, say) can make the encoding of another
+    set of fields, so two namespaces share a page only where every field is equal."""
+    given = {name: value for name, value in fields.items() if value is not None}
+    if not given:
+        return None
+    out = [b"hicache-fields\x00"]
+    for name in sorted(given):
+        value = given[name]
+        if not isinstance(value, str):
+            raise TypeError(f"namespace field {name!r} must be str or None, got {type(value)}")
+        out.append(_field(name.encode(), value.encode()))
+    return b"".join(out)
+
+
+def fold_features(
+    tokens: Sequence[int],
+    first_token: int,
+    page_tokens: int,
+    features: Sequence[tuple[int, int, str]],
+) -> list[int]:
+    """Tokens as the page keys see them where multimodal features (``(offset, length,
+    identifier)``: a placeholder range and the full hash of its content) lie among them.
+
+    `tokens` are the request's tokens from `first_token` (a page boundary) on. Each full page
+    that a feature overlaps becomes ``page_tokens`` words drawn (SHAKE-256) from the page's own
+    tokens and, for every feature overlapping it, its offset from the page's start, its length
+    and its whole identifier, all bits: two pages agree only where their tokens and every
+    feature's identifier and position agree (the words hold 31 bits each, so a page of P tokens
+    carries 31 x P bits of them). The words are negative int32 (no token id is), so such a page
+    never keys as a page of text. Other pages, and a trailing partial page (never keyed), are
+    kept as they are."""
+    if first_token % page_tokens:
+        raise ValueError(f"first_token={first_token} is not a page boundary ({page_tokens})")
+    out = list(tokens)
+    end = first_token + len(out)
+    touched: dict[int, list[tuple[int, int, str]]] = {}
+    for offset, length, identifier in features:
+        lo, hi = max(offset, first_token), min(offset + length, end)
+        if hi > lo:
+            for page in range(lo // page_tokens, (hi - 1) // page_tokens + 1):
+                touched.setdefault(page, []).append((offset, length, identifier))
+    for page, on_page in touched.items():
+        start = page * page_tokens
+        if start + page_tokens > end:
+            continue  # partial: not keyed
+        i = start - first_token
+        words = array("i", out[i : i + page_tokens]).tobytes()
+        parts = [b"hicache-mm-page\x00", _field(b"tokens", words)]
+        for offset, length, identifier in sorted(on_page):
+            where = (offset - start).to_bytes(8, "little", signed=True)
+            parts.append(_field(b"at", where + length.to_bytes(8, "little")))
+            parts.append(_field(b"id", identifier.encode()))
+        digest = hashlib.shake_256(b"".join(parts)).digest(4 * page_tokens)
+        out[i : i + page_tokens] = [
+            -1 - (int.from_bytes(digest[4 * k : 4 * k + 4], "little") & 0x7FFFFFFF)
+            for k in range(page_tokens)
+        ]
+    return out
+
+
+def weights_digest(folder: str | Path) -> str:
+    """A short digest of the weight files in `folder` (``*.safetensors``, ``*.bin``, ``*.pt``,
+    ``*.pth``, ``*.gguf``): each file's name and size and the bytes of its first, middle and
+    last MiB. Weights re-saved under the same name and config (a fine-tune written over its
+    base) get another digest; reading costs a few MiB a file, whatever the model's size. ''
+    where `folder` is not a directory or holds no weight files."""
+    root = Path(folder)
+    if not root.is_dir():
+        return ""
+    files = sorted(p for p in root.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
+    if not files:
+        return ""
+    h = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        h.update(_field(path.name.encode(), size.to_bytes(8, "little")))
+        with path.open("rb") as f:
+            for at in sorted({0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)}):
+                f.seek(at)
+                h.update(f.read(_SAMPLE))
+    return h.hexdigest()[:16]
+
+
+_WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".gguf"}
+_SAMPLE = 1 << 20
+
+
 def as_tokens(tokens: Any) -> np.ndarray:
     """Tokens as a 1-D C-contiguous int32 array; ValueError naming the problem if they can't be.
 
@@ -122,14 +219,6 @@ def _list_tokens(tokens: list | tuple) -> np.ndarray:
         raise ValueError(f"token ids must be integers, got {type(bad).__name__}") from None
 
 
-def starts_with(tokens: np.ndarray, head: np.ndarray) -> bool:
-    """Whether `tokens` begins with `head` (both C-contiguous int32). Compiled where possible:
-    numpy releases the GIL to compare arrays this long, which would let a hicache worker cut
-    into the engine-thread call that asks."""
-    n = head.shape[0]
-    return tokens.shape[0] >= n and native.common_tokens(tokens[:n], head) == n
-
-
 def page_keys(
     seed: bytes, tokens: np.ndarray, page_tokens: int, release_gil: bool = False
 ) -> list[bytes]:
@@ -167,6 +256,11 @@ class KeyChain:
     one are not hashed at all. So `match` hashes a prompt only as far as the tiers could hit, and
     `store` hashes the rest.
 
+    The chain holds its own copy of the tokens, never the caller's array: an engine may reuse
+    or change its token buffer at once (a copy of a 128k-token prompt takes about 50 us, once
+    per request and per growth). The array held is never changed in place (growing replaces
+    it), so views of it stay valid.
+
     Attributes (read them; only the chain's methods change them): `tokens`, the int32 tokens
     held; `pages`, the full pages in them; `hashed`, the keys hashed so far, those of the first
     ``len(hashed)`` pages (a caller that hashed the pages right after them from ``hashed[-1]``,
@@ -180,7 +274,10 @@ class KeyChain:
     ) -> None:
         self.seed = seed
         self.page_tokens = page_tokens
-        self.tokens = tokens
+        # a copy made with the GIL kept (a bytearray's): numpy lets go of it to copy an array
+        # of more than a few hundred elements, which would let a hicache worker cut into the
+        # engine-thread call (the README's engine contract)
+        self.tokens = tokens = np.frombuffer(bytearray(tokens), dtype=np.int32)
         self.pages: int = tokens.shape[0] // page_tokens
         self.hashed: list[bytes] = memo.shared_keys(seed, tokens) if memo is not None else []
 
@@ -203,12 +300,16 @@ class KeyChain:
         self.hashed += keys
 
     def try_extend(self, tokens: np.ndarray) -> bool:
-        """Grow to `tokens` if they start with the tokens held now; False (and nothing changed)
-        if they do not. The same array again is not compared at all (a request asked again)."""
-        if tokens is not self.tokens:
-            if not starts_with(tokens, self.tokens):
-                return False
-            self.tokens = tokens
+        """Grow to `tokens` (a copy of them) if they start with the tokens held now; False (and
+        nothing changed) if they do not. Always compared: the caller may have changed its
+        array in place since."""
+        # compiled (numpy releases the GIL to compare arrays this long, which would let a
+        # hicache worker cut into the engine-thread call that asks)
+        held = self.tokens.shape[0]
+        if tokens.shape[0] < held or native.common_tokens(tokens, self.tokens) != held:
+            return False
+        if tokens.shape[0] > held:
+            self.tokens = np.frombuffer(bytearray(tokens), dtype=np.int32)  # (as __init__)
             self.pages = tokens.shape[0] // self.page_tokens
         return True
 

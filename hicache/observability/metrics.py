@@ -144,6 +144,7 @@ TIER_METRICS: dict[str, tuple[str, dict[str, str]]] = {
     "pages_fetched": ("hicache_pages_loaded", {}),
     "get_bytes": ("hicache_tier_bytes", {"op": "get"}),
     "get_failed": ("hicache_errors", {"kind": "get"}),
+    "corrupt": ("hicache_errors", {"kind": "corrupt"}),
     "objects_put": ("hicache_tier_objects_put", {}),
     "put_bytes": ("hicache_tier_bytes", {"op": "put"}),
     "put_failed": ("hicache_errors", {"kind": "put"}),

@@ -77,6 +77,9 @@ class TierStats:
     get_bytes: int = 0
     get_failed: int = 0
     """Page groups whose get failed (missing since the probe, transfer error): never a hit."""
+    corrupt: int = 0
+    """Objects read whose bytes did not verify (checksum, header or length: changed at rest,
+    written by an older version, of another layout): misses, never hits."""
     objects_put: int = 0
     put_bytes: int = 0
     put_failed: int = 0

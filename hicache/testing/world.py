@@ -168,7 +168,7 @@ class World:
 
     def _attach(self, cache: HiCache) -> None:
         """Put `cache` on the simulated device and clock, once its tiers are ready."""
-        cache._transfers.device = self.device
+        cache._transfers.sim_device = self.device
         self.slot_books += [cache.host.page_slots._books, cache.host.state_slots._books]
         self._wait_ready(cache)
         self.device.to_host = cache._routes[0]  # type: ignore[index]

@@ -7,6 +7,9 @@ Every tier states what it can do as class attributes, read by the cache instead 
   it never put there is a miss without asking the tier.
 - `persistent`: its contents outlive this process. `HiCache.close` waits (bounded) for the
   write-behind of a persistent tier to drain, so that a clean shutdown loses nothing.
+- `exists_from_any_process` (store tiers): another process, with a client of its own made
+  from the same config, can ask in about a millisecond which objects the tier holds (Mooncake:
+  yes; a disk directory: no). vLLM's scheduler then answers store-tier hits in the step.
 
 Two families share that header:
 
@@ -99,6 +102,13 @@ class StoreTier(Tier):
     read_gbps: ClassVar[float] = 4.0
     """Read throughput (GB/s) the cost model starts from until it has measured this tier's own
     fetches (a tier's `read_gbps:` setting overrides it)."""
+    exists_from_any_process: ClassVar[bool] = False
+    """Whether a client of this tier made in another process (from the same config, never
+    registering memory) answers `exists` for the objects every process wrote, cheaply."""
+    reads_prefix: ClassVar[bool] = False
+    """A get into buffers larger than the object reads it into their front and answers its
+    length (not a failure). Only such a tier can store encoded objects (`codec: lossless`),
+    whose size its reader does not know in advance."""
     breaker: CircuitBreaker | None = None
     """The store's own circuit breaker, if it keeps one (and counts its failures itself);
     otherwise the tier chain keeps one for it, fed by the outcomes of its calls."""
@@ -130,7 +140,8 @@ class StoreTier(Tier):
 
     @abstractmethod
     def get_into(self, keys: Sequence[str], buffers: Buffers) -> list[int]:
-        """Read each object into its pieces; per key the bytes read or a negative code."""
+        """Read each object into its pieces; per key the bytes read or a negative code (for an
+        object of another size than its buffers, unless `reads_prefix` and it is shorter)."""
 
     @abstractmethod
     def put_from(self, keys: Sequence[str], buffers: Buffers) -> list[int]:

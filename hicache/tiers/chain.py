@@ -32,11 +32,12 @@ from hicache.core.plan import PrefillSpeed, plan_fetch
 from hicache.observability.events import EventSink
 from hicache.observability.stats import Stats
 from hicache.registry import tier_class
+from hicache.tiers import codec as codecs
 from hicache.tiers.base import StoreTier
 from hicache.tiers.fetch import Fetch
 from hicache.tiers.host import HostTier
 from hicache.tiers.link import LinkSettings, StoreLink
-from hicache.transfer.completions import DONE, Completion
+from hicache.transfer.completions import Completion
 
 
 class TierChain:
@@ -53,7 +54,12 @@ class TierChain:
         events: EventSink | None = None,
         wake: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        fence: Callable[[], Completion],
     ) -> None:
+        """`fence`: a completion of every copy enqueued so far on the engine's stream
+        (`hicache.transfer.completions.Transfers.fence`); every put waits for one made when it
+        was queued."""
         self.policy = policy
         self.layout = layout
         self.clock = clock
@@ -78,10 +84,12 @@ class TierChain:
                 read_gbps=cfg.read_gbps or store.read_gbps,
                 breaker_failures=cfg.breaker_failures,
                 breaker_reprobe_s=cfg.breaker_reprobe_s,
+                codec=codecs.for_dtype(layout.kv_dtype) if cfg.codec == "lossless" else None,
+                codec_threads=cfg.codec_threads,
             )
             link = StoreLink(
                 store, settings, host, layout, fingerprint, policy, self.prefill,
-                clock=clock, events=events, wake=wake, on_done=self._walk_on,
+                clock=clock, events=events, wake=wake, on_done=self._walk_on, fence=fence,
             )  # fmt: skip
             self.links.append(link)
             self._close_timeouts.append(cfg.close_timeout_s)
@@ -192,11 +200,10 @@ class TierChain:
 
     # -- writes -----------------------------------------------------------------------------------
 
-    def stored(
-        self, keys: list[bytes], ready: Completion = DONE, slots: list[int] | None = None
-    ) -> None:
+    def stored(self, keys: list[bytes], ready: Completion, slots: list[int] | None = None) -> None:
         """`store` copied `keys` (a sequence from its first page) to the host tier: hand them
-        to every tier as its `write:` says. `ready` completes with the host copy."""
+        to every tier as its `write:` says. `ready`: a fence made after the host copy (what
+        `Transfers.then` returned for it)."""
         n = len(keys)
         for link in self._behind:
             link.write_behind(keys, n, range(link.G, n + 1, link.G), ready, slots)

@@ -197,10 +197,9 @@ class FetchSide:
         chain.hash_to(own)
         job.page_keys = fetch.keys = chain.hashed[begin:own]
         if own < end:
-            # bytes, not an array copy: the caller may reuse its tokens, and numpy releases the
-            # GIL to copy an array this long (a worker waiting for it would cut into this call)
+            # a view, no copy: the chain's tokens are its own and never changed in place
             P = chain.page_tokens
-            job.hash_from = (job.page_keys[-1], chain.tokens[own * P : end * P].tobytes())
+            job.hash_from = (job.page_keys[-1], chain.tokens[own * P : end * P])
         self._submit_fetch(job)
         return fetch
 
@@ -256,6 +255,8 @@ class FetchSide:
         self._submit_fetch(get)
 
     def _on_get(self, job: Job, codes: list[int] | None) -> None:
+        """A get returned: `codes` one per object (the worker checked), or None for a failed
+        call (a miss; the fetch's slots are released)."""
         fetch = job.fetch
         run = job.groups
         if job.unprobed:  # its slots are the fetch's now (or free again): the reserve may refill

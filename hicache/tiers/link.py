@@ -44,10 +44,12 @@ from hicache.observability.events import EventSink
 from hicache.observability.stats import TierStats
 from hicache.tiers.base import StoreTier, StoreUnavailable
 from hicache.tiers.breaker import CircuitBreaker
+from hicache.tiers.codec import Codec
 from hicache.tiers.fetch import Fetch, FetchSide
 from hicache.tiers.host import HostTier
 from hicache.tiers.worker import Job, Worker
 from hicache.tiers.writes import WriteSide
+from hicache.transfer.completions import Completion
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,10 @@ class LinkSettings:
     """The read throughput the cost model starts from."""
     breaker_failures: int = 3
     breaker_reprobe_s: float = 5.0
+    codec: Codec | None = None
+    """Encodes the objects a put writes (`codec: lossless`); None: stored raw."""
+    codec_threads: int = 1
+    """Threads that encode and decode one call's objects in parallel."""
 
 
 class StoreLink(FetchSide, WriteSide):
@@ -99,6 +105,8 @@ class StoreLink(FetchSide, WriteSide):
         events: EventSink | None = None,
         wake: Callable[[], None] | None = None,
         on_done: Callable[[Fetch], None] | None = None,
+        *,
+        fence: Callable[[], Completion],
     ) -> None:
         self.store = store
         self.settings = settings
@@ -115,6 +123,8 @@ class StoreLink(FetchSide, WriteSide):
         """Called by a worker after it posted a result (see `HiCache`'s `wake`)."""
         self.on_done = on_done
         """Called on the engine thread when a fetch's part here is done (the chain walks on)."""
+        self.fence = fence
+        """A completion of every copy enqueued so far on the engine's stream (a put waits)."""
         self.read = Rate(settings.read_gbps * 1e9)
         """This tier's read throughput (bytes/s), learned from its gets."""
         self._verdict = Verdict(self.read, prefill, layout.page_size, layout.page_tokens)
@@ -136,6 +146,8 @@ class StoreLink(FetchSide, WriteSide):
             self.G,
             layout.page_tokens,
             bool(layout.state_bytes),
+            settings.codec,
+            settings.codec_threads,
         )
         # what the tier holds (or receives), by the key naming the object: engine thread only
         self._groups_held = _Seen(1 << 20)
@@ -231,6 +243,7 @@ class StoreLink(FetchSide, WriteSide):
             failed = isinstance(outcome, BaseException)
             if failed:
                 self.stats.call_errors += 1
+            self.stats.corrupt += job.corrupt
             if job.page_keys:  # a fetch's first job: its pages' keys, the worker's part too
                 job.fetch.keys = job.page_keys
             if job.kind == "probe":
@@ -297,15 +310,16 @@ class StoreLink(FetchSide, WriteSide):
     # -- helpers ----------------------------------------------------------------------------------
 
     def _register(self) -> None:
-        """Register the host pools with the store, off the engine thread (registering tens of
-        GiB for RDMA takes seconds). The tier is not used until this is done."""
+        """Register the host pools (and the objects' headers) with the store, off the engine
+        thread (registering tens of GiB for RDMA takes seconds). The tier is not used until
+        this is done."""
         try:
             if not self.host.wait_ready():
                 return
         except HiCacheError:  # the host tier could not be allocated: its wait_ready says so
             return
         try:
-            for tensor in self.host.memory():
+            for tensor in (*self.host.memory(), *self._worker.memory()):
                 self.store.register(tensor)
         except Exception as err:  # the tier stays unused; the engine goes on without it
             log.error("hicache tier %s: registering the host pools failed: %r", self.name, err)
@@ -333,6 +347,7 @@ class StoreLink(FetchSide, WriteSide):
         self._put_jobs.put(None)
         for t in self._threads:
             t.join(timeout=30)
+        self._worker.close()
         self.poll()
         self._reserve.release()
         self.store.close()

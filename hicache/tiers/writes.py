@@ -6,6 +6,10 @@
 - *write: on_evict*: `store` only notes the new groups; once the host tier runs short of free
   slots, `poll` puts the oldest of them (pinned until the put returns, so not evicted before).
 
+Every put carries a fence (`ready`): a completion of every copy enqueued on the engine's stream
+before the put was queued, which the worker waits for before it reads a slot (a slot is
+published as its copy is enqueued, so a put of any published page may otherwise read it early).
+
 The put queue is bounded (`queue_depth` puts queued or running): when it is full, work is
 dropped and counted, never queued without bound and never waited for.
 """
@@ -22,7 +26,7 @@ from hicache.observability.events import EventSink, emit
 from hicache.observability.stats import TierStats
 from hicache.tiers.host import HostTier
 from hicache.tiers.worker import Job
-from hicache.transfer.completions import DONE, Completion
+from hicache.transfer.completions import Completion
 
 WRITE_BACK_GROUPS = 64
 """`write: on_evict`: page groups one write-back put takes at most."""
@@ -39,6 +43,7 @@ class WriteSide:
     events: EventSink | None
     settings: Any
     clock: Callable[[], float]
+    fence: Callable[[], Completion]
     _dirty: OrderedDict[bytes, list[bytes]]
     _groups_held: Any
     _states_held: Any
@@ -61,13 +66,14 @@ class WriteSide:
         keys: list[bytes],
         n_pages: int,
         state_pages: Sequence[int],
-        ready: Completion = DONE,
+        ready: Completion | None = None,
         slots: list[int] | None = None,
     ) -> None:
         """Queue puts of the full groups of `keys[:n_pages]` (and states) the tier does not hold.
 
-        Called by `store` at once, with `ready` marking the host write-through: the worker waits
-        for it before reading the slots, which stay pinned until the put has returned. On this
+        `ready`: a fence the caller has just made (`store` gives the completion of its host
+        write-through); None: one is made here. The worker waits for it before reading the
+        slots, which stay pinned until the put has returned. On this
         thread: which groups are new, their slots, their pins; the worker names them and finds
         their bytes. `slots`, where the caller knows them: the host slot of each of `keys`
         (all published), so that they need not be looked up.
@@ -113,12 +119,15 @@ class WriteSide:
         pins: list[int],
         state_ends: list[bytes],
         state_pins: list[int],
-        ready: Completion = DONE,
+        ready: Completion | None = None,
     ) -> None:
         """Queue one put of the groups named by `ends` (their pages in host slots `pins`, `G`
-        a group) and the states in `state_pins`; the slots stay pinned until it has returned."""
+        a group) and the states in `state_pins`; the slots stay pinned until it has returned.
+        `ready`: a fence made after the last copy enqueued so far (None: made here)."""
         if not ends and not state_ends:
             return
+        if ready is None:
+            ready = self.fence()
         leases = (self.host.page_slots.lease(pins),)
         if state_pins:
             leases += (self.host.state_slots.lease(state_pins),)
@@ -184,7 +193,8 @@ class WriteSide:
         groups, layout, stats = len(job.ends), self.layout, self.stats
         group_bytes = self.G * layout.page_size
         n = groups + len(job.state_ends)
-        if codes and len(codes) == n and min(codes) >= 0:  # the usual case: counted in one step
+        # codes: one per object (the worker checked), or None for a failed call
+        if codes is not None and min(codes) >= 0:  # the usual case: counted in one step
             stats.objects_put += n
             stats.put_bytes += (
                 len(job.page_slots) * layout.page_size + len(job.state_slots) * layout.state_bytes
@@ -193,7 +203,7 @@ class WriteSide:
         else:
             put = []
             for i, key in enumerate(job.ends + job.state_ends):
-                if codes and i < len(codes) and codes[i] >= 0:
+                if codes is not None and codes[i] >= 0:
                     stats.objects_put += 1
                     stats.put_bytes += group_bytes if i < groups else layout.state_bytes
                     if i < groups:

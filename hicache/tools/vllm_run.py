@@ -6,8 +6,10 @@
 
 Runs in its own process (vLLM keeps global state), with a random-weight checkpoint that
 `--make-model` writes once (a Llama or a Qwen3 saved by transformers; ``tiny`` for the tests,
-``small`` for the benchmark, whose prefill must cost something) and token-id prompts (no
-tokenizer). Two workloads:
+``small`` for the benchmark, whose prefill must cost something) and token-id prompts. The
+checkpoint also holds a small byte-level tokenizer of the model's whole vocabulary, made here
+without a download, so that a vLLM server on it takes text prompts (docs/vllm.md). Two
+workloads:
 
 - conversations (the tests'): each turn of each conversation is its prompt so far, the previous
   answer and a new user message; turns go to vLLM one round at a time, greedy. The result holds
@@ -46,6 +48,41 @@ SIZES = {
         hidden_size=768, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=12
     ),
 }
+
+
+# The text the tokenizer's merges are learnt from: fixed, so every checkpoint gets the same ones.
+TOKENIZER_TEXT = (
+    "An inference engine keeps the KV of running requests in its paged pool and drops it when "
+    "a request ends, so every turn of a conversation or an agent prefills its whole prompt "
+    "again, although all but the last message was computed before. A tiered cache keeps those "
+    "prefix pages in larger, slower tiers: pinned host memory, a local disk, a store shared by "
+    "every instance. The quick brown fox jumps over the lazy dog; pack my box with five dozen "
+    "liquor jugs. 0123456789 = + - * / ( ) [ ] { } < > , . ; : ! ? ' \" # $ % & @ ^ _ ` | ~"
+)
+
+
+def make_tokenizer(path: Path) -> None:
+    """A byte-level BPE tokenizer of exactly `VOCAB` tokens (``<unk>``, ``<s>``, ``</s>`` as 0,
+    1, 2 as the models' configs have them; every byte; merges learnt from `TOKENIZER_TEXT`), so
+    that any text encodes and every id the model can answer decodes. Saved in transformers'
+    format beside the weights."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tokenizer.train_from_iterator([TOKENIZER_TEXT], trainer)
+    if tokenizer.get_vocab_size() != VOCAB:
+        raise RuntimeError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens, not {VOCAB}")
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(path)
 
 
 def make_model(path: Path, arch: str, size: str = "tiny") -> None:
@@ -355,6 +392,8 @@ def main() -> None:
     if args.make_model:
         if not Path(args.model, "config.json").exists():
             make_model(Path(args.model), args.make_model, args.size)
+        if not Path(args.model, "tokenizer.json").exists():  # checkpoints made before it had one
+            make_tokenizer(Path(args.model))
         if not args.out:
             return
     result = run_workload(args) if args.workload else run(args)

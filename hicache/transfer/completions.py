@@ -12,9 +12,11 @@ Events without timing are recorded again once `poll` has seen them complete (mak
 destroying one per copy costs more); the completion they leave reads done from then on.
 
 Copies in both directions go on the same stream, so a load enqueued after a store reads the
-stored bytes, and the engine's kernels enqueued after a load see the loaded pages.
+stored bytes, and the engine's kernels enqueued after a load see the loaded pages. A thread that
+reads host slots itself (a store tier's worker) waits first for `Transfers.fence()`: the
+completion of every copy enqueued so far, so no slot is read before the copy that fills it.
 
-On the CPU a `Device` may stand in for the stream (`Transfers.device`; the simulation of
+On the CPU a `Device` may stand in for the stream (`Transfers.sim_device`; the simulation of
 `hicache.testing` sets one): copies are then queued on it, run only when it says, and their
 completions read done only from then on, as a GPU's do. Unset (the default), the CPU path copies
 at once, and the CUDA path never looks at it.
@@ -131,7 +133,7 @@ class Transfers:
     `TIME_EVERY`, read in `poll` once the copy has completed (so reading it never waits).
     """
 
-    device: Device | None = None
+    sim_device: Device | None = None
     """On the CPU: where copies are queued instead of run at once (see the module docstring)."""
 
     def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
@@ -145,6 +147,7 @@ class Transfers:
         self._used: int | None = None  # the stream of the copies enqueued since the last `then`
         self._side: torch.cuda.Stream | None = None  # the stream of layer-by-layer copies
         self._fork: CudaEvent | None = None  # orders it after the engine's stream
+        self._last: Completion = DONE  # the completion `then` made last (`fence`)
         if self.on_cuda:
             from hicache.transfer.kernels.cuda import current_stream_handle, event_class
 
@@ -171,8 +174,8 @@ class Transfers:
         """Enqueue a copy along `route` (its contract: C-contiguous int32 ids in range; block ids
         checked by `GpuTier.block_ids`, host slots handed out by the host tier's pool)."""
         if not self.on_cuda:
-            if self.device is not None:
-                self.device.copy(route, src_ids, dst_ids)
+            if self.sim_device is not None:
+                self.sim_device.copy(route, src_ids, dst_ids)
                 return
             started = time.perf_counter()
             route.copy(src_ids, dst_ids, 0)
@@ -200,9 +203,9 @@ class Transfers:
         and run `callback` from `poll` once the last layer is in. Returns a `LayerLoad` (on the
         CPU the copies and the callback ran before it returns: `DONE`)."""
         if not self.on_cuda:
-            if self.device is not None:
+            if self.sim_device is not None:
                 for r in routes:
-                    self.device.copy(r, src_ids, dst_ids)
+                    self.sim_device.copy(r, src_ids, dst_ids)
                 return self.then(callback)
             started = time.perf_counter()
             for r in routes:
@@ -237,10 +240,10 @@ class Transfers:
     def then(self, callback: Callable[[], None]) -> Completion:
         """Run `callback` from `poll` once everything enqueued so far has completed."""
         if not self.on_cuda:
-            if self.device is None:
+            if self.sim_device is None:
                 callback()
                 return DONE
-            done = Completion(self.device.event())
+            done = Completion(self.sim_device.event())
             self._waiting.append((done, callback, None))
             return done
         timing, self._timing = self._timing, None
@@ -251,9 +254,21 @@ class Transfers:
         else:
             event = self._event(self._index, timing=timing is not None)
         event.record(stream, self._index)
-        done = Completion(event)
+        done = self._last = Completion(event)
         self._waiting.append((done, callback, timing))
         return done
+
+    def fence(self) -> Completion:
+        """A completion of every copy enqueued so far on the engine's stream: what a worker that
+        reads host slots waits for first (every copy into a slot published so far is covered).
+        The last one `then` made where no copy was enqueued since (no new event); on the CPU,
+        where a copy finishes before it returns, `DONE` (with a `sim_device`: done once it has
+        run the work queued so far)."""
+        if not self.on_cuda:
+            return DONE if self.sim_device is None else Completion(self.sim_device.event())
+        if self._used is None:
+            return self._last
+        return self.then(_nothing)
 
     def poll(self) -> int:
         """Run the callbacks of finished copies, oldest first. Returns how many ran."""
@@ -278,3 +293,7 @@ class Transfers:
 
 
 _Timing = tuple[Histogram, "CudaEvent"]
+
+
+def _nothing() -> None:
+    """The callback of a `fence`."""

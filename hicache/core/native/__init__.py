@@ -10,7 +10,9 @@ What is in it, and who uses it:
 - the slot books (`books.py` over ``slotbook.c``): pins, LRU order and free list of a slot pool;
 - the prefix compare of the prefix memo (`common_tokens`), the CPU page copy and the block-id
   checks and gathers of the cache's copies (``copyrows.c``: numpy releases the GIL for array
-  operations of more than a few hundred elements, and the engine thread must not).
+  operations of more than a few hundred elements, and the engine thread must not);
+- the checksum of stored objects (``checksum.c``, `hicache.core.checksum`), on worker threads.
+- the byte planes of the lossless codec (``planes.c``, `hicache.tiers.codec`), on worker threads.
 
 `library()` loads it with its signatures declared; calls keep the GIL unless the caller asks for
 the variant that drops it (long calls from worker threads). Loading happens once per variant, at
@@ -53,7 +55,16 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-SOURCES = ("chainhash.c", "keyindex.c", "prefix.c", "walk.c", "slotbook.c", "copyrows.c")
+SOURCES = (
+    "chainhash.c",
+    "keyindex.c",
+    "prefix.c",
+    "walk.c",
+    "slotbook.c",
+    "copyrows.c",
+    "checksum.c",
+    "planes.c",
+)
 """The C files of this package, built into one library (they share native.h)."""
 
 
@@ -173,6 +184,9 @@ def _load(release_gil: bool) -> ctypes.CDLL | None:
         "hicache_ids_int32": (i64, [p, ctypes.c_int, i64, i64, p]),
         "hicache_gather_int32": (None, [p, p, i64, p]),
         "hicache_align_slots": (ctypes.c_int, [p, p, i64]),
+        "hicache_checksum": (u64, [p, p, i64, u64]),
+        "hicache_planes_split": (None, [p, i64, p, p]),
+        "hicache_planes_merge": (None, [p, p, i64, p]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)

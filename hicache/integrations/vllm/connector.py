@@ -11,10 +11,13 @@ code runs with the multiprocess executor and the uniprocess one. Why the books l
 worker: docs/vllm.md.
 
 Extra config keys: `config` (a hicache YAML file) or `hicache` (the same, inline); `model_id`
-(optional: names the weights in the page keys, instead of vLLM's model name and a digest of
-its config); `pin_share` (optional, default 0.5: the share of a rank's host tier that answered
-hits waiting for their load may keep pinned). The config has no `layout` section: the layout
-comes from vLLM.
+(optional: names the weights in the page keys, instead of `worker.model_identity`: vLLM's
+model name and a digest of its config, dtype, quantization and weight files); `pin_share`
+(optional, default 0.5: the share of a rank's host tier that answered hits waiting for their
+load may keep pinned); `answer_in_step` (optional, default true: answer from the scheduler's
+view where it can tell); `probe_wait_ms` (optional, default 5: how long the scheduler waits
+for a shared store tier's answer to which groups it holds). The config has no `layout`
+section: the layout comes from vLLM.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from hicache.config import ConfigError, HiCacheConfig, load_config
 from hicache.integrations.vllm.inputs import refuse_unsupported
 from hicache.integrations.vllm.meta import HiCacheStats, StepMeta
+from hicache.integrations.vllm.probe import StoreProbe
 from hicache.integrations.vllm.scheduler import SchedulerBooks
 from hicache.integrations.vllm.worker import WorkerCache, layout_fields
 
@@ -50,7 +54,8 @@ log = logging.getLogger("hicache.vllm")
 T = TypeVar("T")
 
 RANK = "{rank}"
-"""In a store tier's `path`: replaced by the TP rank (else each rank gets a subdirectory)."""
+"""In a store tier's `path`: replaced by the worker's index on its node (`node_index`; else
+each worker gets a subdirectory)."""
 
 
 def in_one_line(what: str, start: Callable[[], T]) -> T:
@@ -100,18 +105,40 @@ def answer_in_step(extra: dict[str, Any]) -> bool:
     return value
 
 
+def probe_wait_s(extra: dict[str, Any]) -> float:
+    """The extra config's `probe_wait_ms` (default 5), in seconds: a number in [0, 1000]."""
+    wait = extra.get("probe_wait_ms", 5)
+    if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 1000:
+        raise ConfigError(f"hicache: probe_wait_ms must be a number in [0, 1000], got {wait!r}")
+    return wait / 1e3
+
+
 def rank_path(path: str, rank: int) -> str:
-    """A store tier's directory for TP rank `rank`: `{rank}` in `path` replaced, or else the
-    subdirectory ``rank<r>`` of `path` (`path` made here if absent: its parent must exist)."""
+    """A store tier's directory for the worker of index `rank`: `{rank}` in `path` replaced, or
+    else the subdirectory ``rank<r>`` of `path` (`path` made here if absent: its parent must
+    exist)."""
     if RANK in path:
         return path.replace(RANK, str(rank))
     Path(path).mkdir(exist_ok=True)
     return str(Path(path) / f"rank{rank}")
 
 
+def node_index(vllm_config: VllmConfig, tp_rank: int, tp_size: int) -> int:
+    """The worker's index among the workers of its node: its DP rank on the node (vLLM's local
+    DP rank, or its DP index where vLLM set none, as vLLM's own workers take it) times the TP
+    size, plus its TP rank. Two DP engines on one node differ in it; without DP it is the TP
+    rank."""
+    pc = vllm_config.parallel_config
+    dp = pc.data_parallel_rank_local
+    if dp is None:
+        dp = getattr(pc, "data_parallel_index", pc.data_parallel_rank)
+    return dp * tp_size + tp_rank
+
+
 def for_rank(config: HiCacheConfig, rank: int) -> HiCacheConfig:
-    """The config of TP rank `rank`: each store tier with a directory gets one of its own (one
-    process a directory), and the metrics are on the configured port plus the rank."""
+    """The config of the worker of index `rank` on its node (`node_index`): each store tier
+    with a directory gets one of its own (one process a directory), and the metrics are on the
+    configured port plus the index."""
     tiers = [
         tier.model_copy(update={"path": rank_path(tier.path, rank)})
         if isinstance(getattr(tier, "path", None), str)
@@ -150,10 +177,13 @@ class HiCacheConnector(KVConnectorBase_V1):
             ranks = vllm_config.parallel_config.tensor_parallel_size
             reprefillable = max(0, vllm_config.num_prefill_lookahead_tokens - 1)
             floor = config.policy.min_recompute_tokens
-            self._books = SchedulerBooks(block, ranks, reprefillable, floor, in_step)
+            wait = probe_wait_s(extra)
+            probe = StoreProbe.for_config(config, wait) if in_step and wait else None
+            self._books = SchedulerBooks(block, ranks, reprefillable, floor, in_step, probe)
         else:
             fields = layout_fields(vllm_config, kv_cache_config, extra)
-            self._worker = WorkerCache(for_rank(config, fields["tp_rank"]), fields, share)
+            index = node_index(vllm_config, fields["tp_rank"], fields["tp_size"])
+            self._worker = WorkerCache(for_rank(config, index), fields, share)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -202,6 +232,10 @@ class HiCacheConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        probe = self._books.probe if self._books is not None else None
+        if probe is not None:  # raise probe_wait_ms where many were late
+            log.info("hicache: store probes in time %d, late %d", probe.answered, probe.late)
+            probe.close()
 
     def _worker_side(self) -> WorkerCache:
         if self._worker is None:

@@ -26,7 +26,7 @@ class Lookup:
     request_id: str
     tokens: list[int]
     computed: int
-    salt: str | None = None
+    salt: str | bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Load:
     hit: int
     block_ids: list[int]
     tokens: list[int] | None = None
-    salt: str | None = None
+    salt: str | bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Store:
     new_tokens: list[int]
     upto: int
     block_ids: list[int]
-    salt: str | None = None
+    salt: str | bytes | None = None
 
 
 @dataclass

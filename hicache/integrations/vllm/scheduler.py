@@ -3,7 +3,11 @@
 The scheduler process holds no pages. For each waiting request it first consults its
 `TierView` (what the workers reported their tiers hold): when the view can tell the whole
 answer (a host-tier hit, or a miss no store tier can turn into a hit) it answers in the same
-step, and the worker matches and pins the pages only when it loads them. Otherwise it asks the
+step, and the worker matches and pins the pages only when it loads them. Where the view cannot
+tell because a shared store tier may hold the next pages, and that tier can be asked from this
+process (`StoreProbe`), the scheduler asks it which of the prompt's next groups it holds,
+waiting a bounded few milliseconds, and answers in the step too: the worker's load fetches
+those groups into host slots and loads them like a host hit. Otherwise it asks the
 workers (a `Lookup` in the next step's metadata) and answers "not yet" (None) until every TP
 rank has answered; vLLM asks again on a later step, so the scheduler never waits. The hit it
 grants is the smallest of the ranks' answers. After vLLM has allocated blocks, a granted hit
@@ -23,6 +27,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hicache.integrations.vllm.inputs import keyed_tokens, request_salt
 from hicache.integrations.vllm.meta import Answer, Answers, Load, Lookup, StepMeta, Store
+from hicache.integrations.vllm.probe import StoreProbe
 from hicache.integrations.vllm.view import TierView
 
 if TYPE_CHECKING:
@@ -37,7 +42,7 @@ class _Tracked:
     how many pages of it were stored."""
 
     request: Request
-    salt: str | None
+    salt: bytes | None
     sent: int = 0
     stored_pages: int = 0
 
@@ -48,7 +53,8 @@ class SchedulerBooks:
     final yet (a speculative drafter's prefill lookahead, vLLM's `num_prefill_lookahead_tokens`
     less one): they are not stored, as vLLM does not cache them; `min_recompute` the policy's
     `min_recompute_tokens` (a hit leaves at least these to compute); `in_step` whether to answer
-    from the view where it can tell (else every question is asked)."""
+    from the view where it can tell (else every question is asked); `probe` the store tier it
+    may ask itself where the view cannot tell (used only with `in_step`)."""
 
     def __init__(
         self,
@@ -57,12 +63,14 @@ class SchedulerBooks:
         reprefillable: int = 0,
         min_recompute: int = 1,
         in_step: bool = True,
+        probe: StoreProbe | None = None,
     ) -> None:
         self._page = page_tokens
         self._ranks = ranks
         self._reprefillable = reprefillable
         self._min_recompute = min_recompute
         self.view = TierView(ranks, page_tokens) if in_step else None
+        self.probe = probe if in_step else None
         self._claims: dict[str, list[int]] = {}  # granted from the view: the prompt, for its Load
         self._tracked: dict[str, _Tracked] = {}
         self._asked: dict[str, int] = {}  # request -> the computed tokens of its open question
@@ -87,10 +95,8 @@ class SchedulerBooks:
         if granted is not None and granted.computed == computed:
             return granted.hit - computed, False
         if self._asked.get(rid) != computed:  # a new question (or vLLM's own hit changed)
-            self._granted.pop(rid, None)
-            self._answers.pop(rid, None)
-            self._asked.pop(rid, None)
-            tokens = keyed_tokens(request, 0, request.num_tokens)
+            self._withdraw(rid)  # the old one, answered or not, is closed on the workers too
+            tokens = keyed_tokens(request, 0, request.num_tokens, self._page)
             hit = self._from_view(rid, tokens, tracked.salt, computed, request.num_tokens)
             if hit is not None:
                 return hit - computed, False
@@ -99,30 +105,72 @@ class SchedulerBooks:
         return None, False
 
     def _from_view(
-        self, rid: str, tokens: list[int], salt: str | None, computed: int, n: int
+        self, rid: str, tokens: list[int], salt: bytes | None, computed: int, n: int
     ) -> int | None:
         """The hit (in tokens, >= computed) the view can answer with, granted; None to ask."""
         if self.view is None:
             return None
         cap = max(0, n - self._min_recompute) // self._page
-        pages = self.view.hit_pages(tokens, salt, computed // self._page, cap)
+        first = computed // self._page
+        pages = self.view.hit_pages(tokens, salt, first, cap)
+        sources: tuple[tuple[str, int], ...] = ()
+        if pages is None and self.probe is not None:
+            found = self._from_store(tokens, salt, first, cap)
+            if found is None:
+                return None
+            pages, host = found
+            sources = (("p2p", (pages - host) * self._page),)
+        else:
+            host = pages
         if pages is None:
             return None
         hit = pages * self._page
         if hit > computed:
-            self._granted[rid] = Answer(rid, computed, hit, (("host", hit - computed),))
+            in_host = ("host", max(0, host * self._page - computed))
+            self._granted[rid] = Answer(rid, computed, hit, (in_host, *sources))
             self._claims[rid] = tokens
         return max(hit, computed)
 
+    def _from_store(
+        self, tokens: list[int], salt: bytes | None, first: int, cap: int
+    ) -> tuple[int, int] | None:
+        """The pages [first, h) every rank can load, its host tier's run followed by the leading
+        run of groups the store tier holds (one batched probe for every rank), and the host
+        part of it; None where the probe did not answer in time (the workers are asked)."""
+        view, probe = self.view, self.probe
+        if view is None or probe is None:
+            return None
+        runs = view.host_runs(tokens, salt, first, cap)
+        if runs is None:
+            return None
+        if not runs:
+            return first, first
+        names = [probe.groups(fp, chain, h, cap) for fp, chain, h in runs]
+        present = probe.exists([name for each in names for name in each])
+        if present is None:
+            return None
+        G, at, hit, host = probe.group_pages, 0, cap, cap
+        for (_, _, h), each in zip(runs, names):
+            held = 0
+            while held < len(each) and present[at + held]:
+                held += 1
+            at += len(each)
+            reach = min(cap, (h // G + held) * G) if held else h
+            hit, host = min(hit, max(h, reach)), min(host, h)
+        return max(first, hit), max(first, min(host, hit))
+
     def _withdraw(self, rid: str) -> None:
-        """Close `rid`'s question, if one is open: unsent, it is dropped; sent, the workers
-        let its pins go (`unused`)."""
+        """Close `rid`'s question, if one is open (asked, answered, granted or allocated and not
+        yet loaded): unsent, it is dropped; sent, the workers let its pins go (`unused`). Every
+        question ends here, in a `Load` (`build`) or in `finished`."""
         asked = self._asked.pop(rid, None) is not None
         granted = self._granted.pop(rid, None) is not None
+        loading = self._loads.pop(rid, None) is not None
         self._answers.pop(rid, None)
+        self._sources.pop(rid, None)
         if self._claims.pop(rid, None) is not None:
             return  # granted from the view: nothing on the workers to let go
-        if asked or granted:
+        if asked or granted or loading:
             step = self._step
             step.lookups = [q for q in step.lookups if q.request_id != rid]
             step.unused.append(rid)
@@ -185,14 +233,14 @@ class SchedulerBooks:
         # the KV final after this step (a drafter may re-prefill the last `reprefillable`),
         # capped at the tokens known (async scheduling samples later)
         final = req.num_computed_tokens + scheduled - speculative - self._reprefillable
-        upto = min(final, len(req.all_token_ids))
+        upto = min(final, len(req.all_token_ids)) // self._page * self._page  # whole pages
         if upto // self._page <= tracked.stored_pages:
             return None
         table = blocks.get_block_ids(rid)
         if table is None:
             return None
         sent = tracked.sent
-        new = keyed_tokens(req, sent, upto) if upto > sent else []
+        new = keyed_tokens(req, sent, upto, self._page) if upto > sent else []
         tracked.sent, tracked.stored_pages = max(sent, upto), upto // self._page
         return Store(rid, sent, new, upto, list(table[0]), tracked.salt)
 

@@ -51,9 +51,9 @@ class RankNews:
 
 
 class _Rank:
-    """What one rank's worker reported, and its key seeds by salt."""
+    """What one rank's worker reported."""
 
-    __slots__ = ("fingerprint", "forgot_lower", "host", "lower", "lower_unknown", "seeds")
+    __slots__ = ("fingerprint", "forgot_lower", "host", "lower", "lower_unknown")
 
     def __init__(self, news: RankNews) -> None:
         self.fingerprint = news.fingerprint
@@ -61,13 +61,6 @@ class _Rank:
         self.lower: set[bytes] = set()
         self.lower_unknown = news.lower_unknown
         self.forgot_lower = False
-        self.seeds: dict[str | None, bytes] = {}
-
-    def seed(self, salt: str | None) -> bytes:
-        seed = self.seeds.get(salt)
-        if seed is None:
-            seed = self.seeds[salt] = chain_seed(self.fingerprint, salt)
-        return seed
 
 
 class TierView:
@@ -96,31 +89,52 @@ class TierView:
                 view.lower_unknown = view.forgot_lower = True
             view.lower_unknown |= view.forgot_lower
 
-    def hit_pages(self, tokens: list[int], salt: str | None, first: int, cap: int) -> int | None:
+    def hit_pages(
+        self, tokens: list[int], salt: str | bytes | None, first: int, cap: int
+    ) -> int | None:
         """The pages [first, h) every rank's host tier holds, as h, when the view can tell that
         no store tier holds page h; None when the workers must be asked. `cap`: the last page
-        the engine may skip plus one (a hit never passes it)."""
-        if len(self._ranks) < self._want or cap <= first:
-            return None if len(self._ranks) < self._want else first
-        arr = as_tokens(tokens)[: cap * self._page]
+        the engine may skip plus one (a hit never passes it). A store tier's group that starts
+        before the cap may end past it (the workers fetch it and load its pages up to the
+        cap), so every full page of `tokens` from h on is looked for among the group ends.
+        Each rank's seed is derived here, per question (one hash): nothing is kept per salt."""
+        if self.ready and any(view.lower_unknown for view in self._ranks.values()):
+            return None
+        runs = self.host_runs(tokens, salt, first, cap)
+        if runs is None:
+            return None
         hit = cap
+        for view, (_, chain, h) in zip(self._ranks.values(), runs):
+            hit = min(hit, h)
+            if view.lower and any(k in view.lower for k in chain.hash_to(chain.pages)[h:]):
+                return None  # a store tier took a group past the host hit: fetch it
+        return max(first, hit) if runs else first
+
+    def host_runs(
+        self, tokens: list[int], salt: str | bytes | None, first: int, cap: int
+    ) -> list[tuple[bytes, KeyChain, int]] | None:
+        """Per rank: its fingerprint, the prompt's key chain under its seed, and the page h
+        its host tier's run from `first` ends at (at most `cap`); None until every rank has
+        reported, [] when nothing lies between `first` and `cap`."""
+        if len(self._ranks) < self._want:
+            return None
+        if cap <= first:
+            return []
+        arr = as_tokens(tokens)
+        out = []
         for view in self._ranks.values():
-            if view.lower_unknown:
-                return None
-            chain = KeyChain(view.seed(salt), self._page, arr)
+            chain = KeyChain(chain_seed(view.fingerprint, salt), self._page, arr)
             h, step = first, 16
-            while h < hit:  # hash only as far as the host tier holds, in doubling steps
-                end = min(hit, h + step)
+            while h < cap:  # hash only as far as the host tier holds, in doubling steps
+                end = min(cap, h + step)
                 keys = chain.hash_to(end)
                 while h < end and keys[h] in view.host:
                     h += 1
                 if h < end:
                     break
                 step *= 2
-            hit = h
-            if view.lower and any(k in view.lower for k in chain.hash_to(cap)[h:]):
-                return None  # a store tier took a group past the host hit: fetch it
-        return hit
+            out.append((view.fingerprint, chain, h))
+        return out
 
     @property
     def ready(self) -> bool:

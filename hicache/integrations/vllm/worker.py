@@ -2,22 +2,30 @@
 
 Each TP rank's worker process has one HiCache over that rank's KV tensors (its own shard: the
 rank is in the layout's fingerprint). Per step, vLLM calls `start` before the forward (sync
-loads must precede it) and `after` once the forward is enqueued; both run on the engine thread
-and never wait for a store tier: a question whose fetch is still running is asked again on
-the next step, and only then answered.
+loads must precede it) and `after` once the forward is enqueued; both run on the engine thread.
+A question whose fetch is still running is asked again on the next step, and only then
+answered. The one wait on a store tier is a load whose match must fetch (a hit the scheduler
+granted from its own probe of a store tier, `hicache.integrations.vllm.probe`, or pages the
+host tier lost since the answer): `start` fetches those groups into host slots (every such
+load of the step at once) and waits for them, at most the policy's `fetch_max_wait_ms`, before
+it loads them like a host hit; what did not come is a load error.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from hicache.cache import HiCache
 from hicache.config import HiCacheConfig, Layout
+from hicache.core.keys import model_digest, weights_digest
 from hicache.core.request import Match
 from hicache.errors import HiCacheError
 from hicache.integrations.vllm.meta import (
@@ -40,6 +48,10 @@ log = logging.getLogger("hicache.vllm")
 REPORTED = (
     "hit_tokens_host", "pages_loaded", "pages_stored", "pages_dropped", "pages_evicted",
 )  # fmt: skip
+
+FETCH_WAIT_MARGIN_S = 0.05
+"""A load waits for its fetch at most the policy's `fetch_max_wait_ms` plus this (the fetch
+gives up at its deadline by itself; this bounds the wait should a tier's thread stall)."""
 
 READY_TIMEOUT_S = 10.0
 """How long vLLM's start waits for the host pools and the store tiers (see `register`)."""
@@ -110,6 +122,7 @@ class WorkerCache:
         self._layer_of: dict[str, int] = {}  # vLLM's layer name -> its index, for layered loads
         self._loading: list[Completion] = []  # this step's loads, arriving layer by layer
         self._told = False  # whether the scheduler has had news from this rank yet
+        self._woken = threading.Event()  # a store tier's thread has posted a result
 
     @property
     def rank(self) -> int:
@@ -129,7 +142,7 @@ class WorkerCache:
             self._layer_of = {name: i for i, name in enumerate(kv_caches)}
         self.cache = HiCache(
             self.config, pool, layout=self.layout, events=self._on_event,
-            layers=len(self._layer_of),
+            layers=len(self._layer_of), wake=self._woken.set,
         )  # fmt: skip
         # vLLM is still starting: let the first requests find the pools and the tiers ready
         if not self.cache.wait_ready(READY_TIMEOUT_S):
@@ -167,15 +180,15 @@ class WorkerCache:
         if self._clock is not None:
             self._clock.poll()
         for rid in step.forget:
-            for books in (self._asking, self._matched, self._tokens, self._bad_from):
-                books.pop(rid, None)
-            cache.release(rid)
+            self._tokens.pop(rid, None)
+            self._bad_from.pop(rid, None)
+            self._close(rid)
         for rid in step.unused:  # a question closed without a load, answered or not
-            asked = self._asking.pop(rid, None) is not None
-            if self._matched.pop(rid, None) is not None or asked:
-                cache.release(rid)
-        for load in step.loads:
-            self._load(load)
+            self._close(rid)
+        loading = [self._rematch(load) for load in step.loads]
+        self._await_fetches(loading)
+        for one in loading:
+            self._load(one)
         for lookup in step.lookups:
             self._matched.pop(lookup.request_id, None)
             self._asking[lookup.request_id] = lookup
@@ -186,6 +199,12 @@ class WorkerCache:
                 self._answers.append(self._answer(lookup, m))
                 if m is not None:
                     self._hold(lookup, m)
+
+    def _close(self, rid: str) -> None:
+        """End `rid`'s question, answered or not: forget its match and let its pins go."""
+        self._asking.pop(rid, None)
+        self._matched.pop(rid, None)
+        self._cache().release(rid)
 
     def _hold(self, lookup: Lookup, m: Match) -> None:
         """Keep the answered hit's pins while the answers' pins stay within their share of
@@ -285,20 +304,49 @@ class WorkerCache:
             sources[kind] = sources.get(kind, 0) + tokens
         return Answer(lookup.request_id, lookup.computed, m.hit_tokens, tuple(sources.items()))
 
-    def _load(self, load: Load) -> None:
+    def _rematch(self, load: Load) -> _Loading:
+        """The match `load` copies from: the answer's own, or, where it was given unpinned,
+        another rank holds less, it answers another question or the scheduler granted the hit
+        without asking (its view or its probe of a store tier), a new match, no further than
+        granted (pending while it fetches groups from a store tier)."""
+        cache, rid = self._cache(), load.request_id
+        m, lookup = self._matched.pop(rid, (None, None))
+        if load.tokens is not None:  # granted by the scheduler itself
+            lookup = Lookup(rid, load.tokens, load.computed, load.salt)
+        stale = m is None or m.hit_tokens > load.hit or m.computed_tokens != load.computed
+        upto = load.hit + self.config.policy.min_recompute_tokens
+        if lookup is not None and stale:
+            cache.release(rid)
+            m = self._match(lookup, upto)
+            self._matched.pop(rid, None)
+        return _Loading(load, m, lookup, upto)
+
+    def _await_fetches(self, loading: list[_Loading]) -> None:
+        """Wait until no load's match is pending (their fetches run side by side), at most the
+        policy's `fetch_max_wait_ms` (and a margin): the fetch ends at its deadline by itself,
+        and the match then answers what the host tier holds."""
+        waiting = [one for one in loading if one.m is not None and one.m.pending]
+        if not waiting:
+            return
+        deadline = time.monotonic() + self.config.policy.fetch_max_wait_ms / 1e3
+        deadline += FETCH_WAIT_MARGIN_S
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._woken.wait(min(left, 0.01))  # and a look now and then: deadlines pass silently
+            self._woken.clear()
+            for one in waiting:
+                one.m = self._match(one.lookup, one.upto)  # type: ignore[arg-type]
+                self._matched.pop(one.load.request_id, None)
+            waiting = [one for one in waiting if one.m is not None and one.m.pending]
+
+    def _load(self, one: _Loading) -> None:
         """Copy the granted hit into its blocks, or as much of its head as hicache still holds;
         report the granted blocks it did not fill so that vLLM recomputes them. Never serves
         more than granted."""
         cache, P = self._cache(), self._layout["page_tokens"]
-        rid = load.request_id
-        m, lookup = self._matched.pop(rid, (None, None))
-        if lookup is None and load.tokens is not None:  # granted from the scheduler's view
-            lookup = Lookup(rid, load.tokens, load.computed, load.salt)
-        if lookup is not None and (m is None or m.hit_tokens > load.hit):
-            # given unpinned, or another rank holds less: match again, no further than granted
-            cache.release(rid)
-            m = self._match(lookup, load.hit + self.config.policy.min_recompute_tokens)
-            self._matched.pop(rid, None)
+        load, m, rid = one.load, one.m, one.load.request_id
         filled = load.computed
         usable = m is not None and not m.pending and m.computed_tokens == load.computed
         if m is not None and usable and m.hit_tokens <= load.hit:
@@ -345,6 +393,17 @@ class WorkerCache:
             log.warning("hicache: store of request %s: %s", rid, err)
         finally:
             cache.release(rid)
+
+
+@dataclass
+class _Loading:
+    """A load of this step: the match it copies from and the question it was matched for."""
+
+    load: Load
+    m: Match | None
+    lookup: Lookup | None
+    upto: int
+    """The prompt tokens matched (the grant plus the engine's minimum recompute)."""
 
 
 class PrefillClock:
@@ -394,16 +453,13 @@ class PrefillClock:
 
 def layout_fields(vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any]) -> dict:
     """hicache's layout from vLLM's configs, all but the segment sizes (those come from the
-    tensors vLLM registers): the model (its name, revision and a digest of its config and
-    quantization, or the extra config's `model_id`), the KV dtype, the block size and the TP
-    rank. Refuses what hicache cannot key safely."""
+    tensors vLLM registers): the model (`model_identity`, or the extra config's `model_id`),
+    the KV dtype, the block size and the TP rank. Refuses what hicache cannot key safely."""
     from vllm.distributed.parallel_state import (
         get_tensor_model_parallel_rank,
         get_tensor_model_parallel_world_size,
     )
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-
-    from hicache.core.keys import model_digest
 
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
@@ -412,13 +468,45 @@ def layout_fields(vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any])
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("hicache: pipeline parallelism is not supported")
     spec = groups[0].kv_cache_spec
-    mc = vllm_config.model_config
-    digest = model_digest({"hf": mc.hf_config.to_dict(), "quantization": mc.quantization})
     return {
-        "model": extra.get("model_id") or f"{mc.model}@{mc.revision or 'main'}:{digest}",
+        "model": extra.get("model_id") or model_identity(vllm_config.model_config),
         "kv_dtype": str(spec.dtype).removeprefix("torch."),
         "page_tokens": spec.block_size,
         "tp_rank": get_tensor_model_parallel_rank(),
         "tp_size": get_tensor_model_parallel_world_size(),
         "kv_head_sharded": not isinstance(spec, MLAAttentionSpec),
     }
+
+
+def model_identity(model_config: Any) -> str:
+    """The weights' name in the page keys, from vLLM's `ModelConfig`: its model name and
+    revision, and a digest of what else decides the KV a prompt gives: the model's config as
+    vLLM loaded it (`hf_config`, with `--hf-overrides` applied: RoPE scaling, sliding window,
+    layers, heads, ...), the dtype it computes in, its quantization, whether vLLM disabled the
+    sliding window, the code revision, and the weight files' bytes (`weights_digest` of the
+    folder the weights load from). Two instances share pages only where all of these agree."""
+    mc = model_config
+    digest = model_digest({
+        "hf": mc.hf_config.to_dict(),
+        "dtype": str(mc.dtype).removeprefix("torch."),
+        "quantization": mc.quantization,
+        "revision": mc.revision,
+        "code_revision": mc.code_revision,
+        "disable_sliding_window": mc.disable_sliding_window,
+        "weights": weights_digest(_weights_folder(mc.model, mc.revision)),
+    })  # fmt: skip
+    return f"{mc.model}@{mc.revision or 'main'}:{digest}"
+
+
+def _weights_folder(model: str, revision: str | None) -> str:
+    """The folder vLLM loads `model`'s weights from: the path itself, or the snapshot of a hub
+    model in the local Hugging Face cache ('' when it is not there)."""
+    if Path(model).is_dir():
+        return model
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model, "config.json", revision=revision)
+    except (ImportError, ValueError, OSError):
+        return ""
+    return str(Path(found).parent) if isinstance(found, str) else ""

@@ -38,20 +38,21 @@ class LruBook:
 
     def reserve(self, name: str, nbytes: int) -> list[str] | None:
         """Make room for a new record: returns the records to remove first (least recently used
-        first; already out of the book), or None when `name` is held or being written already.
-        ValueError if `nbytes` exceeds the capacity."""
+        first; already out of the book: the caller removes them), or None when `name` is held or
+        being written already. ValueError, with nothing changed, if `nbytes` exceeds the
+        capacity or no eviction can make room (the rest is reserved by puts in progress)."""
         if nbytes > self.capacity:
             raise ValueError(f"{nbytes} bytes exceed the tier's size of {self.capacity}")
         with self._lock:
             if name in self._held or name in self._writing:
                 return None
+            if sum(self._writing.values()) + nbytes > self.capacity:
+                raise ValueError("no room: the tier's size is taken by records being written")
             victims = []
-            while self.used + nbytes > self.capacity and self._held:
+            while self.used + nbytes > self.capacity:  # held records alone can make the room
                 victim, size = self._held.popitem(last=False)
                 self.used -= size
                 victims.append(victim)
-            if self.used + nbytes > self.capacity:  # the rest is reserved by puts in progress
-                raise ValueError("no room: the tier's size is taken by records being written")
             self._writing[name] = nbytes
             self.used += nbytes
             return victims

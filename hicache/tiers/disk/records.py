@@ -5,7 +5,10 @@ once every byte is written (and synced, where the tier syncs), so a reader meets
 or a complete one. The header names the key and the payload's length and carries a CRC32 of
 itself; a record whose header does not verify, names another key or whose file length disagrees
 is not served. The header takes a whole 4 KiB block so that the payload starts aligned and can
-move with O_DIRECT.
+move with O_DIRECT. An object's small first piece (at most `INLINE` bytes: the object header
+that the tier chain writes before every payload, `hicache.tiers.envelope`) is kept inside the
+header block, covered by its CRC, so that the rest stays aligned. Records of the earlier
+format (``HICDISK1``) do not verify: they are misses, removed when met.
 
 The I/O helpers move bytes between a file and memoryviews with ``os.preadv``/``os.pwritev``,
 which release the GIL, and loop over short transfers.
@@ -23,8 +26,12 @@ from collections.abc import Callable, Sequence
 
 HEADER = 4096
 """Bytes before the payload: one block, so that the payload is aligned for O_DIRECT."""
-MAGIC = b"HICDISK1"
-_FIELDS = struct.Struct("<8sQI")  # magic, payload bytes, key bytes; then the key, then a CRC32
+MAGIC = b"HICDISK2"
+_FIELDS = struct.Struct("<8sQII")  # magic, payload bytes, key bytes, inline bytes; then the key,
+# the inline bytes, then a CRC32 of all before it
+INLINE = 256
+"""An object's first piece of at most this many bytes (and not its only piece) is kept in the
+header block."""
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
@@ -37,32 +44,43 @@ def file_name(key: str) -> str:
 
 def check_key(key: str) -> None:
     """ValueError naming the key if it does not fit a record's header."""
-    if _FIELDS.size + len(key.encode()) + 4 > HEADER:
+    if _FIELDS.size + len(key.encode()) + INLINE + 4 > HEADER:
         raise ValueError(f"key {key[:40]!r}...: longer than a record header holds")
 
 
-def pack_header(out: memoryview, key: str, length: int) -> None:
-    """Write the header of a record of `length` payload bytes for `key` (checked by
-    `check_key`) into `out` (HEADER bytes)."""
+def split(views: list[memoryview]) -> tuple[memoryview | None, list[memoryview]]:
+    """An object's pieces as (the piece kept in the header block, or None; the pieces after
+    the header block)."""
+    if len(views) > 1 and views[0].nbytes <= INLINE:
+        return views[0], views[1:]
+    return None, views
+
+
+def pack_header(out: memoryview, key: str, length: int, inline: memoryview | None) -> None:
+    """Write the header of a record of `length` payload bytes after the header block for `key`
+    (checked by `check_key`), holding `inline`, into `out` (HEADER bytes)."""
     raw = key.encode()
-    end = _FIELDS.size + len(raw)
+    kept = bytes(inline) if inline is not None else b""
+    end = _FIELDS.size + len(raw) + len(kept)
     out[:HEADER] = bytes(HEADER)
-    _FIELDS.pack_into(out, 0, MAGIC, length, len(raw))
-    out[_FIELDS.size : end] = raw
+    _FIELDS.pack_into(out, 0, MAGIC, length, len(raw), len(kept))
+    out[_FIELDS.size : end] = raw + kept
     struct.pack_into("<I", out, end, zlib.crc32(out[:end]))
 
 
-def parse_header(block: memoryview) -> tuple[str, int] | None:
-    """(key, payload bytes) of a header block, or None if it is not a valid header."""
-    magic, length, key_len = _FIELDS.unpack_from(block, 0)
-    end = _FIELDS.size + key_len
-    if magic != MAGIC or end + 4 > HEADER:
+def parse_header(block: memoryview) -> tuple[str, int, memoryview] | None:
+    """(key, payload bytes after the block, the inline bytes) of a header block, or None if it
+    is not a valid header."""
+    magic, length, key_len, kept = _FIELDS.unpack_from(block, 0)
+    end = _FIELDS.size + key_len + kept
+    if magic != MAGIC or kept > INLINE or end + 4 > HEADER:
         return None
     (crc,) = struct.unpack_from("<I", block, end)
     if crc != zlib.crc32(block[:end]):
         return None
+    key_end = _FIELDS.size + key_len
     try:
-        return bytes(block[_FIELDS.size : end]).decode(), length
+        return bytes(block[_FIELDS.size : key_end]).decode(), length, block[key_end:end]
     except UnicodeDecodeError:
         return None
 

@@ -1,9 +1,10 @@
 """The disk tier: page groups and states as files on a local file system, below the host tier.
 
 Layout (see docs/disk.md): ``<path>/objects/ab/<sha256 of key>`` holds one object as a record
-(`disk_records`: a 4 KiB header naming the key and the length, then the bytes); ``<path>/tmp``
-holds records being written; ``<path>/lock`` is held (flock) by the one process using the
-directory.
+(`disk_records`: a 4 KiB header naming the key and the length, then the bytes; an object's
+small first piece, such as the tier chain's object header, is kept in the header block);
+``<path>/tmp`` holds records being written; ``<path>/lock`` is held (flock) by the one process
+using the directory.
 
 The contract the tier chain's workers rely on:
 
@@ -16,8 +17,9 @@ The contract the tier chain's workers rely on:
   and the caller's registered memory (O_DIRECT where the memory and sizes are aligned and the file
   system takes it, buffered otherwise). Per key they return the bytes read / 0, or a negative
   errno: `missing_code` (-ENOENT) for an object not held, -ENOSPC (size bound, or the disk full),
-  -EFBIG (file size limit), -EIO and so on for failed I/O, -EMSGSIZE for buffers whose size is
-  not the object's. A failed put or get is counted and never raises; a failed get is not a hit.
+  -EFBIG (file size limit), -EIO and so on for failed I/O, -EMSGSIZE for buffers smaller than
+  the object (a smaller object is read into the buffers' front: `reads_prefix`). A failed put
+  or get is counted and never raises; a failed get is not a hit.
 - A record is published only whole (written to ``tmp``, synced, renamed into place). A record
   found damaged (its header does not verify or its length is wrong) is a miss and is removed.
 - Capacity: the records' bytes (headers included) stay within `size`; a put first evicts the
@@ -96,6 +98,7 @@ class DiskTier(StoreTier):
     shared = False  # one process per directory (see the module docstring)
     persistent = True
     missing_code = MISSING
+    reads_prefix = True  # a record's header holds its length
 
     def __init__(self, config: DiskTierConfig, layout: Layout | None = None) -> None:
         if not isinstance(config, DiskTierConfig):
@@ -315,27 +318,35 @@ class DiskTier(StoreTier):
     def _read(
         self, path: Path, key: str, views: list[memoryview], addresses: list[int], nbytes: int
     ) -> int:
-        """Read a record into `views`: `nbytes`, MISSING (absent or damaged), or -EMSGSIZE."""
+        """Read a record into the front of `views` (`nbytes` in all): the bytes read, MISSING
+        (absent or damaged), or -EMSGSIZE (a record larger than the views)."""
         head = rec.header_block()
+        inline, rest = rec.split(views)
+        after = nbytes - (inline.nbytes if inline is not None else 0)
         try:
-            fd = self._open(path, os.O_RDONLY, views, addresses)
+            fd = self._open(path, os.O_RDONLY, rest, addresses[len(views) - len(rest) :])
         except FileNotFoundError:
             return MISSING
         try:
-            got = rec.read_full(fd, [head, *views], 0)
+            got = rec.read_full(fd, [head, *rest], 0)
         finally:
             os.close(fd)
         found = rec.parse_header(head) if got >= rec.HEADER else None
         if found is None or found[0] != key:
             return MISSING
-        if found[1] != nbytes:
+        kept = found[2]
+        if found[1] > after or kept.nbytes != (inline.nbytes if inline is not None else 0):
             return -errno.EMSGSIZE
-        return nbytes if got == rec.HEADER + nbytes else MISSING  # shorter: a torn record
+        if inline is not None:
+            inline[:] = kept
+        if got != rec.HEADER + found[1]:  # shorter: a torn record
+            return MISSING
+        return nbytes - after + found[1]
 
     def _put_one(self, key: str, obj: _Object) -> int:
         name = rec.file_name(key)
         views, addresses = obj
-        nbytes = sum(v.nbytes for v in views)
+        nbytes = sum(v.nbytes for v in rec.split(views)[1])  # after the header block
         try:
             victims = self.book.reserve(name, rec.HEADER + nbytes)
         except ValueError:
@@ -364,11 +375,14 @@ class DiskTier(StoreTier):
     def _write(
         self, tmp: Path, key: str, views: list[memoryview], addresses: list[int], nbytes: int
     ) -> None:
+        """Write a record of `nbytes` (the file's bytes after the header block)."""
         head = rec.header_block()
-        rec.pack_header(head, key, nbytes)
-        fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, views, addresses)
+        inline, rest = rec.split(views)
+        rec.pack_header(head, key, nbytes, inline)
+        at = addresses[len(views) - len(rest) :]
+        fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, rest, at)
         try:
-            if rec.write_full(fd, [head, *views], 0) != rec.HEADER + nbytes:
+            if rec.write_full(fd, [head, *rest], 0) != rec.HEADER + nbytes:
                 raise OSError(errno.EIO, "short write")
             os.utime(fd, ns=(self._stamp(),) * 2)
             if self.config.sync:

@@ -137,6 +137,7 @@ class MooncakeStore(StoreTier):
 
     shared = True
     persistent = True
+    exists_from_any_process = True  # one batched RPC to the master
     missing_code = -704  # StoreCode.OBJECT_NOT_FOUND (defined below)
     read_gbps = 4.0  # batched gets of 32 x 512 KiB over loopback TCP, H200 host (bench/results)
 

@@ -43,6 +43,9 @@ class EngineSpec:
     # off. Off for models with sliding-window layers, whatever is asked.
     prefix_share: float = 1.0
     prefix_blocks: int | None = None
+    # The model's exact mode (`hicache.tools.refengine.exact`): a token's results do not depend on
+    # how its sequence was chunked or batched, so runs with and without a cache agree bit for bit.
+    exact: bool = False
 
     @property
     def prefix_cache_blocks(self) -> int:
@@ -57,16 +60,22 @@ class EngineSpec:
 
 
 def load_model(spec: EngineSpec) -> tuple[Transformer, str]:
-    """The model and a string naming its weights exactly (it goes into hicache's fingerprint)."""
+    """The model and a string naming its weights exactly (it goes into hicache's fingerprint):
+    a named shape's seed, or a folder's name, a digest of its config and of its weight files'
+    bytes (`hicache.core.keys.weights_digest`). The dtype is the KV dtype, in the layout."""
     if spec.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {spec.dtype!r}")
     cfg, folder = resolve(spec.model)
     dtype = DTYPES[spec.dtype]
     if folder is None:
         model = Transformer.random(cfg, seed=spec.seed, device=spec.device, dtype=dtype)
+        model.exact = spec.exact
         return model, f"{cfg.name}@random-seed{spec.seed}"
+    from hicache.core.keys import weights_digest
+
     model = Transformer.load(cfg, folder, device=spec.device, dtype=dtype)
-    return model, f"{Path(folder).resolve().name}@{_digest(cfg)}"
+    model.exact = spec.exact
+    return model, f"{Path(folder).resolve().name}@{_digest(cfg)}:{weights_digest(folder)}"
 
 
 def _digest(cfg: ModelConfig) -> str:

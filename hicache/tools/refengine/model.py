@@ -4,7 +4,9 @@
 of one sequence starting at position ``start`` (a prefill chunk or one decode token). Projections
 and MLPs run on all tokens of the step at once; attention runs per item against that sequence's
 pages (full layers) or ring (sliding layers). The arithmetic mirrors transformers' modeling code op
-for op (RMSNorm in float32, RoPE tables in float32 cast to the model dtype, SDPA).
+for op (RMSNorm in float32, RoPE tables in float32 cast to the model dtype, SDPA). With `exact`,
+matrix products, RMSNorm and attention are those of `hicache.tools.refengine.exact`: a token's
+results then do not depend on how its sequence was chunked or batched.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from hicache.tools.refengine import exact as exact_ops
 from hicache.tools.refengine.config import ModelConfig
 from hicache.tools.refengine.memory import KVMemory
 
@@ -66,8 +69,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Transformer:
     """Weights as a flat dict named like Hugging Face checkpoints (``model.layers.0...``)."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, cfg: ModelConfig, weights: dict[str, torch.Tensor], exact: bool = False
+    ) -> None:
         self.cfg = cfg
+        self.exact = exact  # chunk- and batch-invariant products, norms, attention (module doc)
         self.w = weights
         first = weights["model.embed_tokens.weight"]
         self.device, self.dtype = first.device, first.dtype
@@ -135,21 +141,25 @@ class Transformer:
         """
         cfg, w, dev = self.cfg, self.w, self.device
         lens = [len(it.tokens) for it in items]
-        ids = torch.tensor([t for it in items for t in it.tokens], device=dev)
-        pos = torch.cat([torch.arange(it.start, it.start + n) for it, n in zip(items, lens)])
+        T = sum(lens)
+        # exact mode: rows added (token 0 at position 0) so that every product has as many rows
+        # as its invariance needs; the added rows are in no item and write no K/V
+        pad = exact_ops.step_padding(T, dev) if self.exact else 0
+        ids = torch.tensor([t for it in items for t in it.tokens] + [0] * pad, device=dev)
+        spans = [torch.arange(it.start, it.start + n) for it, n in zip(items, lens)]
+        pos = torch.cat([*spans, torch.zeros(pad, dtype=torch.int64)])
         pos_d = pos.to(dev)
         P = memory.page_tokens
-        blocks = torch.cat(
-            [it.table[(pos_i // P).to(dev)] for it, pos_i in zip(items, pos.split(lens))]
-        )
-        offsets = pos_d % P
+        blocks = torch.cat([it.table[(span // P).to(dev)] for it, span in zip(items, spans)])
+        offsets = pos_d[:T] % P
         freqs = pos_d[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(self.dtype)[:, None, :]
         sin = emb.sin().to(self.dtype)[:, None, :]
 
-        T = ids.shape[0]
+        R = T + pad
         H, Hk, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        norm = exact_ops.rms_norm if self.exact else rms_norm
         h = F.embedding(ids, w["model.embed_tokens.weight"])
         loads = [it.loading for it in items if it.loading is not None]
         for layer in range(cfg.num_layers):
@@ -157,31 +167,35 @@ class Transformer:
             if loads and layer in memory.full_index:  # the pool holds full layers only
                 for load in loads:
                     load.wait_layer(memory.full_index[layer])  # the stream waits, not the host
-            x = rms_norm(h, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-            q = self._lin(x, p + "self_attn.q_proj").view(T, H, D)
-            k = self._lin(x, p + "self_attn.k_proj").view(T, Hk, D)
-            v = self._lin(x, p + "self_attn.v_proj").view(T, Hk, D)
+            x = norm(h, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+            q = self._lin(x, p + "self_attn.q_proj").view(R, H, D)
+            k = self._lin(x, p + "self_attn.k_proj").view(R, Hk, D)
+            v = self._lin(x, p + "self_attn.v_proj").view(R, Hk, D)
             if cfg.qk_norm:
-                q = rms_norm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
-                k = rms_norm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
+                q = norm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
+                k = norm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
+            q, k, v = q[:T], k[:T], v[:T]
             if layer in memory.full_index:
                 memory.write_full(layer, blocks, offsets, k, v)
             outs = []
             for it, qi, ki, vi in zip(items, q.split(lens), k.split(lens), v.split(lens)):
                 outs.append(self._attend(layer, it, qi, ki, vi, memory))
-            o = torch.cat(outs).reshape(T, H * D)
+            if pad:
+                outs.append(q.new_zeros(pad, H, D))
+            o = torch.cat(outs).reshape(R, H * D)
             h = h + self._lin(o, p + "self_attn.o_proj")
-            x = rms_norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            x = norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             gate = F.silu(self._lin(x, p + "mlp.gate_proj"))
             h = h + self._lin(gate * self._lin(x, p + "mlp.up_proj"), p + "mlp.down_proj")
         for it, n in zip(items, lens):
             if it.slot is not None:
                 memory.slot_len[it.slot] = it.start + n
         last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))], device=dev)
-        hl = rms_norm(h[last], w["model.norm.weight"], cfg.rms_norm_eps)
-        return F.linear(hl, self.lm_head).float()
+        hl = norm(h[last], w["model.norm.weight"], cfg.rms_norm_eps)
+        linear = exact_ops.linear if self.exact else F.linear
+        return linear(hl, self.lm_head).float()
 
     def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
@@ -211,12 +225,15 @@ class Transformer:
             kpos = torch.arange(first, s + L, device=q.device)[None, :]
             mask = (kpos <= qpos) & (kpos > qpos - memory.window)
         rep = self.cfg.num_heads // self.cfg.num_kv_heads
+        scale = self.cfg.head_dim**-0.5
+        if self.exact:
+            keys, vals = keys.repeat_interleave(rep, dim=1), vals.repeat_interleave(rep, dim=1)
+            window = None if layer in memory.full_index else memory.window
+            return exact_ops.attend(q, keys, vals, s, s + L - keys.shape[0], scale, window)
         qt = q.transpose(0, 1)[None]
         kt = keys.transpose(0, 1).repeat_interleave(rep, dim=0)[None]
         vt = vals.transpose(0, 1).repeat_interleave(rep, dim=0)[None]
-        out = F.scaled_dot_product_attention(
-            qt, kt, vt, attn_mask=mask, scale=self.cfg.head_dim**-0.5
-        )
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
         return out[0].transpose(0, 1)
 
 

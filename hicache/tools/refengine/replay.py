@@ -33,7 +33,7 @@ from hicache.tools.mooncake_local import LocalMaster
 from hicache.tools.refengine.build import EngineSpec, build_engine, load_model
 from hicache.tools.refengine.engine import Engine, Request
 from hicache.tools.refengine.replay_args import DEFAULT_CACHE, find_problem, parser
-from hicache.tools.refengine.replay_measure import floor_rows, run_workload, second_instance
+from hicache.tools.refengine.replay_measure import floor_rows, run_interleaved, second_instance
 from hicache.tools.refengine.replay_report import report
 from hicache.tools.refengine.runs import LOCAL_STORE_BYTES, warmup
 from hicache.tools.refengine.workload import Conversation, make_workload
@@ -87,7 +87,8 @@ class _Setup:
 class _Runs:
     """The measured runs over the workload: the engine alone (`off`), with hicache (`on`, and
     its engine, still open), and with ``--no-prefix-row`` an engine with no prefix cache
-    (`none`); each conversation's requests by turn for the first two."""
+    (`none`); each conversation's requests by turn for the first two; the machine's load
+    average (1, 5 and 15 minutes) before and after them."""
 
     off: dict[str, Any]
     on: dict[str, Any]
@@ -95,6 +96,7 @@ class _Runs:
     done_off: list[list[Request]]
     done_on: list[list[Request]]
     on_engine: Engine
+    load_average: dict[str, list[float]]
 
 
 def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -> int:
@@ -123,10 +125,11 @@ def _setup(args: argparse.Namespace, cache_config: Any) -> _Setup:
     page = args.page_tokens or (128 if cuda else 32)
     probe = _workload(args, 2)  # the lengths alone size the pool: any vocabulary will do
     blocks = _pool_blocks(probe, page, args.pool_share)
+    dtype = args.dtype or ("bfloat16" if cuda else "float32")
     spec = EngineSpec(
         model=args.model,
         device=args.device,
-        dtype=args.dtype or ("bfloat16" if cuda else "float32"),
+        dtype=dtype,
         seed=args.seed,
         page_tokens=page,
         num_blocks=blocks,
@@ -134,6 +137,7 @@ def _setup(args: argparse.Namespace, cache_config: Any) -> _Setup:
         chunk_tokens=args.chunk_tokens or (8192 if cuda else 512),
         by_layer=cuda and not args.whole_loads,
         prefix_share=args.prefix_share,
+        exact=args.exact if args.exact is not None else dtype != "float32",
     )
     model = load_model(spec)
     convs = _workload(args, model[0].cfg.vocab_size)
@@ -164,25 +168,26 @@ def _pool_blocks(convs: list[Conversation], page: int, share: float) -> int:
 
 
 def _compare(s: _Setup) -> _Runs:
-    """The runs, one engine at a time, each after a warm-up: with ``--no-prefix-row`` an engine
-    with no prefix cache, then the engine alone, then the engine with hicache."""
+    """The runs, interleaved turn by turn so that other work on the machine loads them alike
+    (`run_interleaved`), each engine warmed up first: with ``--no-prefix-row`` an engine with no
+    prefix cache, the engine alone, and the engine with hicache. The load average is read
+    before and after."""
     if s.cuda:
         torch.cuda.synchronize()
     with s.engine_stream():
-        none = None
+        engines = {}
         if s.args.no_prefix_row:
-            none_engine = build_engine(replace(s.spec, prefix_share=0.0), model=s.model)
-            warmup(none_engine)
-            none, _ = run_workload(none_engine, s.convs, "no prefix", s.args.quiet)
-            del none_engine
-        off_engine = build_engine(s.spec, model=s.model)
-        warmup(off_engine)
-        off, done_off = run_workload(off_engine, s.convs, "engine", s.args.quiet)
-        del off_engine
-        on_engine = build_engine(s.spec, s.cache_config, model=s.model)
-        warmup(on_engine)
-        on, done_on = run_workload(on_engine, s.convs, "+ hicache", s.args.quiet)
-    return _Runs(off, on, none, done_off, done_on, on_engine)
+            engines["no prefix"] = build_engine(replace(s.spec, prefix_share=0.0), model=s.model)
+        engines["engine"] = build_engine(s.spec, model=s.model)
+        engines["+ hicache"] = build_engine(s.spec, s.cache_config, model=s.model)
+        for engine in engines.values():
+            warmup(engine)
+        before = os.getloadavg()
+        runs = run_interleaved(engines, s.convs, s.args.quiet)
+        load = {"before": list(before), "after": list(os.getloadavg())}
+    (off, done_off), (on, done_on) = runs["engine"], runs["+ hicache"]
+    none = runs["no prefix"][0] if "no prefix" in runs else None
+    return _Runs(off, on, none, done_off, done_on, engines["+ hicache"], load)
 
 
 def _results(s: _Setup, runs: _Runs, argv: list[str] | None) -> dict[str, Any]:
@@ -208,6 +213,8 @@ def _results(s: _Setup, runs: _Runs, argv: list[str] | None) -> dict[str, Any]:
         "off": off,
         "on": on,
         "last_turn_speedup": off["ttft_per_turn_s"][-1] / max(on["ttft_per_turn_s"][-1], 1e-12),
+        "interleaved": "by turn",
+        "load_average": runs.load_average,
         "setup": _setup_record(s, argv),
     }
     if runs.none is not None:

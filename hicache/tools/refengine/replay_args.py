@@ -78,6 +78,14 @@ def _engine(p: argparse.ArgumentParser) -> None:
         "prompt and answer); at least the longest request fits",
     )
     p.add_argument(
+        "--exact",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the model's exact mode: chunk- and batch-invariant products, RMSNorm and "
+        "attention, so that the runs with and without hicache compute every token alike "
+        "(unset: on in bfloat16 and float16, off in float32)",
+    )
+    p.add_argument(
         "--prefix-share",
         type=float,
         default=1.0,

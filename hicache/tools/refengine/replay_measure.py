@@ -1,6 +1,7 @@
-"""What ``hicache replay`` measures: one engine over the workload (`run_workload`), a second
-instance on the first one's store (`second_instance`), and the TTFT floor of the last turns
-(`floor_rows`, with `time_prefill`, which ``bench/replay.py`` uses too)."""
+"""What ``hicache replay`` measures: engines over the workload, interleaved turn by turn
+(`run_interleaved`), a second instance on the first one's store (`second_instance`), and the
+TTFT floor of the last turns (`floor_rows`, with `time_prefill`, which ``bench/replay.py`` uses
+too)."""
 
 from __future__ import annotations
 
@@ -14,30 +15,42 @@ from hicache.tools.refengine.build import EngineSpec, build_engine
 from hicache.tools.refengine.engine import Engine, Request
 from hicache.tools.refengine.model import Item
 from hicache.tools.refengine.runs import Progress, percentile, warmup
-from hicache.tools.refengine.workload import Conversation, drive
+from hicache.tools.refengine.workload import Conversation, drive_interleaved
 
-__all__ = ["floor_rows", "run_workload", "second_instance", "time_prefill"]
+__all__ = [
+    "figures",
+    "floor_rows",
+    "run_interleaved",
+    "second_instance",
+    "time_prefill",
+]
 
 
-def run_workload(
-    engine: Engine, convs: list[Conversation], label: str, quiet: bool
-) -> tuple[dict[str, Any], list[list[Request]]]:
-    """Drive every conversation through `engine` (a progress line labelled `label` unless
-    `quiet`): the run's figures (TTFT percentiles and per turn, end-to-end time, requests per
-    hour, prompt tokens by where they came from, the cache's stats) and each conversation's
-    requests by turn."""
-    total = sum(c.turns for c in convs)
-    bar = Progress(total, label, not quiet)
-    t0 = time.perf_counter()
-    done = drive(engine, convs, on_finish=bar.tick)
-    e2e = time.perf_counter() - t0
+def run_interleaved(
+    engines: dict[str, Engine], convs: list[Conversation], quiet: bool
+) -> dict[str, tuple[dict[str, Any], list[list[Request]]]]:
+    """The conversations through every engine, interleaved turn by turn (`drive_interleaved`),
+    one progress line for all unless `quiet`: per label, the run's figures (`figures`, the
+    end-to-end time being the time that engine ran) and each conversation's requests by turn."""
+    total = sum(c.turns for c in convs) * len(engines)
+    bar = Progress(total, " / ".join(engines) + " (by turn)", not quiet)
+    runs, elapsed = drive_interleaved(list(engines.values()), convs, on_finish=bar.tick)
+    return {
+        label: (figures(engine, done, e2e), done)
+        for (label, engine), done, e2e in zip(engines.items(), runs, elapsed)
+    }
+
+
+def figures(engine: Engine, done: list[list[Request]], e2e: float) -> dict[str, Any]:
+    """One engine's figures over the workload: TTFT percentiles and per turn, end-to-end time
+    (`e2e`), requests per hour, prompt tokens by where they came from, the cache's stats."""
     reqs = [r for conv in done for r in conv]
     ttft = [float(r.ttft or 0.0) for r in reqs]
     prompt = sum(len(r.prompt) for r in reqs)
     stored = sum(r.l3_tokens for r in reqs)  # from the store tiers
     host = sum(r.hit_tokens for r in reqs) - stored
     gpu = sum(r.gpu_hit_tokens for r in reqs)
-    turns = max(c.turns for c in convs)
+    turns = max(len(conv) for conv in done)
     per_turn = [
         statistics.median([float(conv[t].ttft or 0.0) for conv in done if len(conv) > t])
         for t in range(turns)
@@ -58,7 +71,7 @@ def run_workload(
     }
     if engine.cache is not None:
         out["cache_stats"] = engine.cache.stats()
-    return out, done
+    return out
 
 
 def second_instance(

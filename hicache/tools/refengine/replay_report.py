@@ -33,14 +33,22 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def _summary_lines(res: dict[str, Any]) -> list[str]:
-    """The lines under the table: the last turn, then each extra measurement that `res` holds
-    (no prefix cache, second instance, data-parallel ranks, floor)."""
+    """The lines under the table: the last turn, the load average the runs ran under, then each
+    extra measurement that `res` holds (no prefix cache, second instance, data-parallel ranks,
+    floor)."""
     off, on, none = res["off"], res["on"], res.get("no_prefix_cache")
     lines = [
         f"last turn: TTFT {off['ttft_per_turn_s'][-1] * 1e3:.1f} ms (engine with its GPU prefix "
         f"cache), {on['ttft_per_turn_s'][-1] * 1e3:.1f} ms with hicache "
         f"({res['last_turn_speedup']:.1f}x)"
     ]
+    load = res.get("load_average")
+    if load is not None:
+        before, after = (" ".join(f"{v:.2f}" for v in load[k]) for k in ("before", "after"))
+        lines.append(
+            f"load average (1, 5, 15 min): {before} before, {after} after; the runs took "
+            f"turns, a turn of every conversation each"
+        )
     if none is not None:
         lines.append(
             f"extra row, an engine with no prefix cache at all: last turn TTFT "

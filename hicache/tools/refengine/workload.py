@@ -3,12 +3,14 @@
 Each conversation starts with a long first prompt (a system prompt plus a task); every later turn's
 prompt is the previous prompt + the previous answer + a new message (a tool result or a user
 reply). Conversations run concurrently, each submitting its next turn as soon as its previous one
-finished, as agents do.
+finished, as agents do (`drive`); or turn by turn, every conversation's turn at once, through
+several engines in turn (`drive_interleaved`, which ``hicache replay`` compares engines with).
 """
 
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -90,3 +92,38 @@ def drive(
                 by_rid[f"c{conv.cid}t{turn}"] = conv
                 submit(conv, nxt)
     return done
+
+
+def drive_interleaved(
+    engines: list[Engine],
+    convs: list[Conversation],
+    on_finish: Callable[[Request], None] | None = None,
+) -> tuple[list[list[list[Request]]], list[float]]:
+    """Run the conversations through every engine, interleaved turn by turn, so that other work
+    on the machine falls on every engine alike: turn t of every conversation is submitted to
+    one engine at once and run until it is idle, then to the next; the order rotates by one
+    each turn. Each engine's prompts are built from its own answers. Returns, per engine, each
+    conversation's requests by turn, and the seconds the engine ran."""
+    done: list[list[list[Request]]] = [[[] for _ in convs] for _ in engines]
+    elapsed = [0.0] * len(engines)
+    turns = max(c.turns for c in convs)
+    for turn in range(turns):
+        order = list(range(len(engines)))
+        order = order[turn % len(order) :] + order[: turn % len(order)]
+        for e in order:
+            engine, mine = engines[e], done[e]
+            for conv in convs:
+                if turn < conv.turns:
+                    prompt = list(conv.first)
+                    if turn:
+                        last = mine[conv.cid][-1]
+                        prompt = last.prompt + last.output + conv.messages[turn - 1]
+                    engine.add(Request(f"c{conv.cid}t{turn}", prompt, conv.answer_tokens))
+            started = time.perf_counter()
+            while engine.busy:
+                for req in engine.step():
+                    mine[int(req.rid[1:].split("t")[0])].append(req)
+                    if on_finish is not None:
+                        on_finish(req)
+            elapsed[e] += time.perf_counter() - started
+    return done, elapsed

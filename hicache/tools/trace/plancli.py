@@ -25,7 +25,15 @@ from hicache.tools.trace.report import write_json
 from hicache.tools.trace.workload import TraceRequest, Workload
 
 _BYTES = TypeAdapter(Bytes)
-_TIER_KEYS = {"read_gbps": float, "group_pages": int, "write": str, "policy": str}
+_TIER_KEYS = {
+    "read_gbps": float,
+    "group_pages": int,
+    "write": str,
+    "policy": str,
+    "codec": str,
+    "codec_ratio": float,
+    "decode_gbps": float,
+}
 
 
 def parse_tier(spec: str) -> TierPlan:
@@ -55,6 +63,10 @@ def parse_tier(spec: str) -> TierPlan:
             raise ValueError(f"--tier {spec!r}: {key}={value!r} is not usable") from None
     if fields.get("group_pages", 1) <= 0 or fields.get("read_gbps", 1.0) <= 0:
         raise ValueError(f"--tier {spec!r}: group_pages and read_gbps must be positive")
+    if fields.get("codec", "none") not in ("none", "lossless"):
+        raise ValueError(f"--tier {spec!r}: codec is none or lossless")
+    if fields.get("codec_ratio", 1.0) < 1 or fields.get("decode_gbps", 1.0) <= 0:
+        raise ValueError(f"--tier {spec!r}: codec_ratio must be at least 1, decode_gbps positive")
     return TierPlan(kind, size, **fields)
 
 
@@ -69,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="TYPE=SIZE",
         help="a tier of the planned chain, host first, then in walk order: host=256GiB, "
         "disk=2TiB, mooncake=1TiB (settings after commas: read_gbps=, group_pages=, write=, "
-        "policy= for the host)",
+        "codec=lossless with codec_ratio= and decode_gbps=, policy= for the host)",
     )
     g.add_argument("--model", choices=sorted(MODELS), help="the model shape (page bytes)")
     g.add_argument("--bytes-per-token", type=int, help="KV bytes per token, instead of --model")

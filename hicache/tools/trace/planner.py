@@ -16,6 +16,7 @@ context. The defaults are the H200 figures of bench/results/ttft_h200.json (llam
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,8 @@ import numpy as np
 from hicache.config import HiCacheConfig, tier_name
 from hicache.core.eviction import DEFAULT_POLICY
 from hicache.core.plan import PrefillSpeed
+from hicache.tiers.codec import PLANNED_DECODE_GBPS as DECODE_GBPS
+from hicache.tiers.codec import PLANNED_RATIO as CODEC_RATIO
 from hicache.tiers.disk.records import HEADER as DISK_RECORD_HEADER
 from hicache.tools.trace.chainsim import StoreSim
 from hicache.tools.trace.fastsim import run_chain
@@ -98,17 +101,37 @@ class TierPlan:
     group_pages: int = 4
     write: str = "behind"
     read_gbps: float = 4.0
+    codec: str = "none"
+    """none | lossless (`hicache.tiers.codec`)."""
+    codec_ratio: float = CODEC_RATIO
+    """With codec: lossless, raw bytes per stored byte."""
+    decode_gbps: float = DECODE_GBPS
+    """With codec: lossless, raw bytes per second that the tier's codec threads decode."""
 
     @property
     def label(self) -> str:
         return self.name or self.type
 
+    @property
+    def ratio(self) -> float:
+        """Raw bytes per stored byte (1 without a codec)."""
+        return self.codec_ratio if self.codec == "lossless" else 1.0
+
+    @property
+    def raw_read_gbps(self) -> float:
+        """KV (raw bytes) it delivers per second: its read rate times the ratio, at most what
+        the codec decodes (reading and decoding overlap across objects)."""
+        if self.codec != "lossless":
+            return self.read_gbps
+        return min(self.read_gbps * self.codec_ratio, self.decode_gbps)
+
     def capacity_pages(self, page_bytes: int) -> int:
         """Pages it holds: host slots, or whole objects of `group_pages` pages (a disk record
-        has a header of its own)."""
+        has a header of its own; an encoded object takes 1/ratio of its bytes)."""
         if self.type == "host":
             return self.size // page_bytes
-        record = self.group_pages * page_bytes + (DISK_RECORD_HEADER if self.type == "disk" else 0)
+        stored = math.ceil(self.group_pages * page_bytes / self.ratio)
+        record = stored + (DISK_RECORD_HEADER if self.type == "disk" else 0)
         return self.size // record * self.group_pages
 
 
@@ -129,6 +152,7 @@ def chain_from_config(config: HiCacheConfig) -> list[TierPlan]:
                 group_pages=tier.group_pages,  # type: ignore[attr-defined]
                 write=tier.write,  # type: ignore[attr-defined]
                 read_gbps=tier.read_gbps or 4.0,  # type: ignore[attr-defined]
+                codec=tier.codec,  # type: ignore[attr-defined]
             )
         )
     return out
@@ -169,7 +193,7 @@ def plan(
             t.capacity_pages(page_bytes) // t.group_pages,
             t.group_pages,
             t.write,
-            worth=page_bytes * verdict_prefill_tokens_per_s < P * t.read_gbps * 1e9,
+            worth=page_bytes * verdict_prefill_tokens_per_s < P * t.raw_read_gbps * 1e9,
         )
         for t in below
     ]
@@ -179,7 +203,7 @@ def plan(
     )
     seconds = np.fromiter((int(r.timestamp // 1000) for r in workload.requests), np.int64)
     hit = run.hit.astype(np.int64)
-    rates = np.array([t.read_gbps * 1e9 for t in below]).reshape(1, -1)
+    rates = np.array([t.raw_read_gbps * 1e9 for t in below]).reshape(1, -1)
     fetch_s = (run.reads * page_bytes / rates).sum(axis=1) if below else np.zeros(len(hit))
     host_read = hit  # every hit page goes host -> GPU
     reads = np.column_stack([host_read, run.reads])
@@ -200,6 +224,7 @@ def plan(
                 "name": t.label,
                 "type": t.type,
                 "capacity_pages": t.capacity_pages(page_bytes),
+                **({"codec": t.codec, "codec_ratio": t.ratio} if k else {}),
                 "hit_share": int(run.tier_pages[:, k].sum()) * P / prompt if prompt else 0.0,
                 "hit_tokens": int(run.tier_pages[:, k].sum()) * P,
                 "read_bytes": int(reads[:, k].sum()) * page_bytes,

@@ -1,0 +1,110 @@
+"""The scheduler's own look into a store tier that any process can ask (`StoreProbe`).
+
+vLLM's scheduler holds no pages, and its view of the workers' tiers (`TierView`) cannot tell
+what a shared store tier holds: other instances write it. Where the config's one store tier
+says it answers existence cheaply from any process (`StoreTier.exists_from_any_process`:
+Mooncake), the scheduler keeps a client of that tier of its own and asks it, in one batched
+`exists`, which of a prompt's next page groups it holds. The scheduler waits for the answer at
+most `wait_s`: a call still out then is left to finish on the probe's thread, and the
+question goes to the workers as before (no second probe is sent while one is out).
+
+An answer is a claim, checked when the worker loads: an object gone by then is a load error
+that vLLM recomputes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from hicache.config import HiCacheConfig, StoreTierConfig
+from hicache.core.keys import KeyChain, store_key
+from hicache.registry import tier_class
+from hicache.tiers.base import StoreTier
+
+log = logging.getLogger("hicache.vllm")
+
+
+class StoreProbe:
+    """A client of the config's store tier in the scheduler process, asked with a bounded wait.
+
+    Make it with `for_config` (None where the config has no such tier). `groups` names a
+    prompt's groups as the workers' tier chain names them; `exists` asks the tier."""
+
+    def __init__(self, tier: StoreTier, config: StoreTierConfig, wait_s: float) -> None:
+        self._tier = tier
+        self.group_pages = config.group_pages
+        self._prefix = config.key_prefix
+        self._wait_s = wait_s
+        self._out: Future[list[bool]] | None = None
+        self._lock = threading.Lock()
+        self.answered = 0
+        """Probes answered within the wait."""
+        self.late = 0
+        """Probes not answered within it (or not sent: the tier down, or a probe still out)."""
+        tier.start()
+
+    @classmethod
+    def for_config(cls, config: HiCacheConfig, wait_s: float) -> StoreProbe | None:
+        """A probe of the config's store tier: only where it has exactly one, and that tier
+        answers existence from any process (with more tiers, a walk down them could bring pages
+        a probe of one does not see, and the workers are asked)."""
+        stores = config.tiers[1:]
+        if len(stores) != 1 or not isinstance(stores[0], StoreTierConfig):
+            return None
+        cls_ = tier_class(stores[0].type)
+        if not getattr(cls_, "exists_from_any_process", False):
+            return None
+        return cls(cls_(stores[0]), stores[0], wait_s)
+
+    def groups(self, fingerprint: bytes, chain: KeyChain, host_pages: int, cap: int) -> list[str]:
+        """The object names of the groups a worker's fetch would ask for past a host hit of
+        `host_pages` pages, capped at page `cap` (`hicache.tiers.fetch.FetchSide.start_fetch`):
+        every whole group of the prompt from the one holding page `host_pages` on that starts
+        below the cap. Each is named by its last page's key (`store_key`)."""
+        G = self.group_pages
+        first, last = host_pages // G, min(-(-cap // G), chain.pages // G)
+        if last <= first:
+            return []
+        keys = chain.hash_to(last * G)
+        return [
+            store_key(self._prefix, fingerprint, keys[(g + 1) * G - 1], G)
+            for g in range(first, last)
+        ]
+
+    def exists(self, names: Sequence[str]) -> list[bool] | None:
+        """Which objects the tier holds, or None where it did not answer within the wait (or
+        is down, or an earlier probe is still out)."""
+        if not names:
+            return []
+        with self._lock:
+            if not self._tier.available or (self._out is not None and not self._out.done()):
+                self.late += 1
+                return None
+            out = self._out = Future()
+        names = list(names)
+
+        def ask() -> None:
+            try:
+                out.set_result(self._tier.exists(names))
+            except Exception as err:  # the tier's failure is a probe not answered
+                out.set_exception(err)
+
+        threading.Thread(target=ask, name="hicache-probe", daemon=True).start()
+        try:
+            got = out.result(timeout=self._wait_s)
+        except FutureTimeout:
+            self.late += 1
+            return None
+        except Exception as err:  # any failure of the tier: the workers are asked
+            log.debug("hicache: store probe failed: %s", err)
+            self.late += 1
+            return None
+        self.answered += 1
+        return got
+
+    def close(self) -> None:
+        self._tier.close()

@@ -1,0 +1,193 @@
+"""The lossless codec of store tiers (issue 43): byte-exact round trips, encoded objects through
+the memory plugin tier and the disk tier, damaged encoded payloads as counted misses, and the
+configuration's one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from fake_engine import FakeEngine, config
+from test_chain import settle
+from test_integrity import Writer, flip_middle, prompt, rewrite
+
+from hicache.config import load_config
+from hicache.errors import ConfigError
+from hicache.tiers import codec
+from hicache.tiers.disk.records import HEADER as DISK_HEADER
+from hicache.tiers.disk.records import file_name
+from hicache.tiers.envelope import _FIELDS, HEADER, RAW
+
+pytest.importorskip("zstandard")
+
+KINDS = ["memory", "disk"]
+
+
+def kv(dtype: torch.dtype, n: int, seed: int = 0) -> np.ndarray:
+    """Bytes of `n` KV-like values (normal, a few outliers) of `dtype`."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 0.5
+    x[torch.rand(n, generator=g) < 0.001] *= 20
+    return x.to(dtype).view(torch.uint8).numpy().copy()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float8_e4m3fn"])
+def test_kv_round_trips_byte_exact_and_shrinks(dtype):
+    c = codec.for_dtype(dtype)
+    assert c.ident == (codec.ZSTD if dtype == "float8_e4m3fn" else codec.PLANES16)
+    src = kv(getattr(torch, dtype), 1 << 18)
+    out = np.zeros(src.size, dtype=np.uint8)
+    stored = c.encode(src, out)
+    assert stored is not None and stored % codec.ALIGN == 0
+    assert src.size / stored > (1.3 if dtype == "bfloat16" else 1.1)
+    back = np.zeros_like(src)
+    assert c.decode(c.ident, out[:stored], back)
+    assert np.array_equal(back, src)
+    # decoded in place, as a get does (the payload read into the front of the raw buffer)
+    assert c.decode(c.ident, out[:stored], out) and np.array_equal(out, src)
+
+
+def test_bytes_that_do_not_shrink_are_not_encoded_and_odd_lengths_round_trip():
+    c = codec.for_dtype("bfloat16")
+    noise = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8)
+    assert c.encode(noise, np.zeros_like(noise)) is None
+    odd = np.frombuffer(bytes(3 * codec.ALIGN + 1), dtype=np.uint8)  # not 16-bit values
+    out = np.zeros_like(odd)
+    stored = c.encode(odd, out)
+    assert stored is not None
+    back = np.ones_like(odd)
+    assert c.decode(codec.ZSTD, out[:stored], back) and np.array_equal(back, odd)
+
+
+def test_the_byte_planes_match_their_numpy_twin():
+    src = kv(torch.bfloat16, 4097)
+    lo, hi = np.zeros(4097, np.uint8), np.zeros(4097, np.uint8)
+    codec.split(src, lo, hi)
+    assert np.array_equal(lo, src[0::2]) and np.array_equal(hi, src[1::2])
+    dst = np.zeros_like(src)
+    codec.merge(lo, hi, dst)
+    assert np.array_equal(dst, src)
+
+
+def test_a_damaged_payload_does_not_decode():
+    c = codec.for_dtype("bfloat16")
+    src = kv(torch.bfloat16, 1 << 16)
+    out = np.zeros(src.size, dtype=np.uint8)
+    stored = c.encode(src, out)
+    assert stored is not None
+    back = np.zeros_like(src)
+    frame_start = 8 + src.size // 2
+    bad = out[:stored].copy()
+    bad[frame_start : frame_start + 4] ^= 0xFF  # the zstd frame's magic
+    assert not c.decode(c.ident, bad, back)
+    long = out[:stored].copy()
+    long[:8] = np.frombuffer((stored).to_bytes(8, "little"), dtype=np.uint8)  # past the end
+    assert not c.decode(c.ident, long, back)
+    assert not c.decode(c.ident, out[:stored], np.zeros(src.size - 2, np.uint8))  # wrong size
+    assert not c.decode(9, out[:stored], back)  # a codec it does not know
+
+
+PAGE = 8192  # an encoded group of 2 pages (16 KiB) takes 12 KiB; a page of 1 KiB never shrinks
+
+
+def codec_config(kind: str, tmp_path: Path, page: int = PAGE) -> dict:
+    cfg = config(page_bytes=page, host_pages=64)
+    if kind == "memory":
+        tier: dict = {"type": "memory", "space": uuid.uuid4().hex}
+    else:
+        tier = {"type": "disk", "path": str(tmp_path / "d"), "size": "64MiB"}
+    cfg["tiers"].append({**tier, "group_pages": 2, "codec": "lossless", "codec_threads": 2})
+    return cfg
+
+
+def stored_object(kind: str, writer: Writer, name: str) -> bytes:
+    """An object's bytes as they rest: its header, then its payload."""
+    if kind == "memory":
+        return writer.store.objects[name]
+    data = (Path(writer.store.root) / "objects" / file_name(name)).read_bytes()
+    at = data.index(b"HCob")  # the object header, kept in the record's header block
+    return data[at : at + HEADER] + data[DISK_HEADER:]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("page", [PAGE, 1024])
+def test_encoded_objects_hit_byte_exact_and_damaged_ones_are_counted_misses(kind, page, tmp_path):
+    """A writer stores two prompts through a tier with codec: lossless: each object rests
+    encoded (smaller, codec and raw length in its header) where it shrinks, raw (flag RAW)
+    where it does not. A fresh engine hits the untouched prompt whole, byte-exact (FakeEngine
+    checks every loaded byte); flipped bytes in the other's objects are counted misses."""
+    cfg = codec_config(kind, tmp_path, page)
+    writer = Writer(cfg)
+    try:
+        p, q = prompt(1), prompt(2)
+        changed = writer.stored(p)
+        kept = writer.stored(q)
+        assert len(changed) == len(kept) == 5
+        for name in kept:
+            data = stored_object(kind, writer, name)
+            magic, _, kind_, flags, raw, stored, _ = _FIELDS.unpack_from(data)
+            assert (magic, kind_, raw) == (b"HCob", codec.PLANES16, 2 * page)
+            assert len(data) == HEADER + stored
+            if page == PAGE:
+                assert (flags, stored) == (0, 3 * codec.ALIGN)
+            else:
+                assert (flags, stored) == (RAW, raw)
+        for name in changed:
+            rewrite(kind, writer, name, flip_middle)
+    finally:
+        writer.engine.cache.close()
+    reader = FakeEngine(cfg)
+    try:
+        assert reader.run("r", p).hit_tokens == 0  # checks every loaded byte
+        settle(reader)
+        assert reader.cache.stats()[f"corrupt_{kind}"] == 5
+        assert reader.run("r2", q).hit_tokens == 40
+    finally:
+        reader.cache.close()
+
+
+def test_a_tier_without_the_codec_reads_encoded_objects(tmp_path):
+    """codec: none only stops a tier from encoding: what it finds encoded it still decodes."""
+    cfg = codec_config("disk", tmp_path)
+    writer = Writer(cfg)
+    try:
+        writer.stored(prompt(5))
+    finally:
+        writer.engine.cache.close()
+    cfg["tiers"][1]["codec"] = "none"
+    reader = FakeEngine(cfg)
+    try:
+        assert reader.run("r", prompt(5)).hit_tokens == 40
+    finally:
+        reader.cache.close()
+
+
+def test_a_tier_whose_gets_need_the_exact_size_refuses_the_codec():
+    cfg = config()
+    cfg["tiers"].append({"type": "mooncake", "master_address": "127.0.0.1:1", "codec": "lossless"})
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg, env={})
+    assert "tiers.1" in str(err.value) and "codec: none" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_lossless_without_zstandard_is_a_one_line_config_error(tmp_path):
+    code = (
+        "import sys; sys.modules['zstandard'] = None\n"
+        "from hicache.config import load_config\n"
+        "from hicache.errors import ConfigError\n"
+        "cfg = {'layout': {'model': 'm', 'kv_dtype': 'bfloat16', 'page_bytes': 64},\n"
+        " 'tiers': [{'type': 'host', 'size': 4096},\n"
+        f"  {{'type': 'disk', 'path': {str(tmp_path / 'd')!r}, 'size': '1MiB',"
+        " 'codec': 'lossless'}]}\n"
+        "try:\n    load_config(cfg, env={})\nexcept ConfigError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == (
+        "tiers.1.codec: lossless needs the zstandard package: pip install 'hicache[codec]'"
+    )

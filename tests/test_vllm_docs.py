@@ -1,0 +1,109 @@
+"""docs/vllm.md works as written: its install lines are the ones CI installs with (line for
+line in scripts/test.sh), and every other ```bash block runs verbatim, in order, in one shell,
+against a real vLLM (its CPU build), and prints every line of the ```text blocks of the
+sections that hold those commands. The README's vLLM commands are blocks of docs/vllm.md, so
+they run too.
+
+The blocks run in a fresh directory holding the clone's `configs/` (as from the clone, without
+leaving a model and a disk tier in it), with this test's Python first on PATH.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "vllm.md"
+INSTALL = "Install"  # the section whose commands CI runs (scripts/test.sh) instead of this test
+PORTS = (8000, 9400)  # vLLM's server, hicache's metrics (configs/vllm.yaml)
+
+
+def blocks(path: Path) -> list[tuple[str, str, str]]:
+    """(section, language, text) of every fenced block of `path`, in order; the section is the
+    title of the ``## `` heading above it."""
+    found, section = [], ""
+    text = path.read_text()
+    for m in re.finditer(r"^## ([^\n]*)$|^```(\w*)[^\n]*\n(.*?)^```", text, flags=re.M | re.S):
+        if m.group(1) is not None:
+            section = m.group(1).strip()
+        else:
+            found.append((section, m.group(2), m.group(3)))
+    return found
+
+
+def commands(text: str) -> list[str]:
+    """The command lines of a shell block, comments and blank lines left out."""
+    lines = (line.split(" #", 1)[0].strip() for line in text.splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_the_install_lines_are_the_ones_ci_runs():
+    ci = commands((ROOT / "scripts" / "test.sh").read_text())
+    install = [t for s, lang, t in blocks(DOC) if s == INSTALL and lang == "bash"]
+    assert install, f"{DOC.name} has no ```bash block under '## {INSTALL}'"
+    missing = [
+        line
+        for line in commands("".join(install))
+        if not any(c == line or c.endswith(f"|| {line}") for c in ci)
+    ]
+    assert missing == [], f"scripts/test.sh does not run these lines of {DOC.name}"
+
+
+def test_the_readme_vllm_commands_are_the_docs_own():
+    readme = blocks(ROOT / "README.md")
+    ours = {t for _, lang, t in blocks(DOC) if lang == "bash"}
+    theirs = [t for s, lang, t in readme if "vLLM" in s and lang == "bash"]
+    assert theirs, "the README's vLLM section has no ```bash block"
+    assert [t for t in theirs if t not in ours] == []
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_first_hit_runs_as_written(tmp_path):
+    from test_vllm import require_vllm
+
+    require_vllm()
+    busy = [p for p in PORTS if not _free(p)]
+    if busy:
+        pytest.fail(f"ports {busy} are taken: the doc's commands need them", pytrace=False)
+    found = blocks(DOC)
+    run = {s for s, lang, _ in found if lang == "bash" and s != INSTALL}
+    runnable = [(s, lang, t) for s, lang, t in found if s in run]
+    script = "".join(t for _, lang, t in runnable if lang == "bash")
+    shown = [line for _, lang, t in runnable if lang == "text" for line in t.splitlines()]
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.Popen(
+        ["bash", "-e", "-o", "pipefail", "-c", script], cwd=tmp_path, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=1500)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # a server left behind by a failed step
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = (tmp_path / "vllm.log").read_text()[-3000:] if (tmp_path / "vllm.log").exists() else ""
+    assert proc.returncode == 0, f"the doc's commands failed:\n{out[-4000:]}\nvllm.log:\n{log}"
+    printed = set(out.splitlines())
+    assert [line for line in shown if line not in printed] == [], out[-4000:]
+    answers = [
+        json.loads(line)["choices"][0]["text"]
+        for line in out.splitlines()
+        if line.startswith('{"id":"cmpl-')
+    ]
+    assert len(answers) == 3 and len(set(answers)) == 1, answers  # the second instance's too
