@@ -80,8 +80,10 @@ def _keep_caller_array() -> Callable[[], None]:
     def released(self, request_id):  # type: ignore[no-untyped-def]
         req = self._requests.get(request_id)
         caller = self.__dict__.get("_caller_tokens", {}).pop(request_id, None)
-        if req is not None and caller is not None and len(caller) >= req.chain.tokens.shape[0]:
-            req.chain.tokens = caller[: req.chain.tokens.shape[0]]
+        held = req.chain.tokens if req is not None else None
+        ours = held is not None and isinstance(caller, type(held)) and caller.dtype == held.dtype
+        if ours and caller.shape[0] >= held.shape[0]:  # the memo keeps the caller's own array
+            req.chain.tokens = caller[: held.shape[0]]
         return release(self, request_id)
 
     undo = [_patch(HiCache, "match", matched), _patch(HiCache, "release", released)]
@@ -90,23 +92,10 @@ def _keep_caller_array() -> Callable[[], None]:
 
 @canary("short-codes-accepted")
 def _short_codes_accepted() -> Callable[[], None]:
-    """A store's code list is used whatever its length or type (the worker checks nothing)."""
-    from hicache.tiers.worker import Worker
+    """A store's answer is used whatever its length or type (the worker checks nothing)."""
+    from hicache.tiers import worker
 
-    def run(self, job):  # type: ignore[no-untyped-def]
-        if job.hash_from is not None:
-            self._hash(job)
-        if job.page_keys and not job.ends:
-            self._name_groups(job)
-        self._place(job)
-        if job.kind == "probe":
-            return self.store.exists(job.names)
-        if job.kind == "get":
-            return self.store.get_into(job.names, job.buffers)
-        job.ready.wait()
-        return self.store.put_from(job.names, job.buffers)
-
-    return _patch(Worker, "run", run)
+    return _patch(worker, "_answer", lambda out, job: out)
 
 
 def _salt_patch(salt: Callable[..., str | None]) -> Callable[[], None]:
@@ -123,18 +112,18 @@ def _lora_not_in_key() -> Callable[[], None]:
 
 @canary("raw-salt-namespace")
 def _raw_salt_namespace() -> Callable[[], None]:
-    """The namespace is the raw cache_salt without an adapter and a JSON text with one: a
-    client's salt can spell an adapter's namespace."""
-    import json
+    """A request without an adapter has its raw cache_salt as its namespace: a client's salt
+    can spell an adapter's namespace."""
+    from hicache.integrations.vllm import inputs
 
-    def salt(request):  # type: ignore[no-untyped-def]
-        lora = request.lora_request
-        if lora is None:
-            return request.cache_salt
-        both = {"salt": request.cache_salt, "lora": [lora.lora_name, lora.lora_path]}
-        return json.dumps(both, separators=(",", ":"))
+    encode = inputs.namespace
 
-    return _salt_patch(salt)
+    def raw(**fields):  # type: ignore[no-untyped-def]
+        if set(k for k, v in fields.items() if v is not None) == {"salt"}:
+            return fields["salt"].encode()
+        return encode(**fields)
+
+    return _patch(inputs, "namespace", raw)
 
 
 @canary("failed-load-stored")
@@ -155,36 +144,22 @@ def _failed_load_stored() -> Callable[[], None]:
 @canary("drop-superseded-question")
 def _drop_superseded_question() -> Callable[[], None]:
     """The vLLM scheduler drops a question superseded by vLLM's own hit without telling the
-    workers (`unused`)."""
-    from hicache.integrations.vllm import scheduler
-    from hicache.integrations.vllm.meta import Lookup
+    workers (`unused`): its books forget it before `matched_tokens` can close it."""
+    from hicache.integrations.vllm.scheduler import SchedulerBooks
+
+    matched = SchedulerBooks.matched_tokens
 
     def matched_tokens(self, request, computed):  # type: ignore[no-untyped-def]
-        rid = request.request_id
-        tracked = self._tracked.get(rid)
-        if tracked is None:
-            tracked = self._tracked[rid] = scheduler._Tracked(
-                request, scheduler.request_salt(request)
-            )
-        if (request.num_tokens - 1) // self._page * self._page <= computed:
-            self._withdraw(rid)
-            return 0, False
+        rid, page = request.request_id, self._page
         granted = self._granted.get(rid)
-        if granted is not None and granted.computed == computed:
-            return granted.hit - computed, False
-        if self._asked.get(rid) != computed:
-            self._granted.pop(rid, None)
-            self._answers.pop(rid, None)
-            self._asked.pop(rid, None)
-            tokens = scheduler.keyed_tokens(request, 0, request.num_tokens)
-            hit = self._from_view(rid, tokens, tracked.salt, computed, request.num_tokens)
-            if hit is not None:
-                return hit - computed, False
-            self._asked[rid] = computed
-            self._step.lookups.append(Lookup(rid, tokens, computed, tracked.salt))
-        return None, False
+        covered = (request.num_tokens - 1) // page * page <= computed
+        kept = granted is not None and granted.computed == computed
+        if not covered and not kept and self._asked.get(rid) != computed:
+            for books in (self._granted, self._answers, self._asked):
+                books.pop(rid, None)
+        return matched(self, request, computed)
 
-    return _patch(scheduler.SchedulerBooks, "matched_tokens", matched_tokens)
+    return _patch(SchedulerBooks, "matched_tokens", matched_tokens)
 
 
 NEEDS = {

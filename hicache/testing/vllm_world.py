@@ -12,11 +12,11 @@ failed keeps what it held until the engine recomputes it after the step, as vLLM
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from hicache.core.keys import namespace
 from hicache.testing.oracle import Content, Violation
 from hicache.testing.world import World
 
@@ -24,7 +24,7 @@ LORAS = (None, ("alpha", "/adapters/alpha"), ("beta", "/adapters/beta"))
 SALTS = (
     None,
     "tenant-a",
-    json.dumps({"salt": None, "lora": list(LORAS[1])}, separators=(",", ":")),  # an alias try
+    namespace(lora=LORAS[1][0], lora_path=LORAS[1][1]).decode(),  # an adapter's, as a salt
 )
 IMAGES = (("cat", 5), ("dog", 3))
 """Each image's content hash and its number of placeholder tokens (an image that does not fit
