@@ -18,10 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CI_OPS = 300
 CATCHERS = {
     "lora-not-in-key": 2, "raw-salt-namespace": 2, "pin-not-released": 1,
-    "publish-before-copy": 4, "short-codes-accepted": 4, "drop-superseded-question": 12,
+    "publish-before-copy": 4, "short-codes-accepted": 4,
 }  # fmt: skip
-"""The seed of the CI set that catches each canary (300 operations, measured). Not caught by any
-seed measured yet: keep-caller-array (seeds 0-16 and 19), failed-load-stored (vLLM seeds 2-29)."""
+"""The seed of the CI set that catches each canary (300 operations, measured). Not in the set yet:
+drop-superseded-question (caught by seed 12 only, whose run without a canary stalls for minutes),
+keep-caller-array (no catch in seeds 0-16, 19) and failed-load-stored (vLLM seeds 2-29)."""
 CI_SEEDS = sorted(set(CATCHERS.values()))
 
 
