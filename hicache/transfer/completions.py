@@ -15,6 +15,11 @@ Copies in both directions go on the same stream, so a load enqueued after a stor
 stored bytes, and the engine's kernels enqueued after a load see the loaded pages. A thread that
 reads host slots itself (a store tier's worker) waits first for `Transfers.fence()`: the
 completion of every copy enqueued so far, so no slot is read before the copy that fills it.
+
+On the CPU a `Device` may stand in for the stream (`Transfers.sim_device`; the simulation of
+`hicache.testing` sets one): copies are then queued on it, run only when it says, and their
+completions read done only from then on, as a GPU's do. Unset (the default), the CPU path copies
+at once, and the CUDA path never looks at it.
 """
 
 from __future__ import annotations
@@ -44,6 +49,16 @@ SPARE_EVENTS = 64
 class _Event(Protocol):
     def query(self) -> bool: ...
     def synchronize(self) -> None: ...
+
+
+class Device(Protocol):
+    """A stand-in for a CUDA stream on the CPU: copies run in the order enqueued, when it says."""
+
+    def copy(self, route: Route, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
+        """Queue a copy along `route` (the ids are the caller's: copy them)."""
+
+    def event(self) -> _Event:
+        """An event recorded after everything queued so far."""
 
 
 class Completion:
@@ -118,6 +133,9 @@ class Transfers:
     `TIME_EVERY`, read in `poll` once the copy has completed (so reading it never waits).
     """
 
+    sim_device: Device | None = None
+    """On the CPU: where copies are queued instead of run at once (see the module docstring)."""
+
     def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
         self.device = device
         self.on_cuda = device.type == "cuda"
@@ -156,6 +174,9 @@ class Transfers:
         """Enqueue a copy along `route` (its contract: C-contiguous int32 ids in range; block ids
         checked by `GpuTier.block_ids`, host slots handed out by the host tier's pool)."""
         if not self.on_cuda:
+            if self.sim_device is not None:
+                self.sim_device.copy(route, src_ids, dst_ids)
+                return
             started = time.perf_counter()
             route.copy(src_ids, dst_ids, 0)
             if latency is not None:
@@ -182,6 +203,10 @@ class Transfers:
         and run `callback` from `poll` once the last layer is in. Returns a `LayerLoad` (on the
         CPU the copies and the callback ran before it returns: `DONE`)."""
         if not self.on_cuda:
+            if self.sim_device is not None:
+                for r in routes:
+                    self.sim_device.copy(r, src_ids, dst_ids)
+                return self.then(callback)
             started = time.perf_counter()
             for r in routes:
                 r.copy(src_ids, dst_ids, 0)
@@ -215,8 +240,12 @@ class Transfers:
     def then(self, callback: Callable[[], None]) -> Completion:
         """Run `callback` from `poll` once everything enqueued so far has completed."""
         if not self.on_cuda:
-            callback()
-            return DONE
+            if self.sim_device is None:
+                callback()
+                return DONE
+            done = Completion(self.sim_device.event())
+            self._waiting.append((done, callback, None))
+            return done
         timing, self._timing = self._timing, None
         stream = self._used if self._used is not None else self.stream()
         self._used = None
@@ -233,9 +262,10 @@ class Transfers:
         """A completion of every copy enqueued so far on the engine's stream: what a worker that
         reads host slots waits for first (every copy into a slot published so far is covered).
         The last one `then` made where no copy was enqueued since (no new event); on the CPU,
-        where a copy finishes before it returns, `DONE`."""
+        where a copy finishes before it returns, `DONE` (with a `sim_device`: done once it has
+        run the work queued so far)."""
         if not self.on_cuda:
-            return DONE
+            return DONE if self.sim_device is None else Completion(self.sim_device.event())
         if self._used is None:
             return self._last
         return self.then(_nothing)

@@ -1,0 +1,115 @@
+"""What the right bytes are, and the record of what went wrong.
+
+A page's KV is a function of its namespace (tenant salt, LoRA adapter, the multimodal features
+that start before its end) and of its tokens up to its end, as a model's is; a state likewise at
+its boundary. The simulation's engine writes exactly that (`page`, `state`), and checks every
+byte it loads against it. The oracle also learns which page key the cache gave each page it
+stored (`learn`): a key that two different pages got is a violation at once (namespaces or
+prompts alias), and every object put to a store tier is checked against the pages its name
+says it holds (`check_put`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class Violation(AssertionError):
+    """An invariant broke; the message says which."""
+
+
+@dataclass(frozen=True)
+class Content:
+    """What a request's tokens mean: its tokens and its namespace."""
+
+    tokens: tuple[int, ...]
+    salt: str | None = None
+    lora: str | None = None
+    images: tuple[tuple[str, int, int], ...] = ()
+    """(content hash, offset, length) of each multimodal feature."""
+
+    def digest(self, end: int) -> bytes:
+        """The identity of the page (or state) ending at token `end`."""
+        h = hashlib.sha256(repr((self.salt, self.lora)).encode())
+        for image in self.images:
+            if image[1] < end:
+                h.update(repr(image).encode())
+        h.update(np.asarray(self.tokens[:end], dtype=np.int64).tobytes())
+        return h.digest()
+
+    def extended(self, more: Sequence[int]) -> Content:
+        return Content(self.tokens + tuple(more), self.salt, self.lora, self.images)
+
+
+def expand(digest: bytes, size: int, tag: bytes = b"") -> np.ndarray:
+    """`size` bytes drawn from `digest` (never all zeros, so a page never written shows)."""
+    seed = hashlib.sha256(tag + digest).digest()
+    return np.frombuffer((seed * (-(-size // 32)))[:size], dtype=np.uint8)
+
+
+class Oracle:
+    """Expected bytes by page key, learnt from the stores; `page_bytes` / `state_bytes` sizes."""
+
+    def __init__(self, page_bytes: int, state_bytes: int, page_tokens: int) -> None:
+        self.page_bytes, self.state_bytes, self.P = page_bytes, state_bytes, page_tokens
+        self.pages: dict[bytes, bytes] = {}  # page key -> digest of the page
+        self.prev: dict[bytes, bytes] = {}  # page key -> the key of the page before it
+        self.depth: dict[bytes, int] = {}  # page key -> its page index
+
+    def page(self, content: Content, end: int) -> np.ndarray:
+        return expand(content.digest(end), self.page_bytes)
+
+    def state(self, content: Content, end: int) -> np.ndarray:
+        return expand(content.digest(end), self.state_bytes, b"state")
+
+    def learn(self, keys: Sequence[bytes], content: Content, what: str) -> None:
+        """The cache keyed the pages of `content` with `keys` (page i ends at (i+1)*P)."""
+        prev = None
+        for i, key in enumerate(keys):
+            digest = content.digest((i + 1) * self.P)
+            known = self.pages.setdefault(key, digest)
+            if known != digest:
+                raise Violation(
+                    f"{what}: page {i} got key {key.hex()[:16]}, which names another page"
+                )
+            if prev is not None:
+                self.prev[key] = prev
+            self.depth[key] = i
+            prev = key
+
+    def expected_page(self, key: bytes) -> np.ndarray | None:
+        digest = self.pages.get(key)
+        return None if digest is None else expand(digest, self.page_bytes)
+
+    def expected_state(self, key: bytes) -> np.ndarray | None:
+        digest = self.pages.get(key)
+        return None if digest is None else expand(digest, self.state_bytes, b"state")
+
+    def check_put(self, name: str, data: bytes) -> None:
+        """An object put to a store tier holds what its name says: a group of pages ending at
+        its key (``.../g<G>/<key>``) or the state there (``.../s/<key>``)."""
+        parts = name.split("/")
+        kind, key = parts[-2], bytes.fromhex(parts[-1])
+        if kind == "s":
+            want = self.expected_state(key)
+            if want is not None and data != want.tobytes():
+                raise Violation(f"put of state {parts[-1][:16]}: wrong bytes")
+            return
+        G = int(kind[1:])
+        keys = [key]
+        while len(keys) < G and keys[-1] in self.prev:
+            keys.append(self.prev[keys[-1]])
+        if len(keys) < G or len(data) != G * self.page_bytes:
+            return  # not a group the oracle learnt whole
+        for j, k in enumerate(reversed(keys)):
+            want = self.expected_page(k)
+            got = data[j * self.page_bytes : (j + 1) * self.page_bytes]
+            if want is not None and got != want.tobytes():
+                raise Violation(
+                    f"put of group {parts[-1][:16]}: page {j} of {G} has wrong bytes "
+                    "(read before its copy completed, or another page's)"
+                )

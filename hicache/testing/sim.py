@@ -1,0 +1,149 @@
+"""``python -m hicache.testing.sim --seeds N --ops M [--seed S] [--canary NAME] [--jobs J]``:
+run the simulation over seeds S .. S+N-1, M operations each; exit 0 when no invariant broke,
+else 1, printing each failing seed with a shrunk sequence of operations that reproduces it
+(``--seed S --seeds 1`` runs it again)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import random
+import sys
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+from hicache.testing import canaries
+from hicache.testing.oracle import Violation
+from hicache.testing.shrink import shrink
+from hicache.testing.workload import FEATURES, Op, Setup, draw_setup, operations
+
+
+@dataclass
+class Outcome:
+    seed: int
+    ops: int
+    """Operations run."""
+    error: str | None = None
+    at: int = -1
+    """The index of the operation after which the invariant broke."""
+    shrunk: list[Op] | None = None
+
+
+def plan(seed: int, count: int, skip: frozenset[str] = frozenset()) -> tuple[Setup, list[Op]]:
+    """The world and the operations of `seed` (one generator drives both)."""
+    rng = random.Random(seed)
+    setup = draw_setup(rng, skip)
+    return setup, operations(rng, setup, count)
+
+
+def replay(seed: int, setup: Setup, ops: list[Op]) -> tuple[int, str | None]:
+    """Run `ops` in a fresh world; (operations run, the violation or None)."""
+    if setup.engine == "vllm":
+        from hicache.testing.vllm_world import VllmWorld as World
+    else:
+        from hicache.testing.world import World
+
+    gc.collect()
+    gc.disable()  # collections at fixed steps only (`GC_EVERY`), so that a seed reproduces
+    world = World(setup, f"sim-{seed}")
+    done, error = 0, None
+    try:
+        for op in ops:
+            world.step(op)
+            done += 1
+    except Violation as err:
+        error = str(err)
+    except Exception as err:  # an API call raised where it must not
+        where = traceback.extract_tb(err.__traceback__)[-1]
+        error = (
+            f"{type(err).__name__} in {ops[done]!r}: {err} "
+            f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})"
+        )
+    try:
+        world.close()
+    except Violation as err:
+        error = error or f"at close: {err}"
+    except Exception as err:
+        error = error or f"at close: {type(err).__name__}: {err}\n{traceback.format_exc()}"
+    finally:
+        gc.enable()
+    if error is None and world.failure is not None:  # found at close, by the collector
+        error = f"at close: {world.failure}"
+    return done, error
+
+
+def run_seed(
+    seed: int,
+    count: int,
+    canary: str | None = None,
+    shrink_s: float = 60.0,
+    skip: frozenset[str] = frozenset(),
+) -> Outcome:
+    """One seed, with `canary` (a defect reintroduced) if given; the failure shrunk."""
+    logging.getLogger("hicache").setLevel(logging.CRITICAL)
+    if canary is not None:
+        skip = skip - canaries.NEEDS.get(canary, set())
+    with canaries.applied(canary):
+        setup, ops = plan(seed, count, skip)
+        done, error = replay(seed, setup, ops)
+        out = Outcome(seed, done, error, done)
+        if error is not None and shrink_s > 0:
+            head = ops[: done + 1]
+            out.shrunk = shrink(head, lambda t: replay(seed, setup, t)[1] is not None, shrink_s)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hicache.testing.sim", description=__doc__)
+    p.add_argument("--seeds", type=int, default=10, help="how many seeds (default 10)")
+    p.add_argument("--ops", type=int, default=1000, help="operations per seed (default 1000)")
+    p.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
+    p.add_argument("--canary", choices=sorted(canaries.CANARIES), help="reintroduce a defect")
+    p.add_argument("--jobs", type=int, default=1, help="processes running seeds at once")
+    p.add_argument("--shrink-s", type=float, default=60.0, help="seconds to shrink a failure")
+    p.add_argument(
+        "--skip", default="", help=f"parts of the workload to leave out: {', '.join(FEATURES)}"
+    )
+    args = p.parse_args(argv)
+    if args.seeds < 1 or args.ops < 1 or args.jobs < 1:
+        p.error("--seeds, --ops and --jobs must be at least 1")
+    skip = frozenset(s for s in args.skip.split(",") if s)
+    if skip - set(FEATURES):
+        unknown = sorted(skip - set(FEATURES))[0]
+        p.error(f"--skip: unknown {unknown!r} (known: {', '.join(FEATURES)})")
+    seeds = range(args.seed, args.seed + args.seeds)
+    started = time.monotonic()
+    total, failed = 0, 0
+    call = [(s, args.ops, args.canary, args.shrink_s, skip) for s in seeds]
+    if args.jobs == 1:
+        results = (run_seed(*c) for c in call)
+    else:
+        pool = ProcessPoolExecutor(args.jobs)
+        results = pool.map(run_seed, *zip(*call, strict=True))
+    for out in results:
+        total += out.ops
+        if out.error is not None:
+            failed += 1
+            print(f"seed {out.seed}: FAILED after {out.at + 1} operations: {out.error}")
+            if out.shrunk is not None:
+                print(f"  shrunk to {len(out.shrunk)} operations:")
+                for op in out.shrunk:
+                    print(f"    {op!r}")
+            again = f"--seed {out.seed} --seeds 1 --ops {args.ops}"
+            again += f" --canary {args.canary}" if args.canary else ""
+            again += f" --skip {args.skip}" if skip else ""
+            print(f"  reproduce: python -m hicache.testing.sim {again}")
+            sys.stdout.flush()
+    took = time.monotonic() - started
+    print(
+        f"{args.seeds} seeds, {total} operations in {took:.1f} s ({total / took:.0f} ops/s), "
+        f"{failed} failed" + (f", canary {args.canary}" if args.canary else "")
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

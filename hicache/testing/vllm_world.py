@@ -1,0 +1,292 @@
+"""The simulated world with vLLM's side: the real connector pair (`SchedulerBooks` with its
+`TierView`, `WorkerCache` with its HiCache) called the way vLLM's scheduler and worker call them,
+one engine step at a time (`op_step`), over vLLM's own `Request` objects.
+
+The scheduler here is a small one: each step it asks the connector about its waiting requests
+(with its own prefix cache's hit), allocates blocks for those answered, schedules their prefill
+and one token for each decoding request, builds the connector's metadata, and runs the worker's
+start (loads), the forward (kernels on the simulated device: reads of the loaded blocks, writes
+of the computed ones) and the worker's after (stores). A block whose load the worker reports
+failed keeps what it held until the engine recomputes it after the step, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from hicache.core.keys import namespace
+from hicache.testing.oracle import Content, Violation
+from hicache.testing.world import World
+
+LORAS = (None, ("alpha", "/adapters/alpha"), ("beta", "/adapters/beta"))
+SALTS = (
+    None,
+    "tenant-a",
+    namespace(lora=LORAS[1][0], lora_path=LORAS[1][1]).decode(),  # an adapter's, as a salt
+)
+IMAGES = (("cat", 5), ("dog", 3))
+"""Each image's content hash and its number of placeholder tokens (an image that does not fit
+in the prompt is left out)."""
+PLACEHOLDER = 0
+"""The token id of every image placeholder (the image's content hash tells images apart)."""
+
+
+@dataclass
+class VReq:
+    request: Any  # vllm.v1.request.Request
+    own: int  # pages vLLM's own prefix cache holds of it
+    blocks: list[int] = field(default_factory=list)
+    running: bool = False
+    decode: int = 0  # tokens still to sample
+    hit: tuple[int, int] | None = None  # (computed, hit) loaded in the current step
+    kv_pages: int = 0
+
+
+def request_content(r: Any) -> Content:
+    """The truth of a vLLM request's pages: its tokens and every input that names them."""
+    lora = r.lora_request
+    images = tuple(
+        (f.identifier, f.mm_position.offset, f.mm_position.length) for f in r.mm_features or ()
+    )
+    return Content(
+        tuple(r.all_token_ids),
+        r.cache_salt,
+        None if lora is None else repr((lora.lora_name, lora.lora_path)),
+        images,
+    )
+
+
+class VllmWorld(World):
+    """A `World` whose engine is vLLM's scheduler and worker with the hicache connector."""
+
+    def _open(self) -> None:
+        import torch
+
+        from hicache.integrations.vllm.scheduler import SchedulerBooks
+        from hicache.integrations.vllm.worker import WorkerCache
+        from hicache.testing.device import SimDevice
+
+        s, P = self.setup, self.setup.page_tokens
+        self.device = SimDevice()
+        self.space.gate.auto = False
+        fields = dict(model="sim-model", kv_dtype="float32", page_tokens=P, tp_rank=0, tp_size=1)
+        self.worker = WorkerCache(self.config, {**fields, "kv_head_sharded": True}, s.pin_share)
+        self.kv = {f"layer.{i}": torch.zeros(2, s.blocks, P, 8) for i in range(2)}
+        self.worker.register(self.kv, s.blocks)
+        cache = self.cache = self.worker.cache
+        assert cache is not None
+        self.layout = cache.layout
+        self.gpu = cache.gpu._pages
+        self.states = None
+        self._attach(cache)
+        self.books = SchedulerBooks(P, ranks=1, in_step=s.in_step)
+        self.vreqs: dict[str, VReq] = {}
+        self.reqs = {}  # the World's own requests: none (see `_live`)
+        self.free_blocks = list(range(s.blocks - 1, -1, -1))
+        self.made = 0
+
+    def content_of_store(self, rid: str, tokens: Any) -> Content:
+        vr = self.vreqs.get(rid)
+        if vr is None:
+            raise Violation(f"a store for request {rid}, which the engine does not know")
+        truth = request_content(vr.request)
+        return Content(truth.tokens[: len(tokens)], truth.salt, truth.lora, truth.images)
+
+    def _live(self) -> set[str]:
+        """The engine's requests, and those whose end the workers learn in the next step."""
+        step = self.books._step
+        return set(self.vreqs) | set(step.forget) | set(step.unused)
+
+    # -- operations ---------------------------------------------------------------------------
+
+    def op_ask(self, rid: str, spec: tuple, own: int, _partial: bool) -> None:
+        """A new request (or `rid` asked again with another prompt: a new vLLM request)."""
+        from vllm import SamplingParams
+        from vllm.lora.request import LoRARequest
+        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+        from vllm.v1.request import Request
+
+        from hicache.testing.workload import content_of
+
+        if rid in self.vreqs:
+            self.op_release(rid)
+        salt, lora, image = spec[5], spec[6], spec[7]
+        if salt == 2 and "alias-salt" not in self.setup.features:
+            salt = 1
+        tokens = list(content_of((0, *spec[1:5])).tokens)
+        features = []
+        if image is not None and image[1] + IMAGES[image[0]][1] <= len(tokens):
+            (name, length), offset = IMAGES[image[0]], image[1]
+            tokens[offset : offset + length] = [PLACEHOLDER] * length
+            features = [
+                MultiModalFeatureSpec(
+                    None, "image", name, PlaceholderRange(offset=offset, length=length)
+                )
+            ]
+        adapter = None
+        if LORAS[lora] is not None:
+            name, path = LORAS[lora]  # type: ignore[misc]
+            adapter = LoRARequest(name, lora, path)
+        request = Request(
+            rid, tokens, SamplingParams(max_tokens=64), None,
+            mm_features=features, lora_request=adapter, cache_salt=SALTS[salt],
+        )  # fmt: skip
+        self.vreqs[rid] = VReq(request, own)
+
+    def op_grow(self, rid: str, pages: int) -> None:
+        """vLLM's own prefix cache came to hold `pages` more pages of a waiting request."""
+        vr = self.vreqs.get(rid)
+        if vr is not None and not vr.running:
+            vr.own += pages
+
+    def op_decode(self, rid: str, tokens: int) -> None:
+        vr = self.vreqs.get(rid)
+        if vr is not None:
+            r = vr.request
+            room = self.setup.decode_max - (r.num_tokens - r.num_prompt_tokens) - vr.decode
+            vr.decode += max(0, min(tokens, room))
+
+    def op_preempt(self, rid: str) -> None:
+        vr = self.vreqs.get(rid)
+        if vr is None or not vr.running:
+            return
+        vr.request.num_computed_tokens = 0
+        self._free_blocks(vr)
+        vr.running, vr.own = False, 0
+
+    def op_release(self, rid: str) -> None:
+        vr = self.vreqs.pop(rid, None)
+        if vr is not None:
+            self.books.finished(vr.request)
+            self._free_blocks(vr)
+
+    def _free_blocks(self, vr: VReq) -> None:
+        self.free_blocks += reversed(vr.blocks)
+        vr.blocks, vr.kv_pages = [], 0
+
+    def op_step(self) -> None:
+        """One engine step (see the module docstring)."""
+        P, books, w = self.setup.page_tokens, self.books, self.worker
+        scheduled: dict[str, int] = {}
+        for rid, vr in self.vreqs.items():
+            r = vr.request
+            if vr.running:
+                if vr.decode and r.num_computed_tokens >= r.num_tokens:
+                    r.append_output_token_ids([7 + vr.decode])
+                    vr.decode -= 1
+                    scheduled[rid] = 1
+                continue
+            computed = min(vr.own, (r.num_tokens - 1) // P) * P
+            n, _ = books.matched_tokens(r, computed)
+            if n is None or not self._allocate(vr):
+                continue
+            books.allocated(r, n)
+            self._compute(vr, 0, computed // P)  # vLLM's own prefix cache holds these
+            r.num_computed_tokens = computed + n
+            vr.hit, vr.running = (computed, computed + n), True
+            scheduled[rid] = r.num_tokens - r.num_computed_tokens
+        tables = {rid: vr.blocks for rid, vr in self.vreqs.items() if vr.running}
+        out = SimpleNamespace(
+            kv_connector_block_state=SimpleNamespace(
+                get_block_ids=lambda rid: (tables[rid],) if rid in tables else None
+            ),
+            num_scheduled_tokens=scheduled,
+            scheduled_spec_decode_tokens={},
+        )
+        meta = books.build(out)
+        w.began(meta)
+        w.start(meta)
+        failed = w.load_errors()
+        redo: list[tuple[VReq, int, int]] = []
+        for rid, count in scheduled.items():
+            vr = self.vreqs[rid]
+            r = vr.request
+            if vr.hit is not None:
+                lo, hi = vr.hit[0] // P, vr.hit[1] // P
+                bad = [i for i in range(lo, hi) if vr.blocks[i] in failed]
+                self._check_blocks(rid, vr, [i for i in range(lo, hi) if i not in bad])
+                for i in bad:
+                    redo.append((vr, i, i + 1))
+                vr.hit = None
+            end = (r.num_computed_tokens + count) // P
+            self._compute(vr, max(vr.kv_pages, r.num_computed_tokens // P), end)
+            r.num_computed_tokens += count
+        w.after(meta)
+        for vr, lo, hi in redo:  # vLLM recomputes the blocks whose load failed
+            self._compute(vr, lo, hi, force=True)
+        books.answered(SimpleNamespace(kv_connector_worker_meta=w.answers()))
+
+    def _allocate(self, vr: VReq) -> bool:
+        need = -(-(vr.request.num_tokens + self.setup.decode_max) // self.setup.page_tokens)
+        if need > len(self.free_blocks):
+            return False
+        vr.blocks = [self.free_blocks.pop() for _ in range(need)]
+        return True
+
+    def _compute(self, vr: VReq, lo: int, hi: int, force: bool = False) -> None:  # type: ignore[override]
+        if not force:
+            lo = max(lo, vr.kv_pages)
+        if hi <= lo:
+            return
+        content, P = request_content(vr.request), self.setup.page_tokens
+        pages = [(vr.blocks[i], self.oracle.page(content, (i + 1) * P)) for i in range(lo, hi)]
+
+        def write() -> None:
+            for block, data in pages:
+                self._write_block(block, data)
+
+        self.device.run_later(write)
+        vr.kv_pages = max(vr.kv_pages, hi)
+
+    def _check_blocks(self, rid: str, vr: VReq, pages: list[int]) -> None:
+        content, P = request_content(vr.request), self.setup.page_tokens
+        wanted = [(i, vr.blocks[i], self.oracle.page(content, (i + 1) * P)) for i in pages]
+
+        def read() -> None:
+            for i, block, want in wanted:
+                if not (self._block(block) == want).all():
+                    raise Violation(f"request {rid}: page {i} loaded wrong bytes")
+
+        self.device.run_later(read)
+        for i in pages:
+            vr.kv_pages = max(vr.kv_pages, i + 1)
+
+    def check(self) -> None:
+        """The world's invariants, and the two halves' books agree: every question the worker
+        holds (asked, or answered and pinned) is one the scheduler still has open, or is about
+        to close (`unused`, `forget`)."""
+        super().check()
+        books, step = self.books, self.books._step
+        sent = {r for r in (*books._granted, *books._loads) if r not in books._claims}
+        open_ = sent | set(books._asked) | {q.request_id for q in step.lookups}
+        closing = set(step.unused) | set(step.forget)
+        for rid in (*self.worker._matched, *self.worker._asking):
+            if rid not in open_ and rid not in closing:
+                raise Violation(
+                    f"request {rid}: the worker holds a question the scheduler closed without "
+                    "telling it"
+                )
+
+    # the direct engine's operations have no meaning here
+    def op_load(self, *_: Any) -> None:
+        self.op_step()
+
+    def op_store(self, rid: str, decode: int) -> None:
+        self.op_decode(rid, decode)
+
+    def op_poll(self) -> None:
+        self.op_step()
+
+    def close(self, final: bool = True) -> None:
+        if self.cache is not None:
+            self.space.gate.open()
+            for rid in list(self.vreqs):
+                self.op_release(rid)
+            self.device.advance()
+            self.worker.close()
+            self.cache = None
+            self._check_leaks()
+        if final:
+            super().close(final=True)

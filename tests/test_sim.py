@@ -1,0 +1,91 @@
+"""The simulation (`hicache.testing`): the CI seed set passes, each canary fails it, a failing
+seed reproduces exactly and shrinks, and the documented commands run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hicache.testing import canaries
+from hicache.testing.sim import run_seed
+from hicache.testing.workload import _has_vllm
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CI_OPS = 300
+CATCHERS = {
+    "lora-not-in-key": 2, "raw-salt-namespace": 2, "pin-not-released": 1,
+    "publish-before-copy": 4, "short-codes-accepted": 4,
+}  # fmt: skip
+"""The seed of the CI set that catches each canary (300 operations, measured). Not in the set yet:
+drop-superseded-question (caught by seed 12 only, whose run without a canary stalls for minutes),
+keep-caller-array (no catch in seeds 0-16, 19) and failed-load-stored (vLLM seeds 2-29)."""
+CI_SEEDS = sorted(set(CATCHERS.values()))
+
+
+def test_the_ci_seeds_pass():
+    outcomes = [run_seed(seed, CI_OPS, None, 0) for seed in CI_SEEDS]
+    assert [(o.seed, o.at, o.error) for o in outcomes if o.error is not None] == []
+
+
+@pytest.mark.parametrize("canary", sorted(CATCHERS))
+def test_each_canary_fails_the_ci_seeds(canary):
+    if canary in canaries.VLLM and not _has_vllm():
+        pytest.skip("vLLM is not installed: no seed runs vLLM's side")
+    assert run_seed(CATCHERS[canary], CI_OPS, canary, 0).error is not None
+
+
+def test_a_failing_seed_fails_the_same_way_again_and_its_shrunk_sequence_fails_too():
+    seed = CATCHERS["publish-before-copy"]
+    first = run_seed(seed, CI_OPS, "publish-before-copy", 20)
+    again = run_seed(seed, CI_OPS, "publish-before-copy", 0)
+    assert (first.at, first.error) == (again.at, again.error)
+    assert first.shrunk is not None and len(first.shrunk) <= first.at + 1
+    # replayed in a fresh process, as a user would
+    script = (
+        "from hicache.testing import canaries\n"
+        "from hicache.testing.sim import plan, replay\n"
+        "with canaries.applied('publish-before-copy'):\n"
+        f"    setup, _ = plan({seed}, {CI_OPS})\n"
+        f"    print(replay({seed}, setup, {first.shrunk!r})[1])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=600
+    )
+    assert "before their copy" in done.stdout, done.stdout + done.stderr
+
+
+def _run(command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *command.split()[1:]], capture_output=True, text=True, cwd=ROOT,
+        timeout=600,
+    )  # fmt: skip
+
+
+def test_the_documented_commands_run():
+    text = (ROOT / "docs" / "simulation.md").read_text()
+    commands = [line for line in text.splitlines() if line.startswith("python -m hicache.testing")]
+    assert len(commands) == 2
+    for command in commands:
+        done = _run(command)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert " operations in " in done.stdout.splitlines()[-1]
+
+
+def test_a_failure_exits_non_zero_with_the_command_that_reproduces_it():
+    seed = CATCHERS["pin-not-released"]
+    done = _run(
+        f"python -m hicache.testing.sim --seed {seed} --seeds 1 --ops {CI_OPS} --shrink-s 5 "
+        "--canary pin-not-released"
+    )
+    assert done.returncode == 1
+    assert f"reproduce: python -m hicache.testing.sim --seed {seed} --seeds 1" in done.stdout
+
+
+def test_a_bad_argument_is_one_line():
+    done = _run("python -m hicache.testing.sim --skip nothing")
+    assert done.returncode == 2
+    assert "--skip: unknown 'nothing'" in done.stderr
