@@ -57,12 +57,12 @@ class MooncakeMaster(LocalMaster):
         reconnects, calls given time (tests about deadlines set their own), and no segment of
         their own (``global_segment_size: 0``).
 
-        The first access starts a store node that holds a 512 MiB segment (room for every object
-        the suite puts: a full segment fails later tests' puts) for as long as the
+        The first access starts a store node that holds a 128 MiB segment for as long as the
         master runs, so that objects outlive the engine that put them (a client's segment, and
-        every object in it, goes away when the client closes)."""
+        every object in it, goes away when the client closes). A test that fills a store starts
+        a master of its own: a full shared segment fails later tests' puts."""
         if self.node is None:
-            self.add_node(512 << 20)
+            self.add_node(128 << 20)
         return {
             **{k: v for k, v in self.engine_tier().items() if k != "type"},
             "local_buffer_size": "16MiB",

@@ -36,6 +36,9 @@ def disk_config(path: Path, write: str) -> dict:
             "write": write,
         }
     )
+    # what the directory holds is the question, not whether reading it beats recomputing: a
+    # prefill this slow makes every read worth it however slow a busy machine makes the disk
+    cfg.setdefault("policy", {})["prefill_tokens_per_s"] = 1.0
     return cfg
 
 

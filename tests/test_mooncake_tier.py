@@ -352,10 +352,12 @@ def test_a_hit_is_not_taken_from_l3_when_recomputing_is_cheaper(mooncake_master,
     assert slow.cache.stats()["skipped_slow_mooncake"] == 1
 
 
-def test_a_full_store_and_an_oversized_put_never_reach_the_engine(mooncake_master, engines):
+def test_a_full_store_and_an_oversized_put_never_reach_the_engine(start_mooncake_master, engines):
+    # a master of its own: filling the suite's shared store node would fail later tests' puts
+    master = start_mooncake_master()
     # one 160 MiB page per object: larger than the 128 MiB segment that holds the objects
     big = config(page_tokens=4, page_bytes=160 << 20, host_pages=3)
-    big["tiers"].append({"type": "mooncake", **mooncake_master.tier_config, "group_pages": 1})
+    big["tiers"].append({"type": "mooncake", **master.tier_config, "group_pages": 1})
     e = engines(big, num_blocks=3)
     e.run("big", np.arange(9, dtype=np.int32))
     settled(e)
@@ -363,7 +365,7 @@ def test_a_full_store_and_an_oversized_put_never_reach_the_engine(mooncake_maste
     assert (s["objects_put_mooncake"], s["put_failed_mooncake"]) == (0, 2)
     # many 1 MiB objects: twice what the segment holds; eviction or refusals, no exception
     small = config(page_tokens=4, page_bytes=1 << 20, host_pages=80)
-    small["tiers"].append({"type": "mooncake", **mooncake_master.tier_config, "group_pages": 1})
+    small["tiers"].append({"type": "mooncake", **master.tier_config, "group_pages": 1})
     e = engines(small, num_blocks=80)
     for i in range(4):
         e.run(f"fill{i}", prompt(100 + i, 4 * 64 + 1))
