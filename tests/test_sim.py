@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from hicache.testing import canaries
-from hicache.testing.sim import run_seed
+from hicache.testing import canaries, faults
+from hicache.testing.device import SimDevice
+from hicache.testing.sim import plan, replay, run_seed
 from hicache.testing.workload import _has_vllm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,6 +50,45 @@ def test_each_canary_fails_the_ci_seeds(canary):
     if canary in canaries.VLLM and not _has_vllm():
         pytest.skip("vLLM is not installed: no seed runs vLLM's side")
     assert run_seed(CATCHERS[canary], CI_OPS, canary, 0).error is not None
+
+
+def test_a_thread_whose_awaited_work_has_run_is_not_counted_as_blocked():
+    """A step settles when every worker is blocked; a waiter whose work ran but which has not
+    woken yet is about to go on (counting it blocked let the next step race it)."""
+    device = SimDevice()
+    device.run_later(lambda: None)
+    waiter = threading.Thread(target=device.wait_for, args=(1,), name="hicache-waiter", daemon=True)
+    waiter.start()
+    deadline = time.monotonic() + 60
+    while device.waiting != {"hicache-waiter"}:
+        assert time.monotonic() < deadline, "the waiter never blocked"
+        time.sleep(0.001)
+    with device._cond:  # the waiter cannot wake while this is held
+        device.advance()
+        assert device.waiting == set()
+    waiter.join(60)
+    assert not waiter.is_alive()
+
+
+def test_a_seed_releases_the_same_store_calls_in_the_same_order_every_time(monkeypatch):
+    """The store calls a seed lets through, and in which order, do not depend on where memory
+    was allocated or on how fast the worker threads woke (a world earlier in the process)."""
+    traces: list[list[tuple]] = []
+    release = faults.Gate.release
+
+    def recorded(gate: faults.Gate, index: int, fault: str | None) -> faults.Call | None:
+        call = release(gate, index, fault)
+        traces[-1].append(None if call is None else (call.op, call.names, call.order, fault))
+        return call
+
+    monkeypatch.setattr(faults.Gate, "release", recorded)
+    keep = []
+    for _ in range(3):
+        traces.append([])
+        setup, ops = plan(1, CI_OPS)
+        assert replay(1, setup, ops) == (CI_OPS, None)
+        keep.append(bytearray(1 << 20))  # the next world's memory lies elsewhere
+    assert traces[0] and traces[0] == traces[1] == traces[2]
 
 
 def test_a_failing_seed_fails_the_same_way_again_and_its_shrunk_sequence_fails_too():

@@ -43,7 +43,7 @@ class SimDevice:
         self.queued = 0  # work items ever queued
         self.ran = 0  # work items run
         self.to_host: Route | None = None
-        self.waiting: list[str] = []  # names of the threads blocked in `wait_for`
+        self._waiting: list[tuple[str, int]] = []  # (thread, the count it waits for)
         self._cond = threading.Condition()
 
     # -- the Transfers' side ------------------------------------------------------------------
@@ -90,12 +90,19 @@ class SimDevice:
     def idle(self) -> bool:
         return not self._work
 
-    def wait_for(self, at: int) -> None:
-        name = threading.current_thread().name
+    @property
+    def waiting(self) -> set[str]:
+        """The threads blocked in `wait_for` on work not yet run (one whose work has run is not
+        blocked, though it may not have woken yet: it will go on)."""
         with self._cond:
-            self.waiting.append(name)
+            return {name for name, at in self._waiting if self.ran < at}
+
+    def wait_for(self, at: int) -> None:
+        entry = (threading.current_thread().name, at)
+        with self._cond:
+            self._waiting.append(entry)
             try:
                 while self.ran < at:
                     self._cond.wait()
             finally:
-                self.waiting.remove(name)
+                self._waiting.remove(entry)

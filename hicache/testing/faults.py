@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+import torch
+
 from hicache.config import StoreTierConfig
 from hicache.registry import register_tier
 from hicache.tiers.base import Buffers, StoreTier, StoreUnavailable
@@ -37,7 +39,8 @@ class Call:
     tier: str
     names: tuple[str, ...]
     order: tuple[Any, ...]
-    """Sorts the parked calls the same way in every run (names, then buffer addresses)."""
+    """Sorts the parked calls the same way in every run (names, then where the buffers lie in
+    the registered memory)."""
     released: bool = False
     fault: str | None = None
     thread: str = field(default_factory=lambda: threading.current_thread().name)
@@ -168,6 +171,7 @@ class SimTier(StoreTier):
         elif config.private:
             self.shared = False
         self._registered = 0
+        self._regions: list[tuple[int, int]] = []  # (address, bytes) of each registered tensor
 
     def empty_at_start(self) -> bool:
         return self.config.private
@@ -185,6 +189,8 @@ class SimTier(StoreTier):
     def register(self, memory: object) -> None:
         if self.inner is not None:
             self.inner.register(memory)
+        if isinstance(memory, torch.Tensor):
+            self._regions.append((memory.data_ptr(), memory.numel() * memory.element_size()))
         with self.space.lock:
             self.space.registered += 1
             self._registered += 1
@@ -198,8 +204,16 @@ class SimTier(StoreTier):
 
     # -- calls ------------------------------------------------------------------------------
 
+    def _where(self, ptr: int) -> tuple[int, int]:
+        """An address as (registered region, offset): the same in every run, unlike the address."""
+        for i, (base, size) in enumerate(self._regions):
+            if base <= ptr < base + size:
+                return i, ptr - base
+        return -1, 0
+
     def _enter(self, op: str, keys: Sequence[str], buffers: Buffers | None) -> str | None:
-        order = (self.name, op, tuple(keys), tuple(map(tuple, buffers.ptrs)) if buffers else ())
+        at = tuple(tuple(map(self._where, p)) for p in buffers.ptrs) if buffers else ()
+        order = (self.name, op, tuple(keys), at)
         fault = self.space.gate.enter(Call(op, self.name, tuple(keys), order))
         if self.space.down or fault == "unavailable":
             raise StoreUnavailable(f"sim store {self.config.space!r} is down")

@@ -420,7 +420,7 @@ class World:
 
     def _settled(self, links: list[Any]) -> bool:
         """Every job of every link is posted, or queued or running on a blocked worker."""
-        blocked = {c.thread for c in self.space.gate.parked} | set(self.device.waiting)
+        blocked = {c.thread for c in self.space.gate.parked} | self.device.waiting
         for link in links:
             queues = [(f"fetch-{i}", q) for i, q in enumerate(link._fetch_jobs)]
             queues.append(("put", link._put_jobs))
