@@ -349,9 +349,14 @@ def main() -> None:
         files["second"].write_text(json.dumps({"rounds": loads["second"]}))
         for rep in range(args.reps):
             order = args.ways[rep % len(args.ways) :] + args.ways[: rep % len(args.ways)]
-            results = {way: run_way(way, rep, files, args) for way in order}
+            results, load = {}, {}
+            for way in order:  # the 1-minute load average around each run: how busy it ran
+                before = os.getloadavg()[0]
+                results[way] = run_way(way, rep, files, args)
+                load[way] = {"before": before, "after": os.getloadavg()[0]}
             for way in order:
-                row = {"way": way, "rep": rep, **measure(results[way], phases, results.get("vllm"))}
+                measured = measure(results[way], phases, results.get("vllm"))
+                row = {"way": way, "rep": rep, "load_average": load[way], **measured}
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if "source" not in k}), flush=True)
     summary, targets = summarize(rows, args.ways)
