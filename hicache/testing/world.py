@@ -111,6 +111,7 @@ class World:
         self.buffers: list[np.ndarray] = []  # free token buffers, reused last-in first-out
         World.active = self
         self.slot_books: list[Any] = []  # the cache's slot books (see `_lease_dropped`)
+        self._threads_before = set(threading.enumerate())  # others' (the leak check skips them)
         self._open()
 
     # -- building -----------------------------------------------------------------------------
@@ -537,7 +538,11 @@ class World:
     def _check_leaks(self) -> None:
         deadline = time.monotonic() + 30
         while True:
-            alive = [t.name for t in threading.enumerate() if t.name.startswith("hicache")]
+            alive = [
+                t.name
+                for t in set(threading.enumerate()) - self._threads_before
+                if t.name.startswith("hicache")
+            ]
             if not alive:
                 break
             if time.monotonic() > deadline:
