@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -13,15 +14,19 @@ import numpy as np
 import pytest
 import torch
 from fake_engine import FakeEngine, config
+from memory_tier import MemoryConfig, MemoryTier
 from test_chain import settle
 from test_integrity import Writer, flip_middle, prompt, rewrite
 
-from hicache.config import load_config
+from hicache.config import Layout, load_config
 from hicache.errors import ConfigError
 from hicache.tiers import codec
+from hicache.tiers.base import StoreUnavailable
 from hicache.tiers.disk.records import HEADER as DISK_HEADER
 from hicache.tiers.disk.records import file_name
 from hicache.tiers.envelope import _FIELDS, HEADER, RAW
+from hicache.tiers.host import HostTier, HostTierConfig
+from hicache.tiers.worker import Job, Worker
 
 pytest.importorskip("zstandard")
 
@@ -191,3 +196,84 @@ def test_lossless_without_zstandard_is_a_one_line_config_error(tmp_path):
     assert out.stdout.strip() == (
         "tiers.1.codec: lossless needs the zstandard package: pip install 'hicache[codec]'"
     )
+
+
+class _Gated(MemoryTier):
+    """The memory tier, whose gets after the first wait (up to a minute) until `ready()` holds,
+    and note whether it did; `fail_call` makes that get raise instead of reading."""
+
+    def __init__(self, ready) -> None:
+        super().__init__(MemoryConfig(space=uuid.uuid4().hex))
+        self.ready = ready
+        self.waited: list[bool] = []
+        self.fail_call = -1
+
+    def get_into(self, keys, buffers):
+        if any(op == "get" for op, _ in self.log):
+            deadline = time.monotonic() + 60
+            while not self.ready() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            self.waited.append(self.ready())
+        if sum(op == "get" for op, _ in self.log) == self.fail_call:
+            self.log.append(("get", len(keys)))
+            raise StoreUnavailable("the store went away")
+        return super().get_into(keys, buffers)
+
+
+def _codec_worker(read_chunk_bytes: int):
+    """A worker of a gated memory tier with codec: lossless (3 groups of 2 bf16 pages of
+    `PAGE` bytes written, slots 0-5; a get reads into slots 6-11), and the host rows."""
+    layout = Layout(model="m", kv_dtype="bfloat16", page_tokens=4, page_bytes=PAGE)
+    host = HostTier(HostTierConfig(size=12 * PAGE, pin="no"), layout)
+    assert host.wait_ready(60)
+    rows = host.pages.segments[0].numpy()
+    rows[:6] = kv(torch.bfloat16, 6 * PAGE // 2).reshape(6, PAGE)
+    # a get's first call has read slots 6-7 (group 0): the gate opens once they are decoded
+    store = _Gated(lambda: np.array_equal(rows[6:8], rows[0:2]))
+    worker = Worker(store, host, "t", b"f", 2, 4, False, codec.for_dtype("bfloat16"), 2,
+                    read_chunk_bytes)  # fmt: skip
+    worker.memory()  # the staging memory (the memory tier reads any address)
+    keys = [bytes([k]) * 16 for k in range(3)]
+    assert worker.run(Job("put", ends=keys, page_slots=list(range(6)))) == [0, 0, 0]
+    assert all(len(v) == HEADER + 3 * codec.ALIGN for v in store.objects.values())  # encoded
+    return worker, store, host, rows, keys
+
+
+def test_a_codec_tier_decodes_what_one_call_read_while_the_next_reads():
+    """A get of 3 encoded groups in calls of one group each: the first call's group is decoded
+    (by the codec threads) while the second call is in the store; every group hits
+    byte-exact. Before the change a get was one call, decoded after it returned."""
+    worker, store, host, rows, keys = _codec_worker(2 * PAGE)
+    try:
+        store.log.clear()
+        codes = worker.run(Job("get", ends=keys, page_slots=list(range(6, 12))))
+        assert codes == [2 * PAGE] * 3
+        assert store.log == [("get", 1)] * 3
+        assert store.waited == [True, True]  # decoding overlapped the later reads
+        assert np.array_equal(rows[6:12], rows[0:6])
+    finally:
+        worker.close()
+        host.close()
+
+
+def test_a_codec_get_that_fails_midway_raises_after_its_started_decodes_end():
+    """The second of a get's calls raises: the get raises it (a failed call, never a hit), and
+    only after the group the first call read has been decoded (the engine thread frees the
+    slots of a failed get); the one call a get of calls larger than its objects makes."""
+    worker, store, host, rows, keys = _codec_worker(2 * PAGE)
+    try:
+        store.log.clear()
+        store.fail_call = 1
+        store.ready = lambda: True  # no gate: the decode of group 0 may still run
+        with pytest.raises(StoreUnavailable):
+            worker.run(Job("get", ends=keys, page_slots=list(range(6, 12))))
+        assert store.log == [("get", 1), ("get", 1)]
+        assert np.array_equal(rows[6:8], rows[0:2])  # decoded before the raise
+        store.log.clear()
+        worker.read_chunk_bytes = 1 << 30
+        store.fail_call = -1
+        assert worker.run(Job("get", ends=keys, page_slots=list(range(6, 12)))) == [2 * PAGE] * 3
+        assert store.log == [("get", 3)]
+    finally:
+        worker.close()
+        host.close()
