@@ -9,6 +9,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -16,10 +17,11 @@ import torch
 from fake_engine import FakeEngine, config
 from memory_tier import MemoryConfig, MemoryTier
 from test_chain import settle
-from test_integrity import Writer, flip_middle, prompt, rewrite
+from test_integrity import Writer, flip_middle, prompt, read, rewrite
 
 from hicache.config import Layout, load_config
 from hicache.errors import ConfigError
+from hicache.registry import register_tier
 from hicache.tiers import codec
 from hicache.tiers.base import StoreUnavailable
 from hicache.tiers.disk.records import HEADER as DISK_HEADER
@@ -30,7 +32,7 @@ from hicache.tiers.worker import Job, Worker
 
 pytest.importorskip("zstandard")
 
-KINDS = ["memory", "disk"]
+KINDS = ["memory", "disk", "mooncake"]
 
 
 def kv(dtype: torch.dtype, n: int, seed: int = 0) -> np.ndarray:
@@ -100,20 +102,22 @@ def test_a_damaged_payload_does_not_decode():
 PAGE = 8192  # an encoded group of 2 pages (16 KiB) takes 12 KiB; a page of 1 KiB never shrinks
 
 
-def codec_config(kind: str, tmp_path: Path, page: int = PAGE) -> dict:
+def codec_config(kind: str, tmp_path: Path, page: int = PAGE, master=None) -> dict:
     cfg = config(page_bytes=page, host_pages=64)
     if kind == "memory":
         tier: dict = {"type": "memory", "space": uuid.uuid4().hex}
-    else:
+    elif kind == "disk":
         tier = {"type": "disk", "path": str(tmp_path / "d"), "size": "64MiB"}
+    else:
+        tier = {"type": "mooncake", **master.tier_config, "key_prefix": uuid.uuid4().hex[:12]}
     cfg["tiers"].append({**tier, "group_pages": 2, "codec": "lossless", "codec_threads": 2})
     return cfg
 
 
 def stored_object(kind: str, writer: Writer, name: str) -> bytes:
     """An object's bytes as they rest: its header, then its payload."""
-    if kind == "memory":
-        return writer.store.objects[name]
+    if kind != "disk":
+        return read(kind, writer, name)
     data = (Path(writer.store.root) / "objects" / file_name(name)).read_bytes()
     at = data.index(b"HCob")  # the object header, kept in the record's header block
     return data[at : at + HEADER] + data[DISK_HEADER:]
@@ -121,12 +125,16 @@ def stored_object(kind: str, writer: Writer, name: str) -> bytes:
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("page", [PAGE, 1024])
-def test_encoded_objects_hit_byte_exact_and_damaged_ones_are_counted_misses(kind, page, tmp_path):
+def test_encoded_objects_hit_byte_exact_and_damaged_ones_are_counted_misses(
+    kind, page, tmp_path, request
+):
     """A writer stores two prompts through a tier with codec: lossless: each object rests
     encoded (smaller, codec and raw length in its header) where it shrinks, raw (flag RAW)
     where it does not. A fresh engine hits the untouched prompt whole, byte-exact (FakeEngine
-    checks every loaded byte); flipped bytes in the other's objects are counted misses."""
-    cfg = codec_config(kind, tmp_path, page)
+    checks every loaded byte); flipped bytes in the other's objects are counted misses. On
+    Mooncake (which reads an object only into its exact size) the tier looks sizes up first."""
+    master = request.getfixturevalue("mooncake_master") if kind == "mooncake" else None
+    cfg = codec_config(kind, tmp_path, page, master)
     writer = Writer(cfg)
     try:
         p, q = prompt(1), prompt(2)
@@ -172,13 +180,28 @@ def test_a_tier_without_the_codec_reads_encoded_objects(tmp_path):
         reader.cache.close()
 
 
+class _ExactConfig(MemoryConfig):
+    type: Literal["exact_memory"] = "exact_memory"  # type: ignore[assignment]
+
+
+@register_tier("exact_memory", _ExactConfig)
+class _ExactTier(MemoryTier):
+    """The memory tier, declared to read objects only into buffers of their exact size."""
+
+    reads_prefix = False
+
+
 def test_a_tier_whose_gets_need_the_exact_size_refuses_the_codec():
     cfg = config()
-    cfg["tiers"].append({"type": "mooncake", "master_address": "127.0.0.1:1", "codec": "lossless"})
+    cfg["tiers"].append({"type": "exact_memory", "codec": "lossless"})
     with pytest.raises(ConfigError) as err:
         load_config(cfg, env={})
-    assert "tiers.1" in str(err.value) and "codec: none" in str(err.value)
-    assert "\n" not in str(err.value)
+    assert str(err.value) == (
+        "tiers.1: codec: the exact_memory tier cannot hold encoded objects (its "
+        "gets need an object's exact size); use codec: none"
+    )
+    cfg["tiers"][1] = {"type": "mooncake", "master_address": "127.0.0.1:1", "codec": "lossless"}
+    assert load_config(cfg, env={}).tiers[1].codec == "lossless"  # it looks sizes up first
 
 
 def test_lossless_without_zstandard_is_a_one_line_config_error(tmp_path):
