@@ -33,9 +33,10 @@ _NO_BUFFERS = Buffers([], [])  # a probe's (read by nobody)
 STAGED_OBJECTS = 8
 """Objects a put of a tier with a codec encodes at a time (its staging memory holds them)."""
 READ_CHUNK_BYTES = 64 << 20
-"""A get of a tier with a codec reads its objects in calls of about this many bytes (of their
-buffers; at least one object each), one call after another; each call's objects decode on the
-codec threads while the next call reads."""
+"""A get of a tier with a codec and codec threads (`codec_threads` > 1) reads its objects in
+calls of about this many bytes (of their buffers; at least one object each), one call after
+another; each call's objects decode on the codec threads while the next call reads. With one
+codec thread a get is one call, decoded on the worker thread after it."""
 
 
 @dataclass
@@ -120,7 +121,7 @@ class Worker:
             self.decoder = codecs.Codec(codecs.ZSTD)
         self._pool = (
             ThreadPoolExecutor(codec_threads, thread_name_prefix="hicache-codec")
-            if codec is not None or (self.decoder is not None and codec_threads > 1)
+            if self.decoder is not None and codec_threads > 1
             else None
         )
         self.read_chunk_bytes = read_chunk_bytes
@@ -166,8 +167,8 @@ class Worker:
         if job.kind == "probe":
             return [c != 0 for c in _answer(self.store.exists(job.names), job)]
         if job.kind == "get":
-            if self.codec is not None:
-                return self._get_overlapped(job)
+            if self.codec is not None and self._pool is not None:
+                return self._get_overlapped(job, self._pool)
             return self._check(job, _answer(self.store.get_into(job.names, job.buffers), job))
         # an object the store holds already is not sent again: it answers 0
         job.ready.wait()  # the host copy of the pages (a CUDA event; released GIL)
@@ -223,15 +224,13 @@ class Worker:
         job.corrupt += checked.count(CORRUPT)
         return checked + list(codes[n:])
 
-    def _get_overlapped(self, job: Job) -> list[int]:
+    def _get_overlapped(self, job: Job, pool: ThreadPoolExecutor) -> list[int]:
         """A get of a tier with a codec: its objects read in calls of about `read_chunk_bytes`,
         one after another, each object checked (and decoded) on the codec threads as soon as
         its call has returned, while the next call reads. Codes as `_check`'s. Where a call
         raises, the checks already started finish before it is raised (they write into the
         job's slots, which the engine thread frees after a failed get)."""
-        pool, names, buffers = self._pool, job.names, job.buffers
-        if pool is None:  # made with the codec
-            raise RuntimeError("a codec tier's worker without codec threads")
+        names, buffers = job.names, job.buffers
         checks: list[Future[int]] = []
         try:
             for part in _chunks(buffers.sizes, self.read_chunk_bytes):
