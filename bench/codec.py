@@ -9,10 +9,14 @@ bf16 on `--device`) prefills one random prompt and its block pool is the KV; fp1
 cast that bf16 KV. Objects are `--group-pages` pages of `--page-tokens` tokens (as the tier
 stores them). For each dtype and thread count: the ratio, and raw GB/s of encoding and of
 decoding every object (the objects split among the threads, as a tier's codec threads do).
-With `--disk`: the objects are put into two disk tiers there (raw and encoded) and read back
-`--rounds` times, raw and encoded interleaved, O_DIRECT where the file system takes it; the
-encoded read includes decoding on `--threads`' largest count. Writes bench/results/
-codec_<machine>.json unless `--out` says otherwise. Needs torch, numpy and zstandard.
+With `--disk`: the bf16 KV is put through a store tier's worker (`hicache.tiers.worker`, as
+the cache puts it: headers, checksums, encoding) into two disk tiers there (codec: none and
+codec: lossless, `--threads`' largest count of codec threads) and fetched back through it
+`--rounds` times, the modes interleaved, O_DIRECT where the file system takes it: raw, lossless
+(reads overlapped with decoding, as the tier does) and lossless_serial (every object read, then
+every object decoded: the tier before the overlap); `vs_raw` is each mode's rate over raw's.
+Writes bench/results/codec_<machine>.json unless `--out` says otherwise. Needs torch, numpy
+and zstandard.
 """
 
 from __future__ import annotations
@@ -34,8 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import ROOT, command, commit, cpu_model
 from hicache.tiers import codec
-from hicache.tiers.base import Buffers
-from hicache.tiers.memory import HostMemory
 
 
 def engine_kv(model: str, device: str, page_tokens: int, pages: int) -> torch.Tensor:
@@ -148,7 +150,7 @@ def main() -> None:
             )
             print(json.dumps(rows[-1]), flush=True)
         if args.disk and dtype == "bfloat16":
-            disk_rows = disk_reads(args, c, objects, outs, stored, max(args.threads))
+            disk_rows = disk_reads(args, dtype, pages, max(args.threads))
     result = {
         "commit": commit(),
         "machine": f"{args.machine}: {cpu_model()}, {os.cpu_count()} CPUs",
@@ -169,74 +171,86 @@ def main() -> None:
     print(f"wrote {out}")
 
 
-def disk_reads(args, c, objects, outs, stored, threads: int) -> list[dict]:
-    """Read the objects back from a disk tier raw and encoded, interleaved: GB/s of KV."""
+def disk_reads(args, dtype: str, pages: np.ndarray, threads: int) -> list[dict]:
+    """Read the KV back from disk tiers through a store tier's worker (`hicache.tiers.worker`,
+    as a fetch does: headers checked, checksums, decoding on the codec threads), raw and
+    encoded, interleaved: GB/s of KV. Modes: raw (codec: none), lossless (reads overlapped with
+    decoding), lossless_serial (every object read, then every object decoded)."""
+    from hicache.config import Layout
     from hicache.tiers.disk.config import DiskTierConfig
     from hicache.tiers.disk.tier import DiskTier
+    from hicache.tiers.host import HostTier, HostTierConfig
+    from hicache.tiers.worker import READ_CHUNK_BYTES, Job, Worker
 
-    raw = objects[0].size
-    n = len(objects)
-    memory = HostMemory(2 * n * raw, pin=False)
-    mem = memory.tensor.numpy()
-    base = memory.tensor.data_ptr()
-    tiers = {}
-    for mode in ("raw", "lossless"):
-        path = tempfile.mkdtemp(prefix=f"codec-{mode}-", dir=args.disk)
-        tier = DiskTier(DiskTierConfig(path=path, size=4 * n * raw, sync=False))
-        tier.start()
-        tier.wait_ready(60)
-        tier.register(memory.tensor)
-        for k in range(n):
-            if mode == "raw" or stored[k] is None:
-                mem[k * raw : (k + 1) * raw] = objects[k]
-                size = raw
-            else:
-                size = stored[k]
-                mem[k * raw : k * raw + size] = outs[k][:size]
-        sizes = [raw if mode == "raw" or s is None else s for s in stored]
-        put = tier.put_from(
-            [f"o{k}" for k in range(n)],
-            Buffers([[base + k * raw] for k in range(n)], [[s] for s in sizes]),
-        )
-        assert put == [0] * n, put
-        tiers[mode] = tier
-    into = Buffers([[base + (n + k) * raw] for k in range(n)], [[raw] for _ in range(n)])
-    keys = [f"o{k}" for k in range(n)]
-    times: dict[str, list[float]] = {"raw": [], "lossless": []}
-    with ThreadPoolExecutor(threads) as pool:
-
-        def decode(k: int) -> None:
-            if stored[k] is not None:
-                dst = mem[(n + k) * raw : (n + k + 1) * raw]
-                assert c.decode(c.ident, dst[: stored[k]], dst)
-
-        for _ in range(args.rounds):
-            for mode, tier in tiers.items():
-                start = time.perf_counter()
-                codes = tier.get_into(keys, into)
-                if mode == "lossless":
-                    list(pool.map(decode, range(n)))
-                times[mode].append(time.perf_counter() - start)
-                assert all(code > 0 for code in codes), codes
-                for k in (0, n - 1):
-                    assert np.array_equal(mem[(n + k) * raw : (n + k + 1) * raw], objects[k])
+    G, n_pages, page = args.group_pages, pages.shape[0], pages.shape[1]
+    n_pages -= n_pages % G
+    layout = Layout(model="bench", kv_dtype=dtype, page_tokens=args.page_tokens, page_bytes=page)
+    host = HostTier(HostTierConfig(size=2 * n_pages * page, pin="no"), layout)
+    host.wait_ready(600)
+    rows = host.pages.segments[0].numpy()
+    rows[:n_pages] = pages[:n_pages]
+    keys = [os.urandom(16) for _ in range(n_pages // G)]
+    written, into = list(range(n_pages)), list(range(n_pages, 2 * n_pages))
+    modes = {
+        "raw": (None, READ_CHUNK_BYTES),
+        "lossless": (codec.for_dtype(dtype), READ_CHUNK_BYTES),
+    }
+    modes["lossless_serial"] = (modes["lossless"][0], 1 << 62)
+    workers, tiers = {}, {}
+    for mode, (c, chunk) in modes.items():
+        if mode == "lossless_serial":  # the same tier and objects, read the old way
+            tier = tiers["lossless"]
+        else:
+            path = tempfile.mkdtemp(prefix=f"codec-{mode}-", dir=args.disk)
+            tier = tiers[mode] = DiskTier(
+                DiskTierConfig(path=path, size=4 * n_pages * page, sync=False)
+            )
+            tier.start()
+            tier.wait_ready(60)
+            for memory in host.memory():
+                tier.register(memory)
+        worker = Worker(tier, host, "b", b"f", G, args.page_tokens, False, c, threads, chunk)
+        for memory in worker.memory():
+            tier.register(memory)
+        if mode != "lossless_serial":
+            put = worker.run(Job("put", ends=keys, page_slots=written))
+            assert put == [0] * len(keys), put
+        workers[mode] = worker
+    times: dict[str, list[float]] = {mode: [] for mode in workers}
+    for _ in range(args.rounds):
+        for mode, worker in workers.items():
+            rows[n_pages:] = 0
+            start = time.perf_counter()
+            codes = worker.run(Job("get", ends=keys, page_slots=into))
+            times[mode].append(time.perf_counter() - start)
+            assert codes == [G * page] * len(keys), codes
+            assert np.array_equal(rows[n_pages:], rows[:n_pages])
     out = []
-    for mode, tier in tiers.items():
+    for mode, worker in workers.items():
         t = statistics.median(times[mode])
+        stats = worker.store.stats()
         out.append(
             {
                 "mode": mode,
-                "objects": n,
-                "object_bytes": raw,
-                "decode_threads": threads,
-                "io_threads": tier.config.io_threads,
-                "kv_gbps": round(n * raw / t / 1e9, 3),
-                "direct_calls": tier.stats().direct_calls,
-                "buffered_calls": tier.stats().buffered_calls,
+                "objects": len(keys),
+                "object_bytes": G * page,
+                "codec_threads": threads,
+                "read_chunk_bytes": worker.read_chunk_bytes if worker.codec else None,
+                "io_threads": worker.store.config.io_threads,
+                "kv_gbps": round(n_pages * page / t / 1e9, 3),
+                "stored_bytes": stats.bytes_used,
+                "direct_calls": stats.direct_calls,
+                "buffered_calls": stats.buffered_calls,
             }
         )
         print(json.dumps(out[-1]), flush=True)
+        worker.close()
+    raw = next(r["kv_gbps"] for r in out if r["mode"] == "raw")
+    for r in out:
+        r["vs_raw"] = round(r["kv_gbps"] / raw, 3)
+    for tier in tiers.values():
         tier.close()
+    host.close()
     return out
 
 

@@ -33,6 +33,14 @@ after a sync), so reads come from the device whether or not O_DIRECT applies. Th
 measured with its default ``sync: true`` (each record synced before it is published) and, as a
 second row, with ``sync: false``.
 
+With `--codec-pages` (default 128; 0: none), two more read rows: a disk tier with ``codec:
+lossless`` against one with ``codec: none``, fetched through a store tier's worker (headers,
+checksums, decoding on `--codec-threads` threads; `bench/codec.py`'s disk mode) on synthetic
+bf16 KV of llama-8b's shape (16-token pages, groups of 4): ``codec_ratio`` (bytes held by the
+raw tier over the codec tier's), ``gbps`` (KV read), ``none_gbps`` (the codec: none tier's) and
+``ratio`` (their quotient), for reads overlapped with decoding (``lossless``) and read-then-decode
+(``lossless_serial``).
+
 Writes ``bench/results/tiers_disk_<machine>.json`` (rows ``tier, op, object_bytes, gbps, raw_gbps,
 ratio``) unless `--out` says otherwise.
 """
@@ -423,6 +431,34 @@ def one_round(
     return out, direct
 
 
+def codec_rows(args: argparse.Namespace) -> list[dict]:
+    """Read rows of a disk tier with codec: lossless against codec: none (see the docstring)."""
+    import codec as codec_bench  # bench/codec.py
+
+    kv = codec_bench.synthetic_kv(128 * 1024 * 16, args.codec_pages)  # llama-8b: 128 KiB/token
+    pages = codec_bench.as_dtype(kv, "bfloat16")
+    opts = argparse.Namespace(group_pages=4, page_tokens=16, disk=args.work, rounds=args.repeats)
+    got = codec_bench.disk_reads(opts, "bfloat16", pages, args.codec_threads)
+    none = got[0]
+    rows = []
+    for r in got[1:]:
+        rows.append(
+            {
+                "tier": f"disk(codec={r['mode']})",
+                "op": "read",
+                "object_bytes": r["object_bytes"],
+                "gbps": r["kv_gbps"],
+                "none_gbps": none["kv_gbps"],
+                "ratio": r["vs_raw"],
+                "codec_ratio": round(none["stored_bytes"] / r["stored_bytes"], 3),
+                "codec_threads": r["codec_threads"],
+                "objects": r["objects"],
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
 def _first(buffers: Buffers, k: int) -> Buffers:
     return buffers if k == len(buffers) else Buffers(buffers.ptrs[:k], buffers.sizes[:k])
 
@@ -437,6 +473,8 @@ def disk(args: argparse.Namespace) -> None:
     for size in (to_bytes(s) for s in args.sizes.split(",")):
         for sync in (True, False):
             rows += measure(args, size, sync)
+    if args.codec_pages:
+        rows += codec_rows(args)
     shutil.rmtree(args.work, ignore_errors=True)
     with contextlib.suppress(OSError):  # the default directory, if nothing else is in it
         os.rmdir(args.dir)
@@ -473,6 +511,8 @@ def main() -> None:
     dk.add_argument("--batch", type=int, default=32, help="objects per tier call")
     dk.add_argument("--threads", type=int, default=8, help="the tier's io_threads")
     dk.add_argument("--repeats", type=int, default=3)
+    dk.add_argument("--codec-pages", type=int, default=128, help="KV pages for codec rows")
+    dk.add_argument("--codec-threads", type=int, default=8, help="the codec tier's codec_threads")
     dk.add_argument("--machine", default=socket.gethostname())
     dk.add_argument("--out", default=None)
     dk.set_defaults(func=disk)

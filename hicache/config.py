@@ -208,8 +208,9 @@ class StoreTierConfig(TierConfig):
     """How objects are stored: none (as they are) or lossless (``hicache.tiers.codec``: 16-bit
     KV as byte planes, the high plane compressed with zstd; 8-bit KV compressed whole; an object
     that does not shrink stored as it is). Needs the ``codec`` extra (zstandard) and a backend
-    that reads objects shorter than their buffers (`StoreTier.reads_prefix`); whatever the
-    setting, a tier reads every object it knows how to decode."""
+    that reads objects shorter than their buffers (`StoreTier.reads_prefix`, or
+    `prefix_with_codec`); whatever the setting, a tier that reads prefixes reads every object it
+    knows how to decode."""
     codec_threads: int = Field(default=2, ge=1, le=64)
     """With codec: lossless, threads that encode and decode one call's objects in parallel."""
 
@@ -229,7 +230,10 @@ class StoreTierConfig(TierConfig):
         if self.codec != "none":
             from hicache.registry import tier_class
 
-            if not getattr(tier_class(self.type), "reads_prefix", False):
+            tier = tier_class(self.type)
+            if not (
+                getattr(tier, "reads_prefix", False) or getattr(tier, "prefix_with_codec", False)
+            ):
                 raise ValueError(
                     f"codec: the {self.type} tier cannot hold encoded objects (its gets need "
                     "an object's exact size); use codec: none"

@@ -6,26 +6,33 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pytest
 import torch
 from fake_engine import FakeEngine, config
+from memory_tier import MemoryConfig, MemoryTier
 from test_chain import settle
-from test_integrity import Writer, flip_middle, prompt, rewrite
+from test_integrity import Writer, flip_middle, prompt, read, rewrite
 
-from hicache.config import load_config
+from hicache.config import Layout, load_config
 from hicache.errors import ConfigError
+from hicache.registry import register_tier
 from hicache.tiers import codec
+from hicache.tiers.base import StoreUnavailable
 from hicache.tiers.disk.records import HEADER as DISK_HEADER
 from hicache.tiers.disk.records import file_name
 from hicache.tiers.envelope import _FIELDS, HEADER, RAW
+from hicache.tiers.host import HostTier, HostTierConfig
+from hicache.tiers.worker import Job, Worker
 
 pytest.importorskip("zstandard")
 
-KINDS = ["memory", "disk"]
+KINDS = ["memory", "disk", "mooncake"]
 
 
 def kv(dtype: torch.dtype, n: int, seed: int = 0) -> np.ndarray:
@@ -95,20 +102,22 @@ def test_a_damaged_payload_does_not_decode():
 PAGE = 8192  # an encoded group of 2 pages (16 KiB) takes 12 KiB; a page of 1 KiB never shrinks
 
 
-def codec_config(kind: str, tmp_path: Path, page: int = PAGE) -> dict:
+def codec_config(kind: str, tmp_path: Path, page: int = PAGE, master=None) -> dict:
     cfg = config(page_bytes=page, host_pages=64)
     if kind == "memory":
         tier: dict = {"type": "memory", "space": uuid.uuid4().hex}
-    else:
+    elif kind == "disk":
         tier = {"type": "disk", "path": str(tmp_path / "d"), "size": "64MiB"}
+    else:
+        tier = {"type": "mooncake", **master.tier_config, "key_prefix": uuid.uuid4().hex[:12]}
     cfg["tiers"].append({**tier, "group_pages": 2, "codec": "lossless", "codec_threads": 2})
     return cfg
 
 
 def stored_object(kind: str, writer: Writer, name: str) -> bytes:
     """An object's bytes as they rest: its header, then its payload."""
-    if kind == "memory":
-        return writer.store.objects[name]
+    if kind != "disk":
+        return read(kind, writer, name)
     data = (Path(writer.store.root) / "objects" / file_name(name)).read_bytes()
     at = data.index(b"HCob")  # the object header, kept in the record's header block
     return data[at : at + HEADER] + data[DISK_HEADER:]
@@ -116,12 +125,16 @@ def stored_object(kind: str, writer: Writer, name: str) -> bytes:
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("page", [PAGE, 1024])
-def test_encoded_objects_hit_byte_exact_and_damaged_ones_are_counted_misses(kind, page, tmp_path):
+def test_encoded_objects_hit_byte_exact_and_damaged_ones_are_counted_misses(
+    kind, page, tmp_path, request
+):
     """A writer stores two prompts through a tier with codec: lossless: each object rests
     encoded (smaller, codec and raw length in its header) where it shrinks, raw (flag RAW)
     where it does not. A fresh engine hits the untouched prompt whole, byte-exact (FakeEngine
-    checks every loaded byte); flipped bytes in the other's objects are counted misses."""
-    cfg = codec_config(kind, tmp_path, page)
+    checks every loaded byte); flipped bytes in the other's objects are counted misses. On
+    Mooncake (which reads an object only into its exact size) the tier looks sizes up first."""
+    master = request.getfixturevalue("mooncake_master") if kind == "mooncake" else None
+    cfg = codec_config(kind, tmp_path, page, master)
     writer = Writer(cfg)
     try:
         p, q = prompt(1), prompt(2)
@@ -167,13 +180,28 @@ def test_a_tier_without_the_codec_reads_encoded_objects(tmp_path):
         reader.cache.close()
 
 
+class _ExactConfig(MemoryConfig):
+    type: Literal["exact_memory"] = "exact_memory"  # type: ignore[assignment]
+
+
+@register_tier("exact_memory", _ExactConfig)
+class _ExactTier(MemoryTier):
+    """The memory tier, declared to read objects only into buffers of their exact size."""
+
+    reads_prefix = False
+
+
 def test_a_tier_whose_gets_need_the_exact_size_refuses_the_codec():
     cfg = config()
-    cfg["tiers"].append({"type": "mooncake", "master_address": "127.0.0.1:1", "codec": "lossless"})
+    cfg["tiers"].append({"type": "exact_memory", "codec": "lossless"})
     with pytest.raises(ConfigError) as err:
         load_config(cfg, env={})
-    assert "tiers.1" in str(err.value) and "codec: none" in str(err.value)
-    assert "\n" not in str(err.value)
+    assert str(err.value) == (
+        "tiers.1: codec: the exact_memory tier cannot hold encoded objects (its "
+        "gets need an object's exact size); use codec: none"
+    )
+    cfg["tiers"][1] = {"type": "mooncake", "master_address": "127.0.0.1:1", "codec": "lossless"}
+    assert load_config(cfg, env={}).tiers[1].codec == "lossless"  # it looks sizes up first
 
 
 def test_lossless_without_zstandard_is_a_one_line_config_error(tmp_path):
@@ -191,3 +219,84 @@ def test_lossless_without_zstandard_is_a_one_line_config_error(tmp_path):
     assert out.stdout.strip() == (
         "tiers.1.codec: lossless needs the zstandard package: pip install 'hicache[codec]'"
     )
+
+
+class _Gated(MemoryTier):
+    """The memory tier, whose gets after the first wait (up to a minute) until `ready()` holds,
+    and note whether it did; `fail_call` makes that get raise instead of reading."""
+
+    def __init__(self, ready) -> None:
+        super().__init__(MemoryConfig(space=uuid.uuid4().hex))
+        self.ready = ready
+        self.waited: list[bool] = []
+        self.fail_call = -1
+
+    def get_into(self, keys, buffers):
+        if any(op == "get" for op, _ in self.log):
+            deadline = time.monotonic() + 60
+            while not self.ready() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            self.waited.append(self.ready())
+        if sum(op == "get" for op, _ in self.log) == self.fail_call:
+            self.log.append(("get", len(keys)))
+            raise StoreUnavailable("the store went away")
+        return super().get_into(keys, buffers)
+
+
+def _codec_worker(read_chunk_bytes: int):
+    """A worker of a gated memory tier with codec: lossless (3 groups of 2 bf16 pages of
+    `PAGE` bytes written, slots 0-5; a get reads into slots 6-11), and the host rows."""
+    layout = Layout(model="m", kv_dtype="bfloat16", page_tokens=4, page_bytes=PAGE)
+    host = HostTier(HostTierConfig(size=12 * PAGE, pin="no"), layout)
+    assert host.wait_ready(60)
+    rows = host.pages.segments[0].numpy()
+    rows[:6] = kv(torch.bfloat16, 6 * PAGE // 2).reshape(6, PAGE)
+    # a get's first call has read slots 6-7 (group 0): the gate opens once they are decoded
+    store = _Gated(lambda: np.array_equal(rows[6:8], rows[0:2]))
+    worker = Worker(store, host, "t", b"f", 2, 4, False, codec.for_dtype("bfloat16"), 2,
+                    read_chunk_bytes)  # fmt: skip
+    worker.memory()  # the staging memory (the memory tier reads any address)
+    keys = [bytes([k]) * 16 for k in range(3)]
+    assert worker.run(Job("put", ends=keys, page_slots=list(range(6)))) == [0, 0, 0]
+    assert all(len(v) == HEADER + 3 * codec.ALIGN for v in store.objects.values())  # encoded
+    return worker, store, host, rows, keys
+
+
+def test_a_codec_tier_decodes_what_one_call_read_while_the_next_reads():
+    """A get of 3 encoded groups in calls of one group each: the first call's group is decoded
+    (by the codec threads) while the second call is in the store; every group hits
+    byte-exact. Before the change a get was one call, decoded after it returned."""
+    worker, store, host, rows, keys = _codec_worker(2 * PAGE)
+    try:
+        store.log.clear()
+        codes = worker.run(Job("get", ends=keys, page_slots=list(range(6, 12))))
+        assert codes == [2 * PAGE] * 3
+        assert store.log == [("get", 1)] * 3
+        assert store.waited == [True, True]  # decoding overlapped the later reads
+        assert np.array_equal(rows[6:12], rows[0:6])
+    finally:
+        worker.close()
+        host.close()
+
+
+def test_a_codec_get_that_fails_midway_raises_after_its_started_decodes_end():
+    """The second of a get's calls raises: the get raises it (a failed call, never a hit), and
+    only after the group the first call read has been decoded (the engine thread frees the
+    slots of a failed get); the one call a get of calls larger than its objects makes."""
+    worker, store, host, rows, keys = _codec_worker(2 * PAGE)
+    try:
+        store.log.clear()
+        store.fail_call = 1
+        store.ready = lambda: True  # no gate: the decode of group 0 may still run
+        with pytest.raises(StoreUnavailable):
+            worker.run(Job("get", ends=keys, page_slots=list(range(6, 12))))
+        assert store.log == [("get", 1), ("get", 1)]
+        assert np.array_equal(rows[6:8], rows[0:2])  # decoded before the raise
+        store.log.clear()
+        worker.read_chunk_bytes = 1 << 30
+        store.fail_call = -1
+        assert worker.run(Job("get", ends=keys, page_slots=list(range(6, 12)))) == [2 * PAGE] * 3
+        assert store.log == [("get", 3)]
+    finally:
+        worker.close()
+        host.close()

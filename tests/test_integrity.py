@@ -97,7 +97,9 @@ def read(kind: str, writer: Writer, name: str) -> bytes:
     if kind == "memory":
         assert isinstance(store, MemoryTier)
         return store.objects[name]
-    for size in (GROUP + 32, GROUP):  # Mooncake reads an object only into its exact size
+    # Mooncake reads an object only into its exact size, unless it reads prefixes (a codec)
+    sizes = [writer.buffer.numel()] if store.reads_prefix else [GROUP + 32, GROUP]
+    for size in sizes:
         got = store.get_into([name], Buffers.of([[(writer.buffer.data_ptr(), size)]]))[0]
         if got > 0:
             return bytes(writer.buffer[:got].numpy())

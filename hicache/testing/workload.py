@@ -52,6 +52,9 @@ class Setup:
     in_step: bool = True
     features: frozenset[str] = frozenset()
     """The `FEATURES` this world exercises."""
+    codec: bool = False
+    """Store tiers with codec: lossless (objects encoded where they shrink; gets read
+    prefixes)."""
 
 
 FEATURES = {
@@ -91,6 +94,7 @@ def draw_setup(rng: random.Random, skip: frozenset[str] = frozenset()) -> Setup:
             pin_share=rng.choice((0.5, 0.1, 0.1)),
             in_step=rng.random() < 0.8,
             features=features,
+            codec=_peek(rng) < CODEC_SHARE,
         )
     return Setup(
         host_pages=rng.choice((8, 12, 24, 48)),
@@ -101,9 +105,21 @@ def draw_setup(rng: random.Random, skip: frozenset[str] = frozenset()) -> Setup:
         reserve_pages=rng.choice((0, 4)),
         memo=rng.choice((0, 64)),
         features=features,
+        codec=_peek(rng) < CODEC_SHARE,
     )
 
 
+def _peek(rng: random.Random) -> float:
+    """The generator's next `random()`, leaving it where it was: a draw that keeps every seed's
+    world and operations as they were before it."""
+    state = rng.getstate()
+    value = rng.random()
+    rng.setstate(state)
+    return value
+
+
+CODEC_SHARE = 0.3
+"""The share of seeds whose store tiers have a codec."""
 VLLM_SHARE = 0.35
 """The share of seeds whose engine is vLLM's connector pair (where vLLM is installed)."""
 

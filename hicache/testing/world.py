@@ -134,6 +134,8 @@ class World:
             if kind == "disk":
                 tier["disk"] = os.path.join(self.dir, f"disk{i}")
                 tier["disk_size"] = 64 * G * s.page_bytes
+            if s.codec:  # decoded on the worker thread: the sim schedules no codec threads
+                tier.update(codec="lossless", codec_threads=1)
             tiers.append(tier)
         policy = {"fetch_max_wait_ms": 3.6e6, "prefix_memo": s.memo, "state_boundaries": 2}
         layout = {

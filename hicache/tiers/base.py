@@ -105,10 +105,14 @@ class StoreTier(Tier):
     exists_from_any_process: ClassVar[bool] = False
     """Whether a client of this tier made in another process (from the same config, never
     registering memory) answers `exists` for the objects every process wrote, cheaply."""
-    reads_prefix: ClassVar[bool] = False
+    reads_prefix: bool = False
     """A get into buffers larger than the object reads it into their front and answers its
     length (not a failure). Only such a tier can store encoded objects (`codec: lossless`),
-    whose size its reader does not know in advance."""
+    whose size its reader does not know in advance. An instance may set it (see
+    `prefix_with_codec`)."""
+    prefix_with_codec: ClassVar[bool] = False
+    """The tier reads prefixes (`reads_prefix`) where its config's codec is not none, at a cost
+    it pays only then (Mooncake looks the objects' sizes up first)."""
     breaker: CircuitBreaker | None = None
     """The store's own circuit breaker, if it keeps one (and counts its failures itself);
     otherwise the tier chain keeps one for it, fed by the outcomes of its calls."""

@@ -10,7 +10,8 @@ it can run on any thread; `StoreLink` runs it on its worker threads.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -31,6 +32,11 @@ from hicache.transfer.completions import DONE, Completion
 _NO_BUFFERS = Buffers([], [])  # a probe's (read by nobody)
 STAGED_OBJECTS = 8
 """Objects a put of a tier with a codec encodes at a time (its staging memory holds them)."""
+READ_CHUNK_BYTES = 64 << 20
+"""A get of a tier with a codec and codec threads (`codec_threads` > 1) reads its objects in
+calls of about this many bytes (of their buffers; at least one object each), one call after
+another; each call's objects decode on the codec threads while the next call reads. With one
+codec thread a get is one call, decoded on the worker thread after it."""
 
 
 @dataclass
@@ -94,6 +100,7 @@ class Worker:
         states: bool,
         codec: codecs.Codec | None = None,
         codec_threads: int = 1,
+        read_chunk_bytes: int = READ_CHUNK_BYTES,
     ) -> None:
         self.store = store
         self.host = host
@@ -117,6 +124,8 @@ class Worker:
             if self.decoder is not None and codec_threads > 1
             else None
         )
+        self.read_chunk_bytes = read_chunk_bytes
+        """With a codec: the bytes a get reads per call (`READ_CHUNK_BYTES`)."""
         self._staging: torch.Tensor | None = None
 
     def memory(self) -> list[torch.Tensor]:
@@ -158,6 +167,8 @@ class Worker:
         if job.kind == "probe":
             return [c != 0 for c in _answer(self.store.exists(job.names), job)]
         if job.kind == "get":
+            if self.codec is not None and self._pool is not None:
+                return self._get_overlapped(job, self._pool)
             return self._check(job, _answer(self.store.get_into(job.names, job.buffers), job))
         # an object the store holds already is not sent again: it answers 0
         job.ready.wait()  # the host copy of the pages (a CUDA event; released GIL)
@@ -213,6 +224,28 @@ class Worker:
         job.corrupt += checked.count(CORRUPT)
         return checked + list(codes[n:])
 
+    def _get_overlapped(self, job: Job, pool: ThreadPoolExecutor) -> list[int]:
+        """A get of a tier with a codec: its objects read in calls of about `read_chunk_bytes`,
+        one after another, each object checked (and decoded) on the codec threads as soon as
+        its call has returned, while the next call reads. Codes as `_check`'s. Where a call
+        raises, the checks already started finish before it is raised (they write into the
+        job's slots, which the engine thread frees after a failed get)."""
+        names, buffers = job.names, job.buffers
+        checks: list[Future[int]] = []
+        try:
+            for part in _chunks(buffers.sizes, self.read_chunk_bytes):
+                ptrs, sizes = buffers.ptrs[part], buffers.sizes[part]
+                out = self.store.get_into(names[part], Buffers(ptrs, sizes, buffers.span))
+                codes = _codes(out, job.kind, len(ptrs))
+                for args in zip(names[part], ptrs, sizes, codes):
+                    checks.append(pool.submit(self._check_one, *args))
+        except BaseException:
+            wait_all(checks)
+            raise
+        checked = [c.result() for c in checks]
+        job.corrupt += checked.count(CORRUPT)
+        return checked
+
     def _check_one(self, name: str, ptrs: list[int], sizes: list[int], code: int) -> int:
         return self.envelopes.check(name, ptrs, sizes, code, self.decoder)
 
@@ -266,15 +299,34 @@ class BadResult(HiCacheError):
 def _answer(out: object, job: Job) -> list[int]:
     """A store call's answer as a list of ints, one per object of `job` (bools and numpy
     integers are ints); `BadResult` where it is not a sequence of as many integers."""
-    n = len(job.names)
+    return _codes(out, job.kind, len(job.names))
+
+
+def _codes(out: object, kind: str, n: int) -> list[int]:
+    """`out`, the answer of a `kind` call for `n` objects, as `_answer` takes it."""
     if isinstance(out, str | bytes) or not isinstance(out, Sequence | np.ndarray):
-        raise BadResult(f"{job.kind}: the store returned {type(out).__name__}, not a list")
+        raise BadResult(f"{kind}: the store returned {type(out).__name__}, not a list")
     if len(out) != n:
-        raise BadResult(f"{job.kind}: the store returned {len(out)} results for {n} objects")
+        raise BadResult(f"{kind}: the store returned {len(out)} results for {n} objects")
     if not all(isinstance(c, _INTEGERS) for c in out):
         kinds = sorted({type(c).__name__ for c in out})
-        raise BadResult(f"{job.kind}: the store returned {', '.join(kinds)}, not ints")
+        raise BadResult(f"{kind}: the store returned {', '.join(kinds)}, not ints")
     return [int(c) for c in out]
+
+
+def _chunks(sizes: list[list[int]], nbytes: int) -> list[slice]:
+    """Consecutive runs of the objects whose pieces are `sizes`, each of at least `nbytes`
+    (the last may be fewer) or one object, covering them all in order."""
+    parts: list[slice] = []
+    start, held = 0, 0
+    for i, pieces in enumerate(sizes):
+        held += sum(pieces)
+        if held >= nbytes:
+            parts.append(slice(start, i + 1))
+            start, held = i + 1, 0
+    if start < len(sizes):
+        parts.append(slice(start, len(sizes)))
+    return parts
 
 
 _INTEGERS = (int, np.integer, np.bool_)  # bool is an int

@@ -140,6 +140,7 @@ class MooncakeStore(StoreTier):
     exists_from_any_process = True  # one batched RPC to the master
     missing_code = -704  # StoreCode.OBJECT_NOT_FOUND (defined below)
     read_gbps = 4.0  # batched gets of 32 x 512 KiB over loopback TCP, H200 host (bench/results)
+    prefix_with_codec = True  # a get then asks the master for the objects' sizes first
 
     def __init__(
         self,
@@ -154,6 +155,10 @@ class MooncakeStore(StoreTier):
             raise TypeError(f"config must be a MooncakeConfig, got {type(config).__name__}")
         self.config = config
         self.layout = layout
+        self.reads_prefix = config.codec != "none"
+        """With a codec, a get reads each object into the front of its pieces: it asks the
+        master for the objects' sizes first (one batched call), as Mooncake reads an object
+        only into pieces of its exact size."""
         self._cpus = threads.check_cpus(config.worker_cpus)  # of every thread this store starts
         self._client_factory = client_factory
         self._lock = threading.Lock()
@@ -380,13 +385,16 @@ class MooncakeStore(StoreTier):
         """Read each object into its pieces; per key the bytes read or a negative `StoreCode`.
 
         The pieces of a key must add up to the object's exact size (larger: TRANSFER_FAIL,
-        smaller: INVALID_PARAMS); a missing key is OBJECT_NOT_FOUND.
+        smaller: INVALID_PARAMS), unless `reads_prefix`: then an object smaller than its pieces
+        is read into their front; a missing key is OBJECT_NOT_FOUND.
         """
         keys = check_keys(keys)
         self._memory.check(keys, buffers)
         if not keys:
             return []
         ptrs, sizes = buffers.ptrs, buffers.sizes
+        if self.reads_prefix:
+            ptrs, sizes = _fit(ptrs, sizes, self._sizes(keys))
         codes = self._call(
             "get_into", lambda c: c.batch_get_into_multi_buffers(keys, ptrs, sizes), len(keys)
         )
@@ -395,6 +403,16 @@ class MooncakeStore(StoreTier):
             self._counts["keys_got"] += len(got)
             self._counts["bytes_got"] += sum(got)
         return codes
+
+    def _sizes(self, keys: list[str]) -> list[int]:
+        """The size of each object from its first replica, 0 where the master knows none (one
+        batched call to the master)."""
+
+        def ask(client: Any) -> list[int]:
+            found = client.batch_get_replica_desc(keys)
+            return [_replica_size(found.get(key) or ()) for key in keys]
+
+        return self._call("sizes", ask, len(keys))
 
     def put_from(self, keys: Sequence[str], buffers: Buffers) -> list[int]:
         """Write each object from its pieces; per key OK or a negative `StoreCode`.
@@ -509,3 +527,37 @@ class MooncakeStore(StoreTier):
             breaker=self._breaker.stats(),
             **c,
         )
+
+
+def _replica_size(replicas: Sequence[Any]) -> int:
+    """An object's size from its replica descriptors (Mooncake's), 0 where none tells it."""
+    for replica in replicas:
+        if replica.is_memory_replica():
+            return int(replica.get_memory_descriptor().buffer_descriptor.size)
+        if replica.is_disk_replica():
+            return int(replica.get_disk_descriptor().object_size)
+    return 0
+
+
+def _fit(
+    ptrs: list[list[int]], sizes: list[list[int]], objects: list[int]
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The pieces cut to the objects' sizes (`objects`): the front of each object's pieces that
+    holds exactly its bytes. An object of size 0 (unknown) or larger than its pieces keeps them
+    all (its get then fails, as Mooncake reads only into an exact size)."""
+    fit_ptrs, fit_sizes = [], []
+    for obj_ptrs, obj_sizes, size in zip(ptrs, sizes, objects, strict=True):
+        if not 0 < size < sum(obj_sizes):
+            fit_ptrs.append(obj_ptrs)
+            fit_sizes.append(obj_sizes)
+            continue
+        cut_ptrs, cut_sizes = [], []
+        for ptr, piece in zip(obj_ptrs, obj_sizes):
+            cut_ptrs.append(ptr)
+            cut_sizes.append(min(piece, size))
+            size -= cut_sizes[-1]
+            if not size:
+                break
+        fit_ptrs.append(cut_ptrs)
+        fit_sizes.append(cut_sizes)
+    return fit_ptrs, fit_sizes
