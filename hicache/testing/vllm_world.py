@@ -281,9 +281,10 @@ class VllmWorld(World):
 
     def close(self, final: bool = True) -> None:
         if self.cache is not None:
-            self.space.gate.open()
             for rid in list(self.vreqs):
                 self.op_release(rid)
+            self.device.advance()  # before the parked calls go on by themselves (see World)
+            self.space.gate.open()
             self.device.advance()
             self.worker.close()
             self.cache = None

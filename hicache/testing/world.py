@@ -522,9 +522,12 @@ class World:
         left no thread, registration or open file behind."""
         cache = self.cache
         if cache is not None:
-            self.space.gate.open()
             for rid in list(self.reqs):
                 self.op_release(rid)
+            # the device's queued work runs before the parked calls go on by themselves (they
+            # then run in real time: what they read must not depend on how fast they woke)
+            self.device.advance()
+            self.space.gate.open()
             self.device.advance()
             cache.poll()
             cache.close()
