@@ -1,4 +1,4 @@
-"""The lossless codec of store tiers (`hicache.tiers.codec`): ratio, encode/decode throughput,
+"""The lossless codec of store tiers (`hicache.backends.codec`): ratio, encode/decode throughput,
 and a disk tier read with and without it.
 
     python bench/codec.py --machine <name> [--source engine --device cuda] [--disk PATH]
@@ -33,9 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import ROOT, command, commit, cpu_model
-from hicache.tiers import codec
-from hicache.tiers.base import Buffers
-from hicache.tiers.memory import HostMemory
+from hicache.backends import codec
+from hicache.backends.base import Buffers
+from hicache.backends.memory import HostMemory
 
 
 def engine_kv(model: str, device: str, page_tokens: int, pages: int) -> torch.Tensor:
@@ -171,8 +171,8 @@ def main() -> None:
 
 def disk_reads(args, c, objects, outs, stored, threads: int) -> list[dict]:
     """Read the objects back from a disk tier raw and encoded, interleaved: GB/s of KV."""
-    from hicache.tiers.disk.config import DiskTierConfig
-    from hicache.tiers.disk.tier import DiskTier
+    from hicache.backends.disk.config import DiskTierConfig
+    from hicache.backends.disk.tier import DiskTier
 
     raw = objects[0].size
     n = len(objects)

@@ -28,20 +28,20 @@ import numpy as np
 import torch
 
 from hicache import threads
+from hicache.backends.base import StoreTier
+from hicache.backends.gpu import GpuTier
+from hicache.backends.host import HostTier, HostTierConfig
+from hicache.chain.walk import TierChain
 from hicache.config import HiCacheConfig, Layout, StoreTierConfig
 from hicache.core import native
 from hicache.core.keys import PrefixMemo, fingerprint
 from hicache.core.request import Match
+from hicache.kernels import PagedBuffer, Route, prepare, route
+from hicache.kernels.completions import DONE, Completion, Transfers
 from hicache.match import MatchSide, Request
 from hicache.observability.events import EventSink, emit
 from hicache.observability.stats import Stats
 from hicache.store import StoreSide
-from hicache.tiers.base import StoreTier
-from hicache.tiers.chain import TierChain
-from hicache.tiers.gpu import GpuTier
-from hicache.tiers.host import HostTier, HostTierConfig
-from hicache.transfer.completions import DONE, Completion, Transfers
-from hicache.transfer.kernels import PagedBuffer, Route, prepare, route
 
 
 class StateHooks(Protocol):

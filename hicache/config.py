@@ -158,7 +158,7 @@ class TierConfig(_Strict):
 
 
 class StoreTierConfig(TierConfig):
-    """Base of the sections of keyed stores below the host tier (see `hicache.tiers.chain`)."""
+    """Base of the sections of keyed stores below the host tier (see `hicache.chain.walk`)."""
 
     name: str | None = Field(default=None, max_length=32, pattern=r"^[a-z][a-z0-9_]*$")
     """The tier's name in stats keys (``hit_tokens_<name>``), metrics and events (``tier=<name>``);
@@ -205,7 +205,7 @@ class StoreTierConfig(TierConfig):
     wherever the process may run."""
 
     codec: Literal["none", "lossless"] = "none"
-    """How objects are stored: none (as they are) or lossless (``hicache.tiers.codec``: 16-bit
+    """How objects are stored: none (as they are) or lossless (``hicache.backends.codec``: 16-bit
     KV as byte planes, the high plane compressed with zstd; 8-bit KV compressed whole; an object
     that does not shrink stored as it is). Needs the ``codec`` extra (zstandard) and a backend
     that reads objects shorter than their buffers (`StoreTier.reads_prefix`); whatever the
@@ -217,7 +217,7 @@ class StoreTierConfig(TierConfig):
     @classmethod
     def _codec_here(cls, v: str) -> str:
         if v == "lossless":
-            from hicache.tiers.codec import problem
+            from hicache.backends.codec import problem
 
             reason = problem()
             if reason is not None:

@@ -8,7 +8,7 @@ found):
    kept between questions in a `Request`);
 2. the host tier's slot books give the leading run of pages they hold (`_host_prefix`);
 3. where the prompt runs past that run, the walk down the store tiers starts
-   (`_look_ahead` -> `hicache.tiers.chain.TierChain.start`): the answer is pending while it runs;
+   (`_look_ahead` -> `hicache.chain.walk.TierChain.start`): the answer is pending while it runs;
 4. the hit is capped (the engine recomputes at least `min_recompute_tokens`), snapped to a
    stored state for hybrid models, and its pages pinned until `load` (`_lookup`).
 
@@ -24,14 +24,14 @@ from typing import Any
 
 import numpy as np
 
+from hicache.backends.host import HostTier
+from hicache.chain.fetch import Fetch
+from hicache.chain.walk import TierChain, adopt_keys
 from hicache.config import Layout, Policy
 from hicache.core.keys import KeyChain, PrefixMemo, as_tokens, chain_seed
 from hicache.core.request import Match
 from hicache.core.slots import Lease
 from hicache.observability.stats import Stats
-from hicache.tiers.chain import TierChain, adopt_keys
-from hicache.tiers.fetch import Fetch
-from hicache.tiers.host import HostTier
 
 SEED_MEMO = 1024
 """Salts whose chain seeds `match` keeps (the oldest go first): a seed costs ~5 us to make."""

@@ -5,12 +5,12 @@ store tiers' write-behind (`StoreSide`, a part of `hicache.cache.HiCache`; engin
 2. the host slot books split them into pages held and pages missing; the held ones are pinned
    so that the sequence's own head is not evicted for its tail (`hicache.core.slots`);
 3. the missing pages get fresh host slots and one copy GPU -> host on the engine's stream
-   (`_store_pages`; `hicache.transfer`), published in the books at once;
+   (`_store_pages`; `hicache.kernels`), published in the books at once;
 4. with a state layout, the states at the trailing boundaries are saved through the engine's
    hooks (`_store_states`);
 5. once the copies complete the pins go, and the chain queues the new groups for the store
    tiers' write-behind with the copy's completion, which the worker waits for
-   (`hicache.tiers.chain.TierChain.stored` -> `hicache.tiers.writes`).
+   (`hicache.chain.walk.TierChain.stored` -> `hicache.chain.writes`).
 """
 
 from __future__ import annotations
@@ -20,17 +20,17 @@ from typing import Any
 
 import numpy as np
 
+from hicache.backends.gpu import GpuTier
+from hicache.backends.host import HostTier
+from hicache.chain.walk import TierChain
 from hicache.config import Layout, Policy
 from hicache.core import native
 from hicache.core.keys import as_tokens
 from hicache.core.slots import Lease
 from hicache.errors import StateHookError
+from hicache.kernels.completions import Transfers
 from hicache.observability.events import EventSink, emit
 from hicache.observability.stats import Stats
-from hicache.tiers.chain import TierChain
-from hicache.tiers.gpu import GpuTier
-from hicache.tiers.host import HostTier
-from hicache.transfer.completions import Transfers
 
 
 class StoreSide:

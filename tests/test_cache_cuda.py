@@ -99,8 +99,8 @@ def test_calls_return_while_the_stream_is_busy():
 
 @pytest.mark.native  # the extension's events are reused; torch's are not
 def test_a_retired_copy_hands_its_event_to_the_next_and_stays_done():
-    from hicache.transfer.completions import Transfers
-    from hicache.transfer.kernels import route
+    from hicache.kernels import route
+    from hicache.kernels.completions import Transfers
 
     gpu = PagedBuffer.page_first(torch.zeros(4, 1 << 16, dtype=torch.uint8, device="cuda"))
     host = PagedBuffer.page_first(torch.zeros(4, 1 << 16, dtype=torch.uint8).pin_memory())

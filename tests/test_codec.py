@@ -16,12 +16,12 @@ from fake_engine import FakeEngine, config
 from test_chain import settle
 from test_integrity import Writer, flip_middle, prompt, rewrite
 
+from hicache.backends import codec
+from hicache.backends.disk.records import HEADER as DISK_HEADER
+from hicache.backends.disk.records import file_name
+from hicache.backends.envelope import _FIELDS, HEADER, RAW
 from hicache.config import load_config
 from hicache.errors import ConfigError
-from hicache.tiers import codec
-from hicache.tiers.disk.records import HEADER as DISK_HEADER
-from hicache.tiers.disk.records import file_name
-from hicache.tiers.envelope import _FIELDS, HEADER, RAW
 
 pytest.importorskip("zstandard")
 

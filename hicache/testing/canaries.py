@@ -55,8 +55,8 @@ def _pin_not_released() -> Callable[[], None]:
 @canary("publish-before-copy")
 def _publish_before_copy() -> Callable[[], None]:
     """Write-behind puts do not wait for the GPU -> host copy of their pages."""
-    from hicache.tiers.chain import TierChain
-    from hicache.transfer.completions import DONE
+    from hicache.chain.walk import TierChain
+    from hicache.kernels.completions import DONE
 
     stored = TierChain.stored
 
@@ -93,7 +93,7 @@ def _keep_caller_array() -> Callable[[], None]:
 @canary("short-codes-accepted")
 def _short_codes_accepted() -> Callable[[], None]:
     """A store's answer is used whatever its length or type (the worker checks nothing)."""
-    from hicache.tiers import worker
+    from hicache.backends import worker
 
     return _patch(worker, "_answer", lambda out, job: out)
 
