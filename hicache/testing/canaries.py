@@ -93,9 +93,9 @@ def _keep_caller_array() -> Callable[[], None]:
 @canary("short-codes-accepted")
 def _short_codes_accepted() -> Callable[[], None]:
     """A store's answer is used whatever its length or type (the worker checks nothing)."""
-    from hicache.backends import worker
+    from hicache.chain import jobs
 
-    return _patch(worker, "_answer", lambda out, job: out)
+    return _patch(jobs, "_answer", lambda out, job: out)
 
 
 def _salt_patch(salt: Callable[..., str | None]) -> Callable[[], None]:
