@@ -17,6 +17,7 @@ completions (`completions`: `Transfers`, fences). Imports only `hicache.core`,
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -25,7 +26,16 @@ import torch
 from hicache.kernels.buffer import ALIGNMENT, PagedBuffer
 from hicache.kernels.cpu import CpuRoute, copy_pages_cpu
 
-__all__ = ["ALIGNMENT", "CpuRoute", "PagedBuffer", "Route", "copy_pages", "prepare", "route"]
+__all__ = [
+    "ALIGNMENT",
+    "CpuRoute",
+    "PagedBuffer",
+    "PoolRoutes",
+    "Route",
+    "copy_pages",
+    "prepare",
+    "route",
+]
 
 
 def prepare(device: torch.device) -> None:
@@ -131,3 +141,23 @@ def route(src: PagedBuffer, dst: PagedBuffer) -> Route:
     from hicache.kernels.cuda import CudaRoute
 
     return CudaRoute(src, dst)
+
+
+@dataclass
+class PoolRoutes:
+    """The routes between the engine's GPU pool and the host tier's slots, both ways and layer
+    by layer: made empty, filled once by `build` (on the host tier's allocating thread, before
+    the tier is ready, so that the engine thread never builds them), read by every copy."""
+
+    to_host: Route | None = None
+    to_gpu: Route | None = None
+    layers: list[Route] = field(default_factory=list)
+    """Host -> GPU, one route per layer (`HiCache`'s `layers`); empty: no loads by layer."""
+
+    def build(self, gpu: PagedBuffer, host: PagedBuffer, layers: int) -> None:
+        """Check the buffers and make the routes: `host` is cut into `gpu`'s segments first."""
+        slots = host.resegment(gpu.seg_bytes)
+        self.to_host, self.to_gpu = route(gpu, slots), route(slots, gpu)
+        if layers:
+            pairs = zip(slots.by_layer(layers), gpu.by_layer(layers), strict=True)
+            self.layers = [route(src, dst) for src, dst in pairs]
