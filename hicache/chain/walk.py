@@ -100,11 +100,6 @@ class TierChain:
         self.group_pages = sorted({link.G for link in self.links})
         """The group sizes of the tiers (a state at a group end of each can be fetched)."""
 
-    @property
-    def writes_back(self) -> bool:
-        """Some tier writes on eviction (the host tier must report its evictions)."""
-        return bool(self._write_back)
-
     # -- fetch ------------------------------------------------------------------------------------
 
     def start(

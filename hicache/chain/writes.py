@@ -182,11 +182,6 @@ class WriteSide:
                 if dirty.pop(key, None) is not None:
                     self.stats.evict_lost += 1
 
-    @property
-    def dirty(self) -> int:
-        """Groups waiting for their write-back."""
-        return len(self._dirty)
-
     def _on_put(self, job: Job, codes: list[int] | None) -> None:
         for lease in job.leases:
             lease.release()
