@@ -25,6 +25,7 @@ between path parts, list items by index, the value parsed as a YAML scalar. For 
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
 from collections.abc import Mapping
 from functools import cached_property
@@ -216,12 +217,10 @@ class StoreTierConfig(TierConfig):
     @field_validator("codec")
     @classmethod
     def _codec_here(cls, v: str) -> str:
-        if v == "lossless":
-            from hicache.backends.codec import problem
-
-            reason = problem()
-            if reason is not None:
-                raise ValueError(f"lossless {reason}")
+        # the package looked for here, not through hicache.backends.codec: the configuration
+        # sits below the backends and never imports them
+        if v == "lossless" and importlib.util.find_spec("zstandard") is None:
+            raise ValueError("lossless needs the zstandard package: pip install 'hicache[codec]'")
         return v
 
     @model_validator(mode="after")
