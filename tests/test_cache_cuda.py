@@ -242,7 +242,7 @@ def test_no_engine_thread_call_lets_go_of_the_gil_on_any_path(mooncake_master, p
     assert (m.hit_tokens, m.fetched_tokens) == (n * P, n * P)
     assert torch.equal(rows(dst, out), rows(src, blocks))
     assert released == []
-    assert {route.path for route in reader._routes} == {path}
+    assert {route.path for route in (reader._routes.to_host, reader._routes.to_gpu)} == {path}
     for cache, rid in ((writer, "w"), (reader, "r")):
         cache.release(rid)
         cache.close()

@@ -622,17 +622,17 @@ def test_asking_again_while_the_fetch_runs_returns_the_same_answer(start_mooncak
 
 
 def _spy_fetched(monkeypatch) -> list:
-    """What `HiCache._fetched` found, call by call (None: the general walk answered)."""
-    from hicache.cache import HiCache
+    """What `Matcher._fetched` found, call by call (None: the general walk answered)."""
+    from hicache.match import Matcher
 
     answers: list = []
-    real = HiCache._fetched
+    real = Matcher._fetched
 
     def spy(self, *args):
         answers.append(real(self, *args))
         return answers[-1]
 
-    monkeypatch.setattr(HiCache, "_fetched", spy)
+    monkeypatch.setattr(Matcher, "_fetched", spy)
     return answers
 
 
