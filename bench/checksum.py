@@ -28,9 +28,9 @@ from pydantic import ByteSize, TypeAdapter
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import ROOT, command, commit, cpu_model
+from hicache.backends.memory import HostMemory
 from hicache.core import native
 from hicache.core.checksum import checksum, checksum_numpy
-from hicache.tiers.memory import HostMemory
 
 
 def measure(fn, base: int, size: int, count: int, threads: int) -> float:

@@ -1,4 +1,4 @@
-"""The lossless codec of store tiers (`hicache.tiers.codec`): ratio, encode/decode throughput,
+"""The lossless codec of store tiers (`hicache.backends.codec`): ratio, encode/decode throughput,
 and a disk tier read with and without it.
 
     python bench/codec.py --machine <name> [--source engine --device cuda] [--disk PATH]
@@ -9,7 +9,7 @@ bf16 on `--device`) prefills one random prompt and its block pool is the KV; fp1
 cast that bf16 KV. Objects are `--group-pages` pages of `--page-tokens` tokens (as the tier
 stores them). For each dtype and thread count: the ratio, and raw GB/s of encoding and of
 decoding every object (the objects split among the threads, as a tier's codec threads do).
-With `--disk`: the bf16 KV is put through a store tier's worker (`hicache.tiers.worker`, as
+With `--disk`: the bf16 KV is put through a store tier's worker (`hicache.chain.jobs`, as
 the cache puts it: headers, checksums, encoding) into two disk tiers there (codec: none and
 codec: lossless, `--threads`' largest count of codec threads) and fetched back through it
 `--rounds` times, the modes interleaved, O_DIRECT where the file system takes it: raw, lossless
@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import ROOT, command, commit, cpu_model
-from hicache.tiers import codec
+from hicache.backends import codec
 
 
 def engine_kv(model: str, device: str, page_tokens: int, pages: int) -> torch.Tensor:
@@ -172,15 +172,15 @@ def main() -> None:
 
 
 def disk_reads(args, dtype: str, pages: np.ndarray, threads: int) -> list[dict]:
-    """Read the KV back from disk tiers through a store tier's worker (`hicache.tiers.worker`,
+    """Read the KV back from disk tiers through a store tier's worker (`hicache.chain.jobs`,
     as a fetch does: headers checked, checksums, decoding on the codec threads), raw and
     encoded, interleaved: GB/s of KV. Modes: raw (codec: none), lossless (reads overlapped with
     decoding), lossless_serial (every object read, then every object decoded)."""
+    from hicache.backends.disk.config import DiskTierConfig
+    from hicache.backends.disk.tier import DiskTier
+    from hicache.backends.host import HostTier, HostTierConfig
+    from hicache.chain.jobs import READ_CHUNK_BYTES, Job, Worker
     from hicache.config import Layout
-    from hicache.tiers.disk.config import DiskTierConfig
-    from hicache.tiers.disk.tier import DiskTier
-    from hicache.tiers.host import HostTier, HostTierConfig
-    from hicache.tiers.worker import READ_CHUNK_BYTES, Job, Worker
 
     G, n_pages, page = args.group_pages, pages.shape[0], pages.shape[1]
     n_pages -= n_pages % G

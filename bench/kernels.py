@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from common import command, commit, cpu_model
 
-from hicache.transfer.kernels import PagedBuffer, copy_pages
-from hicache.transfer.kernels.cuda import (
+from hicache.kernels import PagedBuffer, copy_pages
+from hicache.kernels.cuda import (
     COPY_ENGINE_MIN_ROW_BYTES,
     COPY_ENGINE_ROWS_PER_CALL,
     KERNEL_CHUNK_BYTES,

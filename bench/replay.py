@@ -50,8 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import command, commit
 from memory_tier import MISSING, MemoryConfig, MemoryTier
 
+from hicache.backends.memory import available_bytes
 from hicache.registry import register_tier
-from hicache.tiers.memory import available_bytes
 from hicache.tools.refengine.build import DTYPES, EngineSpec, build_engine, load_model
 from hicache.tools.refengine.engine import Engine, Request
 from hicache.tools.refengine.replay_measure import time_prefill  # as replay's floor

@@ -74,11 +74,11 @@ from common import command, commit  # noqa: E402
 from mooncake_master import MooncakeMaster  # noqa: E402
 
 from hicache import HiCache, PagedBuffer, load_config  # noqa: E402
-from hicache.tiers.base import Buffers  # noqa: E402
-from hicache.tiers.disk.config import DiskTierConfig  # noqa: E402
-from hicache.tiers.disk.records import read_full, write_full  # noqa: E402
-from hicache.tiers.disk.tier import DiskTier  # noqa: E402
-from hicache.tiers.memory import HostMemory  # noqa: E402
+from hicache.backends.base import Buffers  # noqa: E402
+from hicache.backends.disk.config import DiskTierConfig  # noqa: E402
+from hicache.backends.disk.records import read_full, write_full  # noqa: E402
+from hicache.backends.disk.tier import DiskTier  # noqa: E402
+from hicache.backends.memory import HostMemory  # noqa: E402
 
 to_bytes = TypeAdapter(ByteSize).validate_python
 RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)  # Linux: per thread

@@ -8,7 +8,7 @@ from hicache.cache import HiCache, StateHooks
 from hicache.config import ConfigError, HiCacheConfig, Layout, load_config
 from hicache.core.request import Match
 from hicache.errors import HiCacheError, StateHookError
-from hicache.transfer.kernels import PagedBuffer
+from hicache.kernels import PagedBuffer
 
 __all__ = [
     "ConfigError",

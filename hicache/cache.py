@@ -28,20 +28,20 @@ import numpy as np
 import torch
 
 from hicache import threads
+from hicache.backends.base import StoreTier
+from hicache.backends.gpu import GpuTier
+from hicache.backends.host import HostTier, HostTierConfig
+from hicache.chain.walk import TierChain
 from hicache.config import HiCacheConfig, Layout, StoreTierConfig
 from hicache.core import native
 from hicache.core.keys import PrefixMemo, fingerprint
 from hicache.core.request import Match
-from hicache.match import MatchSide, Request
+from hicache.kernels import PagedBuffer, PoolRoutes, prepare
+from hicache.kernels.completions import DONE, Completion, Transfers
+from hicache.match import Matcher, Request
 from hicache.observability.events import EventSink, emit
 from hicache.observability.stats import Stats
-from hicache.store import StoreSide
-from hicache.tiers.base import StoreTier
-from hicache.tiers.chain import TierChain
-from hicache.tiers.gpu import GpuTier
-from hicache.tiers.host import HostTier, HostTierConfig
-from hicache.transfer.completions import DONE, Completion, Transfers
-from hicache.transfer.kernels import PagedBuffer, Route, prepare, route
+from hicache.store import WriteThrough, call_hook
 
 
 class StateHooks(Protocol):
@@ -65,7 +65,7 @@ class StateHooks(Protocol):
         """Make `slot` resume at `boundary` from the state in `src` (same rules as save)."""
 
 
-class HiCache(MatchSide, StoreSide):
+class HiCache:
     """A tiered KV cache behind match / load / store / poll / release.
 
     `gpu` is the engine's KV pool (`PagedBuffer.page_first(pool)` or `.layer_first(tensors)`);
@@ -82,7 +82,19 @@ class HiCache(MatchSide, StoreSide):
 
     On CUDA the constructor builds (the first time on a machine, about 20 s, then cached) and
     loads the page-copy extension, so that no copy on the engine thread pays for it.
+
+    The parts that answer the engine's calls take what they use in their constructors: a
+    `Matcher` (`hicache.match`) answers `match` and `release` and keeps the requests, a
+    `WriteThrough` (`hicache.store`) answers `store`; `HiCache` offers their methods as its own
+    (bound at construction: no call in between) and answers `load` and `poll` itself.
     """
+
+    match: Callable[..., Match]
+    """`hicache.match.Matcher.match`: how many leading tokens of a prompt the engine may skip."""
+    store: Callable[..., int]
+    """`hicache.store.WriteThrough.store`: write a request's pages through to the host tier."""
+    release: Callable[[str], None]
+    """`hicache.match.Matcher.release`: forget a request and drop what its match pinned."""
 
     def __init__(
         self,
@@ -115,7 +127,6 @@ class HiCache(MatchSide, StoreSide):
         self.layers = layers
         if layers:
             gpu.by_layer(layers)  # ValueError now, on the caller's thread, if they do not fit
-        self._layer_routes: list[Route] = []
         host_config = config.tiers[0]  # HiCacheConfig guarantees the first tier is the host tier
         if not isinstance(host_config, HostTierConfig):
             raise TypeError(f"tiers[0] must be a HostTierConfig, got {type(host_config).__name__}")
@@ -123,15 +134,13 @@ class HiCache(MatchSide, StoreSide):
         self._events = events
         prepare(self.gpu.device)  # on CUDA: build/load the copy extension now, not at a copy
         native.available()  # load the compiled helpers now, not in the first store
-        self._routes: tuple[Route, Route] | None = None
+        self._routes = PoolRoutes()  # filled by the host tier's allocating thread
         # the pool counts evictions anyway; the hook runs for an event sink or a write-back tier
         writes_back = any(c.write == "on_evict" for c in store_configs)
         evicted = self._evicted if events is not None or writes_back else None
         self.host = HostTier(host_config, layout, evicted, self._prepare_copies)
         self._hooks = states if layout.state_bytes else None
         self._transfers = Transfers(self.gpu.device, stream)
-        self._requests: dict[str, Request] = {}
-        self._seeds: dict[bytes | str | None, bytes] = {}
         memo = self.policy.prefix_memo
         self._memo = PrefixMemo(layout.page_tokens, memo) if memo else None
         self._chain: TierChain | None = None
@@ -140,6 +149,17 @@ class HiCache(MatchSide, StoreSide):
                 store_configs, self.host, layout, self.fingerprint, self.policy, self._stats,
                 events, wake, fence=self._transfers.fence,
             )  # fmt: skip
+        self._matcher = Matcher(
+            layout, self.policy, self.host, self._chain, self._hooks, self._stats,
+            self.fingerprint, self._memo,
+        )  # fmt: skip
+        self._requests: dict[str, Request] = self._matcher.requests
+        self.match = self._matcher.match
+        self.release = self._matcher.release
+        self.store = WriteThrough(
+            self.policy, layout, self.gpu, self.host, self._chain, self._hooks, events,
+            self._stats, self._transfers, self._routes, self._matcher,
+        ).store  # fmt: skip
         self.metrics_server = None
         if config.metrics.port is not None:
             from hicache.observability.metrics import register, serve
@@ -151,11 +171,7 @@ class HiCache(MatchSide, StoreSide):
         """The copy routes between the GPU pool and the host slots (cut into the pool's
         segments), checked once. Run by the host tier's allocating thread, before it is ready:
         the engine thread never builds them."""
-        gpu, slots = self.gpu.pages, host.pages.resegment(self.gpu.pages.seg_bytes)
-        self._routes = (route(gpu, slots), route(slots, gpu))
-        if self.layers:
-            layers = zip(slots.by_layer(self.layers), gpu.by_layer(self.layers), strict=True)
-            self._layer_routes = [route(host, pool) for host, pool in layers]
+        self._routes.build(self.gpu.pages, host.pages, self.layers)
 
     def _evicted(self, keys: list[bytes]) -> None:
         emit(self._events, "removed", "host", keys)
@@ -223,17 +239,17 @@ class HiCache(MatchSide, StoreSide):
         unpin = pages.release if state is None else lambda: (pages.release(), state.release())
         try:
             if state is not None:
-                self._call_hook("load_state", state_slot, match.hit_tokens, state.slots[0])
+                at, slot = match.hit_tokens, state.slots[0]
+                call_hook(self._hooks, self._stats, self.host, "load_state", state_slot, at, slot)
             latency = self._stats.latency["hicache_load_copy_seconds"]
             # the host slots as int32 through one C loop, as block_ids
             slots = np.frombuffer(array("i", pages.slots[skip - head :]), dtype=np.int32)
             if by_layer:
                 done = self._transfers.copy_layers(
-                    self._layer_routes, slots, ids[skip:], unpin, latency
+                    self._routes.layers, slots, ids[skip:], unpin, latency
                 )
             else:
-                host_to_gpu = self._routes[1]  # type: ignore[index]
-                self._transfers.copy(host_to_gpu, slots, ids[skip:], latency)
+                self._transfers.copy(self._routes.to_gpu, slots, ids[skip:], latency)
         except BaseException:
             unpin()
             raise
@@ -265,17 +281,6 @@ class HiCache(MatchSide, StoreSide):
         fetched from a tier only where reading it beats recomputing it. Never blocks."""
         if self._chain is not None:
             self._chain.report_prefill(tokens, seconds)
-
-    def release(self, request_id: str) -> None:
-        """Forget a request (finished or aborted) and drop what its match pinned. Idempotent."""
-        req = self._requests.pop(request_id, None)
-        if req is None:
-            return
-        req.drop_pins()
-        if self._memo is not None:
-            self._memo.remember(req.chain)
-        if req.fetch is not None and self._chain is not None:
-            self._chain.forget(req.fetch)
 
     def histograms(self) -> dict[str, dict[str, Any]]:
         """Latency histograms by Prometheus family name (see `hicache.observability.metrics`)."""

@@ -25,6 +25,7 @@ between path parts, list items by index, the value parsed as a YAML scalar. For 
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
 from collections.abc import Mapping
 from functools import cached_property
@@ -158,7 +159,7 @@ class TierConfig(_Strict):
 
 
 class StoreTierConfig(TierConfig):
-    """Base of the sections of keyed stores below the host tier (see `hicache.tiers.chain`)."""
+    """Base of the sections of keyed stores below the host tier (see `hicache.chain.walk`)."""
 
     name: str | None = Field(default=None, max_length=32, pattern=r"^[a-z][a-z0-9_]*$")
     """The tier's name in stats keys (``hit_tokens_<name>``), metrics and events (``tier=<name>``);
@@ -205,7 +206,7 @@ class StoreTierConfig(TierConfig):
     wherever the process may run."""
 
     codec: Literal["none", "lossless"] = "none"
-    """How objects are stored: none (as they are) or lossless (``hicache.tiers.codec``: 16-bit
+    """How objects are stored: none (as they are) or lossless (``hicache.backends.codec``: 16-bit
     KV as byte planes, the high plane compressed with zstd; 8-bit KV compressed whole; an object
     that does not shrink stored as it is). Needs the ``codec`` extra (zstandard) and a backend
     that reads objects shorter than their buffers (`StoreTier.reads_prefix`, or
@@ -217,12 +218,10 @@ class StoreTierConfig(TierConfig):
     @field_validator("codec")
     @classmethod
     def _codec_here(cls, v: str) -> str:
-        if v == "lossless":
-            from hicache.tiers.codec import problem
-
-            reason = problem()
-            if reason is not None:
-                raise ValueError(f"lossless {reason}")
+        # the package looked for here, not through hicache.backends.codec: the configuration
+        # sits below the backends and never imports them
+        if v == "lossless" and importlib.util.find_spec("zstandard") is None:
+            raise ValueError("lossless needs the zstandard package: pip install 'hicache[codec]'")
         return v
 
     @model_validator(mode="after")

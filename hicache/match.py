@@ -1,5 +1,5 @@
-"""`HiCache.match`: how much of a prompt the engine may skip (`MatchSide`, a part of
-`hicache.cache.HiCache`; engine thread).
+"""`HiCache.match`: how much of a prompt the engine may skip (`Matcher`, which
+`hicache.cache.HiCache` holds and whose `match` it offers as its own; engine thread).
 
 One question, one answer (every `Match` is made at the end of `match`, from what the steps
 found):
@@ -8,7 +8,7 @@ found):
    kept between questions in a `Request`);
 2. the host tier's slot books give the leading run of pages they hold (`_host_prefix`);
 3. where the prompt runs past that run, the walk down the store tiers starts
-   (`_look_ahead` -> `hicache.tiers.chain.TierChain.start`): the answer is pending while it runs;
+   (`_look_ahead` -> `hicache.chain.walk.TierChain.start`): the answer is pending while it runs;
 4. the hit is capped (the engine recomputes at least `min_recompute_tokens`), snapped to a
    stored state for hybrid models, and its pages pinned until `load` (`_lookup`).
 
@@ -20,18 +20,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from hicache.backends.host import HostTier
+from hicache.chain.fetch import Fetch
+from hicache.chain.walk import TierChain, adopt_keys
 from hicache.config import Layout, Policy
 from hicache.core.keys import KeyChain, PrefixMemo, as_tokens, chain_seed
 from hicache.core.request import Match
 from hicache.core.slots import Lease
 from hicache.observability.stats import Stats
-from hicache.tiers.chain import TierChain, adopt_keys
-from hicache.tiers.fetch import Fetch
-from hicache.tiers.host import HostTier
 
 SEED_MEMO = 1024
 """Salts whose chain seeds `match` keeps (the oldest go first): a seed costs ~5 us to make."""
@@ -63,25 +63,54 @@ class Request:
         self.match = None
 
 
-_Hit = tuple[int, int, tuple[tuple[str, int], ...], bool, bool, int]
-"""What a match found, in pages (`match` makes the `Match` of it): the page the hit ends at,
-the pages `load` copies, the tokens each store tier brought, whether it ends at a stored state,
-whether it is pending, and the pages found that the cap or the snap to a state kept out."""
+class _Hit(NamedTuple):
+    """What a match found, in pages (`match` makes the `Match` of it)."""
+
+    end: int
+    """The page the hit ends at."""
+    load: int
+    """The pages `load` copies."""
+    tiers: tuple[tuple[str, int], ...]
+    """The tokens each store tier brought."""
+    state: bool
+    """The hit ends at a stored state."""
+    pending: bool
+    """The walk down the store tiers still runs: ask again."""
+    limited: int
+    """Pages found that the cap or the snap to a state kept out."""
 
 
-class MatchSide:
-    """The match part of `HiCache`."""
+class Matcher:
+    """Answers `match` and keeps each request's `Request` (the engine thread's request table,
+    which `HiCache.load`, `store` and `release` read too).
 
-    layout: Layout
-    policy: Policy
-    host: HostTier
-    _chain: TierChain | None
-    _hooks: Any
-    _memo: PrefixMemo | None
-    _requests: dict[str, Request]
-    _seeds: dict[bytes | str | None, bytes]
-    _stats: Stats
-    fingerprint: bytes
+    Takes what it reads: the page layout and policy, the host tier (its slot books), the walk
+    down the store tiers (None without store tiers), the engine's state hooks (None without a
+    state layout), the stats it counts answers in, the layout's fingerprint (the keys' seed)
+    and the prefix memo (None: off)."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        policy: Policy,
+        host: HostTier,
+        chain: TierChain | None,
+        hooks: Any,
+        stats: Stats,
+        fingerprint: bytes,
+        memo: PrefixMemo | None,
+    ) -> None:
+        self.layout = layout
+        self.policy = policy
+        self.host = host
+        self._chain = chain
+        self._hooks = hooks
+        self._stats = stats
+        self.fingerprint = fingerprint
+        self._memo = memo
+        self.requests: dict[str, Request] = {}
+        """Every request between its first `match` (or `store`) and `release`, by id."""
+        self._seeds: dict[bytes | str | None, bytes] = {}
 
     def match(
         self,
@@ -122,7 +151,7 @@ class MatchSide:
                 f"request {request_id!r}: computed_tokens={computed_tokens} must be a multiple "
                 f"of page_tokens={P} below the prompt length {n}"
             )
-        req = self._request(request_id, tokens, salt)
+        req = self.request(request_id, tokens, salt)
         # The same question as last time, answered pending: that answer stands while the walk
         # runs, and once it is done can grow by what the walk brought.
         again = req.match if req.asked == n else None
@@ -178,7 +207,7 @@ class MatchSide:
         pending = self._look_ahead(req, first, found, cap, partial)
         k = req.head_pages
         if k and pending:
-            return (k, 0, (), False, True, 0)
+            return _Hit(k, 0, (), False, True, 0)
         if k:
             keys = req.chain.hashed
             slots = self.host.page_slots.prefix(keys[k:cap]) if len(keys) > k else []
@@ -198,7 +227,7 @@ class MatchSide:
             for part in done.parts():
                 part.release()
         load = end - first if end > start else 0
-        return (end, load, tiers, state_slot is not None, pending, 0 if k else found - end)
+        return _Hit(end, load, tiers, state_slot is not None, pending, 0 if k else found - end)
 
     def _host_prefix(self, chain: KeyChain, first: int) -> list[int]:
         """Host slots of the pages from `first` on, up to the first miss, hashing the prompt only
@@ -275,7 +304,18 @@ class MatchSide:
         else:
             req.pages.absorb(taken)
         tiers = ((fetch.link.name, (cap - found) * self.layout.page_tokens),)
-        return (cap, cap - pending.first_page, tiers, False, False, hi - cap)
+        return _Hit(cap, cap - pending.first_page, tiers, False, False, hi - cap)
+
+    def release(self, request_id: str) -> None:
+        """Forget a request (finished or aborted) and drop what its match pinned. Idempotent."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        req.drop_pins()
+        if self._memo is not None:
+            self._memo.remember(req.chain)
+        if req.fetch is not None and self._chain is not None:
+            self._chain.forget(req.fetch)
 
     def _snap_to_state(self, keys: list[bytes], first: int, hit: int) -> tuple[int, int | None]:
         """The deepest page count in (first, hit] whose boundary has a stored state."""
@@ -286,7 +326,7 @@ class MatchSide:
                 return pages, slot
         return first, None
 
-    def _request(self, request_id: str, tokens: np.ndarray, salt: str | bytes | None) -> Request:
+    def request(self, request_id: str, tokens: np.ndarray, salt: str | bytes | None) -> Request:
         """The request's state, its chain grown to `tokens`; a new one where the request is new,
         its salt differs, or `tokens` do not extend its tokens (the old one's pins are dropped
         and its walk down the tiers forgotten then)."""
@@ -296,7 +336,7 @@ class MatchSide:
             if len(seeds) >= SEED_MEMO:
                 del seeds[next(iter(seeds))]  # the oldest (a salt asked again costs ~5 us)
             seed = seeds[salt] = chain_seed(self.fingerprint, salt)
-        req = self._requests.get(request_id)
+        req = self.requests.get(request_id)
         if req is not None:
             if req.chain.seed == seed and req.chain.try_extend(tokens):
                 return req
@@ -304,7 +344,7 @@ class MatchSide:
             if req.fetch is not None:
                 self._chain.forget(req.fetch)  # type: ignore[union-attr]
         req = Request(KeyChain(seed, self.layout.page_tokens, tokens, self._memo))
-        self._requests[request_id] = req
+        self.requests[request_id] = req
         return req
 
 

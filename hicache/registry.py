@@ -32,7 +32,7 @@ T = TypeVar("T")
 
 _CONFIGS: dict[str, type[BaseModel]] = {}
 _CLASSES: dict[str, type] = {}
-_BUILTIN = ("hicache.tiers.host", "hicache.tiers.disk.tier", "hicache.tiers.mooncake.tier")
+_BUILTIN = ("hicache.backends.host", "hicache.backends.disk.tier", "hicache.backends.mooncake.tier")
 
 
 def register_tier(type_: str, config_model: type[BaseModel]) -> Callable[[type[T]], type[T]]:

@@ -5,12 +5,12 @@ store tiers' write-behind (`StoreSide`, a part of `hicache.cache.HiCache`; engin
 2. the host slot books split them into pages held and pages missing; the held ones are pinned
    so that the sequence's own head is not evicted for its tail (`hicache.core.slots`);
 3. the missing pages get fresh host slots and one copy GPU -> host on the engine's stream
-   (`_store_pages`; `hicache.transfer`), published in the books at once;
+   (`_store_pages`; `hicache.kernels`), published in the books at once;
 4. with a state layout, the states at the trailing boundaries are saved through the engine's
    hooks (`_store_states`);
 5. once the copies complete the pins go, and the chain queues the new groups for the store
    tiers' write-behind with the copy's completion, which the worker waits for
-   (`hicache.tiers.chain.TierChain.stored` -> `hicache.tiers.writes`).
+   (`hicache.chain.walk.TierChain.stored` -> `hicache.chain.writes`).
 """
 
 from __future__ import annotations
@@ -20,34 +20,57 @@ from typing import Any
 
 import numpy as np
 
+from hicache.backends.gpu import GpuTier
+from hicache.backends.host import HostTier
+from hicache.chain.walk import TierChain
 from hicache.config import Layout, Policy
 from hicache.core import native
 from hicache.core.keys import as_tokens
 from hicache.core.slots import Lease
 from hicache.errors import StateHookError
+from hicache.kernels import PoolRoutes
+from hicache.kernels.completions import Transfers
+from hicache.match import Matcher
 from hicache.observability.events import EventSink, emit
 from hicache.observability.stats import Stats
-from hicache.tiers.chain import TierChain
-from hicache.tiers.gpu import GpuTier
-from hicache.tiers.host import HostTier
-from hicache.transfer.completions import Transfers
 
 
-class StoreSide:
-    """The store part of `HiCache`."""
+class WriteThrough:
+    """Answers `store`: copies a request's new pages GPU -> host and hands them to the store
+    tiers' write-behind.
 
-    layout: Layout
-    policy: Policy
-    gpu: GpuTier
-    host: HostTier
-    _chain: TierChain | None
-    _hooks: Any
-    _events: EventSink | None
-    _requests: dict[str, Any]
-    _stats: Stats
-    _transfers: Transfers
-    _request: Any
-    _routes: Any
+    Takes what it uses: the policy and page layout, the engine's GPU pool and the host tier, the
+    walk down the store tiers (None without store tiers), the engine's state hooks (None without
+    a state layout), the event sink (None: none), the stats, the copies on the engine's stream
+    and the routes they take, and the `Matcher` whose request table `store` extends (a request
+    never matched is opened there)."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        layout: Layout,
+        gpu: GpuTier,
+        host: HostTier,
+        chain: TierChain | None,
+        hooks: Any,
+        events: EventSink | None,
+        stats: Stats,
+        transfers: Transfers,
+        routes: PoolRoutes,
+        matcher: Matcher,
+    ) -> None:
+        self.policy = policy
+        self.layout = layout
+        self.gpu = gpu
+        self.host = host
+        self._chain = chain
+        self._hooks = hooks
+        self._events = events
+        self._stats = stats
+        self._transfers = transfers
+        self._routes = routes
+        self._requests = matcher.requests
+        self._open = matcher.request
 
     def store(
         self,
@@ -77,7 +100,7 @@ class StoreSide:
             return 0
         req = self._requests.get(request_id)
         if req is None:
-            req = self._request(request_id, tokens, salt)
+            req = self._open(request_id, tokens, salt)
         elif not req.chain.try_extend(tokens):
             raise ValueError(
                 "tokens must extend the request's earlier tokens (the prompt given to match)"
@@ -133,8 +156,7 @@ class StoreSide:
             slots = native.align_slots(src_ids, lease.slots)  # runs of blocks: one row
             lease.slots = slots.tolist()
             dst_ids = np.frombuffer(slots, dtype=np.int32)
-            gpu_to_host = self._routes[0]
-            self._transfers.copy(gpu_to_host, src_ids, dst_ids, latency)
+            self._transfers.copy(self._routes.to_host, src_ids, dst_ids, latency)
         except BaseException:
             lease.release()
             raise
@@ -167,7 +189,7 @@ class StoreSide:
         wanted = wanted[: len(lease.slots)]
         try:
             for pages, slot in zip(wanted, lease.slots):
-                self._call_hook("save_state", state_slot, pages * P, slot)
+                call_hook(hooks, self._stats, self.host, "save_state", state_slot, pages * P, slot)
         except BaseException:
             lease.release()
             raise
@@ -175,12 +197,23 @@ class StoreSide:
         self._stats.states_stored += len(wanted)
         return lease
 
-    def _call_hook(self, name: str, state_slot: int | None, boundary: int, host_slot: int) -> None:
-        try:
-            getattr(self._hooks, name)(state_slot, boundary, self.host.state(host_slot))
-        except Exception as err:
-            self._stats.hook_errors += 1
-            raise StateHookError(
-                f"state hook {name}(slot={state_slot}, boundary={boundary}) raised "
-                f"{type(err).__name__}: {err}"
-            ) from err
+
+def call_hook(
+    hooks: Any,
+    stats: Stats,
+    host: HostTier,
+    name: str,
+    state_slot: int | None,
+    boundary: int,
+    host_slot: int,
+) -> None:
+    """Call the engine's state hook `name` (save_state / load_state) on the host state slot
+    `host_slot`; an exception it raises is counted and raised as a `StateHookError`."""
+    try:
+        getattr(hooks, name)(state_slot, boundary, host.state(host_slot))
+    except Exception as err:
+        stats.hook_errors += 1
+        raise StateHookError(
+            f"state hook {name}(slot={state_slot}, boundary={boundary}) raised "
+            f"{type(err).__name__}: {err}"
+        ) from err

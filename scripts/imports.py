@@ -7,8 +7,9 @@ a function, under ``if TYPE_CHECKING``): a lazy import hides a dependency from P
 reader. ``from pkg import name`` is an edge to ``pkg.name`` where that is a module, else to
 ``pkg``. An import of a package's ``__init__`` counts as an edge to it. A circle is a strongly
 connected set of two or more modules; a module's level is 1 + the deepest level it imports
-(circles collapsed to one node). Prints a summary line, the circles, and with `--edges` every
-edge.
+(circles collapsed to one node). Prints a summary line, the circles, every arrow back up (an
+import of a module in a higher layer of `LAYERS`, or of a module no layer lists), and with
+`--edges` every edge. Exits 1 where there is a circle or an arrow back up.
 """
 
 from __future__ import annotations
@@ -19,6 +20,42 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("hicache.errors", "hicache.threads", "hicache.registry", "hicache.config"),  # the base
+    ("hicache.core",),  # keys, slot books, cost model, the Match answer
+    ("hicache.observability",),  # stats, metrics, events
+    ("hicache.kernels",),  # page copies and their completions
+    ("hicache.backends",),  # the tier interface and every tier
+    ("hicache.chain",),  # the walk down the store tiers, the links, the store jobs
+    ("hicache.match", "hicache.store", "hicache.cache", "hicache"),  # the API
+    ("hicache.integrations", "hicache.testing", "hicache.tools", "hicache.cli"),  # on top
+)
+"""The packages of `hicache`, lowest first: a module imports only its own layer and those below
+(`hicache` is the package's ``__init__`` alone; a name covers its subpackages)."""
+
+
+def layer(module: str) -> int | None:
+    """The index in `LAYERS` of the longest name that covers `module`; None where none does."""
+    best, found = -1, None
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            covers = module == name or (name != "hicache" and module.startswith(name + "."))
+            if covers and len(name) > best:
+                best, found = len(name), i
+    return found
+
+
+def arrows_up(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a module in a higher layer than the importer's, or of a module (or by a
+    module) no layer lists, as ``a -> b`` lines."""
+    out = []
+    for name in sorted(graph):
+        for target in sorted(graph[name]):
+            mine, theirs = layer(name), layer(target)
+            if mine is None or theirs is None or theirs > mine:
+                out.append(f"{name} -> {target}")
+    return out
 
 
 def modules(package: str) -> dict[str, Path]:
@@ -134,10 +171,16 @@ def main() -> None:
     )
     for scc in sccs:
         print("circle:", " ".join(scc))
+    up = arrows_up(graph) if packages == ["hicache"] else []
+    print(f"{len(up)} arrows back up")
+    for line in up:
+        print("arrow back up:", line)
     if args.edges:
         for name in sorted(graph):
             for target in sorted(graph[name]):
                 print(f"{name} -> {target}")
+    if sccs or up:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

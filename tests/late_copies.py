@@ -1,6 +1,6 @@
 """Copies on the engine's stream that complete late, as CUDA's do, on the CPU.
 
-`LateTransfers` is a `hicache.transfer.completions.Transfers` whose page copies are held, in
+`LateTransfers` is a `hicache.kernels.completions.Transfers` whose page copies are held, in
 order, until the test calls `complete()`: then every held copy moves its bytes and every
 completion made so far reads done (and a worker waiting on one wakes). A test installs it with
 ``monkeypatch.setattr(hicache.cache, "Transfers", LateTransfers)`` before it builds the cache.
@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from hicache.kernels import Route
+from hicache.kernels.completions import Completion, Transfers
 from hicache.observability.stats import Histogram
-from hicache.transfer.completions import Completion, Transfers
-from hicache.transfer.kernels import Route
 
 
 class _Mark:

@@ -15,9 +15,9 @@ import threading
 from collections.abc import Sequence
 from typing import ClassVar, Literal
 
+from hicache.backends.base import Buffers, StoreTier, StoreUnavailable
 from hicache.config import StoreTierConfig
 from hicache.registry import register_tier
-from hicache.tiers.base import Buffers, StoreTier, StoreUnavailable
 
 MISSING = -2
 

@@ -297,7 +297,7 @@ def test_the_seeds_of_many_salts_are_kept_bounded_and_stay_right():
     for i in range(3000):
         e.cache.match("x", toks((0, 20)), salt=f"user-{i}")
         e.cache.release("x")
-    assert len(e.cache._seeds) <= 1024  # (before the bound: 3001)
+    assert len(e.cache._matcher._seeds) <= 1024  # (before the bound: 3001)
     assert e.run("b", toks((0, 20)), salt="t0").hit_tokens == 16  # the same namespace again
     books_are_clean(e)
 

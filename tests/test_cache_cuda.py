@@ -99,8 +99,8 @@ def test_calls_return_while_the_stream_is_busy():
 
 @pytest.mark.native  # the extension's events are reused; torch's are not
 def test_a_retired_copy_hands_its_event_to_the_next_and_stays_done():
-    from hicache.transfer.completions import Transfers
-    from hicache.transfer.kernels import route
+    from hicache.kernels import route
+    from hicache.kernels.completions import Transfers
 
     gpu = PagedBuffer.page_first(torch.zeros(4, 1 << 16, dtype=torch.uint8, device="cuda"))
     host = PagedBuffer.page_first(torch.zeros(4, 1 << 16, dtype=torch.uint8).pin_memory())
@@ -242,7 +242,7 @@ def test_no_engine_thread_call_lets_go_of_the_gil_on_any_path(mooncake_master, p
     assert (m.hit_tokens, m.fetched_tokens) == (n * P, n * P)
     assert torch.equal(rows(dst, out), rows(src, blocks))
     assert released == []
-    assert {route.path for route in reader._routes} == {path}
+    assert {route.path for route in (reader._routes.to_host, reader._routes.to_gpu)} == {path}
     for cache, rid in ((writer, "w"), (reader, "r")):
         cache.release(rid)
         cache.close()

@@ -19,16 +19,16 @@ from memory_tier import MemoryConfig, MemoryTier
 from test_chain import settle
 from test_integrity import Writer, flip_middle, prompt, read, rewrite
 
+from hicache.backends import codec
+from hicache.backends.base import StoreUnavailable
+from hicache.backends.disk.records import HEADER as DISK_HEADER
+from hicache.backends.disk.records import file_name
+from hicache.backends.envelope import _FIELDS, HEADER, RAW
+from hicache.backends.host import HostTier, HostTierConfig
+from hicache.chain.jobs import Job, Worker
 from hicache.config import Layout, load_config
 from hicache.errors import ConfigError
 from hicache.registry import register_tier
-from hicache.tiers import codec
-from hicache.tiers.base import StoreUnavailable
-from hicache.tiers.disk.records import HEADER as DISK_HEADER
-from hicache.tiers.disk.records import file_name
-from hicache.tiers.envelope import _FIELDS, HEADER, RAW
-from hicache.tiers.host import HostTier, HostTierConfig
-from hicache.tiers.worker import Job, Worker
 
 pytest.importorskip("zstandard")
 

@@ -29,11 +29,11 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from hicache.tiers.base import Buffers, StoreUnavailable  # noqa: E402
-from hicache.tiers.disk.config import DiskTierConfig  # noqa: E402
-from hicache.tiers.disk.records import HEADER, file_name  # noqa: E402
-from hicache.tiers.disk.tier import DiskTier, DiskTierError  # noqa: E402
-from hicache.tiers.memory import HostMemory  # noqa: E402
+from hicache.backends.base import Buffers, StoreUnavailable  # noqa: E402
+from hicache.backends.disk.config import DiskTierConfig  # noqa: E402
+from hicache.backends.disk.records import HEADER, file_name  # noqa: E402
+from hicache.backends.disk.tier import DiskTier, DiskTierError  # noqa: E402
+from hicache.backends.memory import HostMemory  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 from fake_engine import FakeEngine, config
 
+from hicache.backends.disk.records import HEADER
+from hicache.backends.disk.tier import DiskTier
 from hicache.core.keys import chain_seed, fingerprint, page_keys, store_key
-from hicache.tiers.disk.records import HEADER
-from hicache.tiers.disk.tier import DiskTier
 
 P, G, PAGES = 4, 2, 10  # 42-token prompts: 10 pages, 5 groups of 2
 ROUNDS, PER_ROUND = 4, 120

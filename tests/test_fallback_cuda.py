@@ -21,7 +21,7 @@ pytestmark = [
 SCRIPT = """
 import torch
 from hicache import HiCache, Layout, PagedBuffer, load_config
-from hicache.transfer.kernels.cuda import TorchEvent, event_class, extension
+from hicache.kernels.cuda import TorchEvent, event_class, extension
 
 assert extension() is None and event_class() is TorchEvent
 layout = Layout(model="m", kv_dtype="uint8", page_tokens=16, segments=(2048, 2048))

@@ -1,10 +1,10 @@
 """How a store tier lays page groups out for its batch calls
-(`hicache.tiers.worker.group_pieces`): fewer, larger pieces move faster, so a group in
+(`hicache.chain.jobs.group_pieces`): fewer, larger pieces move faster, so a group in
 consecutive slots is one piece where it can be."""
 
 from __future__ import annotations
 
-from hicache.tiers.worker import group_pieces
+from hicache.chain.jobs import group_pieces
 
 BACK_TO_BACK = (1000, 100, 100)  # slot s at 1000 + 100 s, pages of 100 bytes
 SPACED = (1000, 128, 100)  # rows 128 bytes apart (a pool with padding): never merged

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from hicache.backends.host import HostTier, HostTierConfig
 from hicache.config import ConfigError, Layout
 from hicache.errors import HiCacheError
-from hicache.tiers.host import HostTier, HostTierConfig
 
 LAYOUT = Layout(model="m", kv_dtype="uint8", page_tokens=4, page_bytes=4096)
 

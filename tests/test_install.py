@@ -94,5 +94,7 @@ def test_the_wheel_carries_the_sources_compiled_at_first_use(tmp_path: Path):
         f"hicache/core/native/{p.name}"
         for p in (ROOT / "hicache" / "core" / "native").glob("*.[ch]")
     }
-    assert native <= names and "hicache/transfer/kernels/page_copy.cu" in names
+    assert native <= names and "hicache/kernels/page_copy.cu" in names
+    sims = {"hicache/tools/trace/chainsim.c", "hicache/tools/trace/tiersim.c"}
+    assert sims <= names  # built at first use by hicache.tools.trace.fastsim
     assert any(n.endswith("LICENSE") for n in names)

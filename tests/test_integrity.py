@@ -21,10 +21,10 @@ from fake_engine import FakeEngine, config
 from memory_tier import MemoryTier
 from test_chain import settle
 
-from hicache.tiers.base import Buffers
-from hicache.tiers.disk.records import HEADER as DISK_HEADER
-from hicache.tiers.disk.records import file_name
-from hicache.tiers.envelope import HEADER
+from hicache.backends.base import Buffers
+from hicache.backends.disk.records import HEADER as DISK_HEADER
+from hicache.backends.disk.records import file_name
+from hicache.backends.envelope import HEADER
 
 pytestmark = pytest.mark.mooncake
 

@@ -8,8 +8,8 @@ import stat
 import pytest
 import torch
 
-from hicache.transfer.kernels import ALIGNMENT, PagedBuffer, copy_pages
-from hicache.transfer.kernels.cuda import choose_path, toolchain_problem
+from hicache.kernels import ALIGNMENT, PagedBuffer, copy_pages
+from hicache.kernels.cuda import choose_path, toolchain_problem
 
 
 def _random_bytes(*shape: int, seed: int) -> torch.Tensor:
@@ -305,7 +305,7 @@ def test_fresh_slots_run_the_way_the_block_ids_run(ids, slots, want):
 def test_a_route_checks_its_buffers_once_and_copies_exact_bytes():
     import numpy as np
 
-    from hicache.transfer.kernels import route
+    from hicache.kernels import route
 
     src = PagedBuffer.page_first(_random_bytes(12, 4 * 48, seed=11)).resegment((48, 96, 48))
     layers = [_random_bytes(9, n, seed=12 + n) for n in (48, 96, 48)]

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.transfer.kernels import PagedBuffer, copy_pages
-from hicache.transfer.kernels.cuda import (
+from hicache.kernels import PagedBuffer, copy_pages
+from hicache.kernels.cuda import (
     CudaRoute,
     choose_path,
     copy_pages_cuda,

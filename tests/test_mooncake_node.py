@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache.tiers.mooncake.tier import SHOW_NATIVE_LOG
+from hicache.backends.mooncake.tier import SHOW_NATIVE_LOG
 from hicache.tools.mooncake_local import LocalMaster
 
 pytestmark = pytest.mark.mooncake

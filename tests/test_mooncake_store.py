@@ -26,13 +26,13 @@ import pytest
 import torch
 from mooncake_master import MooncakeMaster
 
+from hicache.backends.base import Buffers, StoreUnavailable
+from hicache.backends.breaker import BreakerState, CircuitBreaker
+from hicache.backends.memory import HostMemory
+from hicache.backends.mooncake.codes import StoreCode, StoreState
+from hicache.backends.mooncake.config import MooncakeConfig
+from hicache.backends.mooncake.tier import MooncakeStore
 from hicache.config import ConfigError, load_config
-from hicache.tiers.base import Buffers, StoreUnavailable
-from hicache.tiers.breaker import BreakerState, CircuitBreaker
-from hicache.tiers.memory import HostMemory
-from hicache.tiers.mooncake.codes import StoreCode, StoreState
-from hicache.tiers.mooncake.config import MooncakeConfig
-from hicache.tiers.mooncake.tier import MooncakeStore
 
 REPO = Path(__file__).resolve().parents[1]
 KiB, MiB = 1 << 10, 1 << 20
@@ -485,9 +485,9 @@ def test_put_of_an_existing_key_keeps_the_first_bytes(
 _READER = """
 import hashlib, json, sys
 import torch
-from hicache.tiers.base import Buffers
-from hicache.tiers.mooncake.config import MooncakeConfig
-from hicache.tiers.mooncake.tier import MooncakeStore
+from hicache.backends.base import Buffers
+from hicache.backends.mooncake.config import MooncakeConfig
+from hicache.backends.mooncake.tier import MooncakeStore
 address, keys, size = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 store = MooncakeStore(MooncakeConfig(master_address=address, global_segment_size=0,
                                      local_buffer_size=1 << 20, call_timeout_s=5.0))

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from fake_engine import FakeEngine, FakeStates, config, kv_bytes
 
+from hicache.backends.envelope import HEADER
 from hicache.core import native
-from hicache.tiers.envelope import HEADER
 
 pytestmark = pytest.mark.mooncake
 
@@ -188,8 +188,8 @@ def test_the_engine_thread_hashes_a_fetch_only_up_to_its_bound(
 ):
     """The engine thread hashes the first ENGINE_PREP_PAGES pages of a fetch, the worker the
     rest (with the GIL dropped), and the hit is the same either way, every byte checked."""
-    import hicache.tiers.fetch as l3
-    import hicache.tiers.worker as l3_worker
+    import hicache.chain.fetch as l3
+    import hicache.chain.jobs as l3_worker
 
     monkeypatch.setattr(l3, "ENGINE_PREP_PAGES", prep)
     writer = engines()
@@ -622,17 +622,17 @@ def test_asking_again_while_the_fetch_runs_returns_the_same_answer(start_mooncak
 
 
 def _spy_fetched(monkeypatch) -> list:
-    """What `HiCache._fetched` found, call by call (None: the general walk answered)."""
-    from hicache.cache import HiCache
+    """What `Matcher._fetched` found, call by call (None: the general walk answered)."""
+    from hicache.match import Matcher
 
     answers: list = []
-    real = HiCache._fetched
+    real = Matcher._fetched
 
     def spy(self, *args):
         answers.append(real(self, *args))
         return answers[-1]
 
-    monkeypatch.setattr(HiCache, "_fetched", spy)
+    monkeypatch.setattr(Matcher, "_fetched", spy)
     return answers
 
 
@@ -756,7 +756,7 @@ def test_a_group_in_consecutive_slots_travels_as_one_piece(mooncake_master, engi
         writer.cache.store(rid, tokens, blocks)
         writer.cache.release(rid)
     settled(writer)
-    H = HEADER  # every object's header (hicache.tiers.envelope) goes first, as a piece of its own
+    H = HEADER  # every object's header (hicache.backends.envelope) goes first, a piece of its own
     assert puts == [[H, 256], [H, 256], [H] + [64] * 4, [H] + [64] * 4]  # p's run up, q's down
     reader = engines(cfg)
     gets = _pieces(reader, "get_into")

@@ -10,8 +10,8 @@ import pytest
 from test_trace import make_trace
 
 from hicache import load_config
+from hicache.backends.disk.records import HEADER
 from hicache.core.plan import PrefillSpeed
-from hicache.tiers.disk.records import HEADER
 from hicache.tools.trace.cli import main
 from hicache.tools.trace.plancli import parse_tier
 from hicache.tools.trace.planner import TtftModel, bytes_per_token, chain_from_config, plan

@@ -396,8 +396,3 @@ def store_key(prefix: str, fingerprint_: bytes, key: bytes, group: int | None) -
     """
     kind = "s" if group is None else f"g{group}"
     return f"{prefix}/{fingerprint_.hex()}/{kind}/{key.hex()}"
-
-
-def hex_keys(keys: Sequence[bytes]) -> list[str]:
-    """Keys as hex strings (for logs and events)."""
-    return [k.hex() for k in keys]

@@ -42,21 +42,21 @@ def _patch(owner: object, attr: str, value: object) -> Callable[[], None]:
 @canary("pin-not-released")
 def _pin_not_released() -> Callable[[], None]:
     """`release` forgets the request but keeps what its match pinned."""
-    from hicache.cache import HiCache
+    from hicache.match import Matcher
 
     def release(self, request_id: str) -> None:
-        req = self._requests.pop(request_id, None)
+        req = self.requests.pop(request_id, None)
         if req is not None and req.fetch is not None and self._chain is not None:
             self._chain.forget(req.fetch)
 
-    return _patch(HiCache, "release", release)
+    return _patch(Matcher, "release", release)
 
 
 @canary("publish-before-copy")
 def _publish_before_copy() -> Callable[[], None]:
     """Write-behind puts do not wait for the GPU -> host copy of their pages."""
-    from hicache.tiers.chain import TierChain
-    from hicache.transfer.completions import DONE
+    from hicache.chain.walk import TierChain
+    from hicache.kernels.completions import DONE
 
     stored = TierChain.stored
 
@@ -69,16 +69,16 @@ def _publish_before_copy() -> Callable[[], None]:
 @canary("keep-caller-array")
 def _keep_caller_array() -> Callable[[], None]:
     """The prefix memo keeps the caller's token array (which the engine reuses) after release."""
-    from hicache.cache import HiCache
+    from hicache.match import Matcher
 
-    match, release = HiCache.match, HiCache.release
+    match, release = Matcher.match, Matcher.release
 
     def matched(self, request_id, tokens, **kwargs):  # type: ignore[no-untyped-def]
         self.__dict__.setdefault("_caller_tokens", {})[request_id] = tokens
         return match(self, request_id, tokens, **kwargs)
 
     def released(self, request_id):  # type: ignore[no-untyped-def]
-        req = self._requests.get(request_id)
+        req = self.requests.get(request_id)
         caller = self.__dict__.get("_caller_tokens", {}).pop(request_id, None)
         held = req.chain.tokens if req is not None else None
         ours = held is not None and isinstance(caller, type(held)) and caller.dtype == held.dtype
@@ -86,16 +86,16 @@ def _keep_caller_array() -> Callable[[], None]:
             req.chain.tokens = caller[: held.shape[0]]
         return release(self, request_id)
 
-    undo = [_patch(HiCache, "match", matched), _patch(HiCache, "release", released)]
+    undo = [_patch(Matcher, "match", matched), _patch(Matcher, "release", released)]
     return lambda: [u() for u in undo] and None
 
 
 @canary("short-codes-accepted")
 def _short_codes_accepted() -> Callable[[], None]:
     """A store's answer is used whatever its length or type (the worker checks nothing)."""
-    from hicache.tiers import worker
+    from hicache.chain import jobs
 
-    return _patch(worker, "_answer", lambda out, job: out)
+    return _patch(jobs, "_answer", lambda out, job: out)
 
 
 def _salt_patch(salt: Callable[..., str | None]) -> Callable[[], None]:

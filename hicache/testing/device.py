@@ -1,5 +1,5 @@
 """A simulated device: the engine's stream on the CPU, whose work runs only when the simulation
-advances it (`hicache.transfer.completions.Transfers.sim_device`).
+advances it (`hicache.kernels.completions.Transfers.sim_device`).
 
 Work runs in the order it was queued, as on one CUDA stream: hicache's copies, and the fake
 engine's own kernels (its prefill writing KV into the pool, its reads of loaded pages). An
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from hicache.transfer.kernels import Route
+from hicache.kernels import Route
 
 
 class SimEvent:

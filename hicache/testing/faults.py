@@ -19,9 +19,9 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from hicache.backends.base import Buffers, StoreTier, StoreUnavailable
 from hicache.config import StoreTierConfig
 from hicache.registry import register_tier
-from hicache.tiers.base import Buffers, StoreTier, StoreUnavailable
 
 MISSING = -2
 
@@ -163,8 +163,8 @@ class SimTier(StoreTier):
         self.name = config.name or config.type
         self.inner: StoreTier | None = None
         if config.disk is not None:
-            from hicache.tiers.disk.config import DiskTierConfig
-            from hicache.tiers.disk.tier import DiskTier
+            from hicache.backends.disk.config import DiskTierConfig
+            from hicache.backends.disk.tier import DiskTier
 
             cfg = DiskTierConfig(path=config.disk, size=config.disk_size, io_threads=2, sync=False)
             self.inner = DiskTier(cfg)

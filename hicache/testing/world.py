@@ -174,7 +174,7 @@ class World:
         cache._transfers.sim_device = self.device
         self.slot_books += [cache.host.page_slots._books, cache.host.state_slots._books]
         self._wait_ready(cache)
-        self.device.to_host = cache._routes[0]  # type: ignore[index]
+        self.device.to_host = cache._routes.to_host
         chain = cache._chain
         if chain is not None:  # the simulation's clock, for deadlines, rates and breakers
             chain.clock = self.clock

@@ -12,7 +12,7 @@ What is in it, and who uses it:
   checks and gathers of the cache's copies (``copyrows.c``: numpy releases the GIL for array
   operations of more than a few hundred elements, and the engine thread must not);
 - the checksum of stored objects (``checksum.c``, `hicache.core.checksum`), on worker threads.
-- the byte planes of the lossless codec (``planes.c``, `hicache.tiers.codec`), on worker threads.
+- the byte planes of the lossless codec (``planes.c``, `hicache.backends.codec`), on worker threads.
 
 `library()` loads it with its signatures declared; calls keep the GIL unless the caller asks for
 the variant that drops it (long calls from worker threads). Loading happens once per variant, at
@@ -69,20 +69,26 @@ SOURCES = (
 
 
 def build(
-    sources: tuple[str, ...] = SOURCES, flags: tuple[str, ...] = (), *, release_gil: bool = True
+    sources: tuple[str, ...] = SOURCES,
+    flags: tuple[str, ...] = (),
+    *,
+    release_gil: bool = True,
+    directory: Path | None = None,
 ) -> ctypes.CDLL | None:
-    """Compile `sources` (C files of this package) into one shared library and load it.
+    """Compile `sources` (C files in `directory`, by default this package's) into one shared
+    library and load it.
 
-    The library is cached under `cache_dir()` by a digest of the sources, native.h, the flags
-    and the platform, so it is built once per machine. Returns None (and logs one warning that
-    says why) when it cannot be built or loaded; callers then take their pure-Python path.
+    The library is cached under `cache_dir()` by a digest of the sources, the directory's
+    headers, the flags and the platform, so it is built once per machine. Returns None (and
+    logs one warning that says why) when it cannot be built or loaded; callers then take their
+    pure-Python path.
 
     With `release_gil` (ctypes' usual CDLL) every call drops the GIL while it runs; without it
     (a PyDLL over the same library) calls keep it.
     """
     if not enabled():
         return None
-    target = _built(sources, flags)
+    target = _built(sources, flags, directory or Path(__file__).parent)
     if target is None:
         return None
     try:
@@ -102,21 +108,20 @@ def enabled() -> bool:
 
 
 @cache
-def _built(sources: tuple[str, ...], flags: tuple[str, ...]) -> str | None:
+def _built(sources: tuple[str, ...], flags: tuple[str, ...], here: Path) -> str | None:
     """The path of the compiled library, built now if it is not cached; None (logged once)
     where it cannot be built."""
     try:
-        return _build(sources, flags)
+        return _build(sources, flags, here)
     except OSError as err:  # unreadable sources, unwritable cache, a compiler that won't run
         log.warning("hicache: C helpers unavailable (%s); using the Python paths (slower)", err)
         return None
 
 
-def _build(sources: tuple[str, ...], flags: tuple[str, ...]) -> str | None:
-    here = Path(__file__).parent
+def _build(sources: tuple[str, ...], flags: tuple[str, ...], here: Path) -> str | None:
     digest = hashlib.sha256(" ".join(flags).encode() + sys.platform.encode())
-    for name in (*sources, "native.h"):
-        digest.update((here / name).read_bytes())
+    for path in (*(here / name for name in sources), *sorted(here.glob("*.h"))):
+        digest.update(path.read_bytes())
     target = cache_dir() / f"hicache-native-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return str(target)

@@ -1,4 +1,4 @@
-/* Byte planes of 16-bit values, for the lossless codec (hicache/tiers/codec.py has the contract
+/* Byte planes of 16-bit values, for the lossless codec (hicache/backends/codec.py has the contract
  * and a numpy twin): n values v_i (little-endian) <-> a plane of their low bytes and a plane of
  * their high bytes. The high byte of a bf16/fp16 value (sign, most of the exponent) takes few
  * values, so its plane compresses; the low plane is stored as it is.

@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from hicache.backends.base import StoreTier
 from hicache.config import HiCacheConfig, StoreTierConfig
 from hicache.core.keys import KeyChain, store_key
 from hicache.registry import tier_class
-from hicache.tiers.base import StoreTier
 
 log = logging.getLogger("hicache.vllm")
 
@@ -62,7 +62,7 @@ class StoreProbe:
 
     def groups(self, fingerprint: bytes, chain: KeyChain, host_pages: int, cap: int) -> list[str]:
         """The object names of the groups a worker's fetch would ask for past a host hit of
-        `host_pages` pages, capped at page `cap` (`hicache.tiers.fetch.FetchSide.start_fetch`):
+        `host_pages` pages, capped at page `cap` (`hicache.chain.fetch.FetchSide.start_fetch`):
         every whole group of the prompt from the one holding page `host_pages` on that starts
         below the cap. Each is named by its last page's key (`store_key`)."""
         G = self.group_pages

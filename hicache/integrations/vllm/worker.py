@@ -38,9 +38,9 @@ from hicache.integrations.vllm.meta import (
     Store,
 )
 from hicache.integrations.vllm.view import RankNews
+from hicache.kernels import PagedBuffer
+from hicache.kernels.completions import Completion, LayerLoad
 from hicache.observability.events import KVEvent
-from hicache.transfer.completions import Completion, LayerLoad
-from hicache.transfer.kernels import PagedBuffer
 
 log = logging.getLogger("hicache.vllm")
 

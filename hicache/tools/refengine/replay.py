@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from hicache.backends.mooncake.tier import SHOW_NATIVE_LOG
 from hicache.config import ConfigError, load_config
 from hicache.errors import HiCacheError
-from hicache.tiers.mooncake.tier import SHOW_NATIVE_LOG
 from hicache.tools.mooncake_local import LocalMaster
 from hicache.tools.refengine.build import EngineSpec, build_engine, load_model
 from hicache.tools.refengine.engine import Engine, Request

@@ -8,8 +8,8 @@ import importlib
 
 import torch
 
+from hicache.backends.mooncake.tier import SHOW_NATIVE_LOG
 from hicache.config import ConfigError, load_config
-from hicache.tiers.mooncake.tier import SHOW_NATIVE_LOG
 from hicache.tools.mooncake_local import master_problem, mooncake_missing
 from hicache.tools.trace.report import write_problem
 

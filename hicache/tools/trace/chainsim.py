@@ -5,8 +5,8 @@ The host tier is modelled at the level of its slot books (`hicache.core.slots`):
 leases; a page enters the eviction policy when it first becomes idle and is touched each time it
 becomes idle again (a lease's pages from last to first); victims are idle pages only; a slot
 reserved for a fetch whose page the host already holds goes back to the free list. A request
-then runs the steps of `HiCache` (hicache/match.py, hicache/store.py, hicache/tiers/chain.py,
-hicache/tiers/fetch.py, hicache/tiers/writes.py), in their order:
+then runs the steps of `HiCache` (hicache/match.py, hicache/store.py, hicache/chain/walk.py,
+hicache/chain/fetch.py, hicache/chain/writes.py), in their order:
 
 1. match: the host prefix is pinned; where it is short of the cap, the walk asks the store
    tiers in order (a tier is passed over where a page reads slower than it computes, as the

@@ -1,6 +1,6 @@
 """One simulated configuration (a policy at a capacity) over a whole trace, fast.
 
-`simulate` runs the compiled simulation (``hicache/core/native/tiersim.c``) where it can be built,
+`simulate` runs the compiled simulation (``hicache/tools/trace/tiersim.c``) where it can be built,
 and `PolicySim` (or the offline reference) otherwise, or where ``HICACHE_NO_NATIVE=1``. Both
 give the same numbers: the C file restates `PolicySim`'s placement rules and the policies of
 `hicache.core.eviction` (LRU, ARC, S3-FIFO; ``prefix`` is ARC when every page weighs the same, as in
@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 
@@ -42,9 +43,10 @@ _SIGNATURES = {
 
 @cache
 def _build(source: str) -> ctypes.CDLL | None:
-    """The compiled simulation `source` (a C file of hicache.core.native) with its functions'
-    signatures declared; its calls drop the GIL. None where it cannot be built."""
-    lib = native.build((source,), release_gil=True)
+    """The compiled simulation `source` (a C file beside this module, built by
+    `hicache.core.native.build`) with its functions' signatures declared; its calls drop the
+    GIL. None where it cannot be built."""
+    lib = native.build((source,), release_gil=True, directory=Path(__file__).parent)
     if lib is None:
         return None
     for name, (restype, argtypes) in _SIGNATURES.items():
@@ -160,7 +162,7 @@ def run_chain(
     python: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> ChainRun:
-    """`ChainSim` over `workload`: compiled (``native/chainsim.c``) for an LRU host tier where
+    """`ChainSim` over `workload`: compiled (``chainsim.c``) for an LRU host tier where
     it can be built, else in Python. `stores` are templates: they are not changed."""
     n, S = len(workload.requests), len(stores)
     hit = np.zeros(n, np.int32)

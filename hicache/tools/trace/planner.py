@@ -23,12 +23,12 @@ from typing import Any
 
 import numpy as np
 
+from hicache.backends.codec import PLANNED_DECODE_GBPS as DECODE_GBPS
+from hicache.backends.codec import PLANNED_RATIO as CODEC_RATIO
+from hicache.backends.disk.records import HEADER as DISK_RECORD_HEADER
 from hicache.config import HiCacheConfig, tier_name
 from hicache.core.eviction import DEFAULT_POLICY
 from hicache.core.plan import PrefillSpeed
-from hicache.tiers.codec import PLANNED_DECODE_GBPS as DECODE_GBPS
-from hicache.tiers.codec import PLANNED_RATIO as CODEC_RATIO
-from hicache.tiers.disk.records import HEADER as DISK_RECORD_HEADER
 from hicache.tools.trace.chainsim import StoreSim
 from hicache.tools.trace.fastsim import run_chain
 from hicache.tools.trace.workload import Workload
@@ -102,7 +102,7 @@ class TierPlan:
     write: str = "behind"
     read_gbps: float = 4.0
     codec: str = "none"
-    """none | lossless (`hicache.tiers.codec`)."""
+    """none | lossless (`hicache.backends.codec`)."""
     codec_ratio: float = CODEC_RATIO
     """With codec: lossless, raw bytes per stored byte."""
     decode_gbps: float = DECODE_GBPS

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hicache import HiCacheConfig, Layout, load_config
+from hicache.backends.host import HostTierConfig
 from hicache.core.eviction import DEFAULT_POLICY, make_policy, policy_names
-from hicache.tiers.host import HostTierConfig
 from hicache.tools.trace.engine import ReplayEngine, Timings
 from hicache.tools.trace.fastsim import OFFLINE, simulate
 from hicache.tools.trace.simulate import OracleSim, block_ceiling

@@ -1,0 +1,143 @@
+"""The header every object of a store tier carries: what it holds and a checksum of its bytes.
+
+A store tier's worker (`hicache.chain.jobs`) writes an object as one `HEADER`-byte header,
+then the payload; the store keeps both as the object's bytes, so every store tier (disk,
+Mooncake, one from another package) gets the check without doing anything. The header is::
+
+    magic "HCob" | version u8 | codec u8 | flags u16 | raw bytes u64 | stored bytes u64
+    | checksum u64
+
+(little-endian). The checksum (`hicache.core.checksum`) covers the payload's raw bytes, seeded
+by the object's name, so an object read under another name does not verify either. A tier with
+a codec (`hicache.backends.codec`) stores the payload encoded (`stored` bytes of codec `codec`) or,
+where that would not shrink it, raw (flag `RAW`, `stored` = `raw`). A read counts only where the
+store returned exactly header plus `stored` bytes and the header names this version, a codec
+this reader decodes, the raw length the reader expects, and the checksum of the raw bytes that
+arrived or were decoded; anything else (bytes changed at rest, a payload that does not decode,
+an object written by an older version without a header, one of another layout or size) is a
+miss, counted, never a hit.
+
+The headers live in memory of their own (`Envelopes`), registered with the store beside the host
+pools: one header per host page slot (a page group's goes by its first slot) and per state slot.
+A slot belongs to one job at a time (a put's are pinned and published, a get's reserved), so
+two jobs never share a header.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import struct
+
+import numpy as np
+import torch
+
+from hicache.backends.codec import Codec, view
+from hicache.core.checksum import checksum
+
+_FIELDS = struct.Struct("<4sBBHQQQ")  # magic, version, codec, flags, raw, stored, checksum
+HEADER = _FIELDS.size
+"""Bytes of an object's header (32)."""
+MAGIC = b"HCob"
+VERSION = 1
+CODEC_NONE = 0
+RAW = 1
+"""Flag: the payload of an object of a tier with a codec is stored raw (it did not shrink)."""
+
+CORRUPT = -errno.EBADMSG
+"""The per-key code a get gives for an object whose header or checksum did not verify."""
+
+
+def seed(name: str) -> int:
+    """The checksum's seed for the object named `name`."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+class Envelopes:
+    """The headers of one store link's objects: `HEADER` bytes per host page slot, then per
+    state slot, in one tensor (`memory`) that the link registers with its store. Thread-safe
+    for jobs on distinct slots."""
+
+    def __init__(self, page_slots: int, state_slots: int) -> None:
+        self.memory = torch.zeros(max(1, page_slots + state_slots) * HEADER, dtype=torch.uint8)
+        self._base = self.memory.data_ptr()
+        self._view = memoryview(self.memory.numpy())
+        self._states = page_slots
+
+    def page_header(self, slot: int) -> int:
+        """Address of the header of the group whose first page is in host page slot `slot`."""
+        return self._base + HEADER * slot
+
+    def state_header(self, slot: int) -> int:
+        """Address of the header of the state in host state slot `slot`."""
+        return self._base + HEADER * (self._states + slot)
+
+    def seal(self, name: str, ptrs: list[int], sizes: list[int]) -> None:
+        """Write the header of object `name` stored raw: `ptrs[0]` is its header (one of this
+        object's), the other pieces its payload."""
+        payload = sum(sizes) - HEADER
+        value = checksum(ptrs[1:], sizes[1:], seed(name))
+        self.write(ptrs[0], CODEC_NONE, 0, payload, payload, value)
+
+    def write(self, at: int, codec: int, flags: int, raw: int, stored: int, value: int) -> None:
+        """Write a header at `at` (one of this object's headers)."""
+        fields = (MAGIC, VERSION, codec, flags, raw, stored, value)
+        _FIELDS.pack_into(self._view, at - self._base, *fields)
+
+    def check(
+        self, name: str, ptrs: list[int], sizes: list[int], code: int, codec: Codec | None = None
+    ) -> int:
+        """The code of a get of object `name` into `ptrs`/`sizes` (header first) that returned
+        `code`: the payload's raw bytes where it verifies (decoded in place by `codec` where it
+        was stored encoded), the store's own code where it failed (negative), `CORRUPT` for
+        anything else."""
+        if code < 0:
+            return code
+        payload = sum(sizes) - HEADER
+        magic, version, kind, flags, raw, stored, value = _FIELDS.unpack_from(
+            self._view, ptrs[0] - self._base
+        )
+        if (magic, version, raw) != (MAGIC, VERSION, payload) or code != stored + HEADER:
+            return CORRUPT
+        if kind == CODEC_NONE or flags == RAW:
+            if stored != raw or flags != (0 if kind == CODEC_NONE else RAW):
+                return CORRUPT
+        elif flags or codec is None or not _decode(codec, kind, ptrs[1:], sizes[1:], stored):
+            return CORRUPT
+        if value != checksum(ptrs[1:], sizes[1:], seed(name)):
+            return CORRUPT
+        return payload
+
+
+def gather(codec: Codec, ptrs: list[int], sizes: list[int], nbytes: int) -> np.ndarray:
+    """The first `nbytes` of the pieces as one array: a view of the first piece where it holds
+    them, else a copy in `codec`'s gather scratch."""
+    if sizes and sizes[0] >= nbytes:
+        return view(ptrs[0], nbytes)
+    out = codec.scratch(nbytes)
+    at = 0
+    for ptr, size in zip(ptrs, sizes):
+        n = min(size, nbytes - at)
+        out[at : at + n] = view(ptr, n)
+        at += n
+        if at == nbytes:
+            break
+    return out
+
+
+def _decode(codec: Codec, kind: int, ptrs: list[int], sizes: list[int], stored: int) -> bool:
+    """Decode the payload of codec `kind` read into the first `stored` bytes of the pieces into
+    the pieces; False where it does not decode."""
+    raw = sum(sizes)
+    if len(ptrs) == 1:
+        dst = view(ptrs[0], raw)
+        return codec.decode(kind, dst[:stored], dst)
+    src = gather(codec, ptrs, sizes, stored)
+    dst = codec.scratch(raw, "out")
+    if not codec.decode(kind, src, dst):
+        return False
+    at = 0
+    for ptr, size in zip(ptrs, sizes):
+        view(ptr, size)[:] = dst[at : at + size]
+        at += size
+    return True

@@ -1,0 +1,310 @@
+"""A store link's fetches: the look-ahead of one request from one store tier, on the engine
+thread (`FetchSide`, a part of `hicache.chain.link.StoreLink`).
+
+A fetch is for one request whose prompt runs past the host tier's hit: the pages after the host
+hit are hashed, by the engine thread for the first `ENGINE_PREP_PAGES` pages and by the worker
+(from the key before them and their tokens) for the rest; the worker names their groups. If the
+fetch fits the link's reserve of free host slots (`StoreLink.refill`), it is one batched
+`get_into` those slots, and the leading run that arrives is the hit. Otherwise one batched
+`exists` for the groups (and, for state layouts, the states at the group ends), then — on the
+engine thread — a choice (the leading run of groups, snapped to a state), fresh host slots
+reserved for it, and one batched `get_into`. Pages become visible in the host index only after
+their get succeeded, under the keys of the job: a failed transfer is never a hit. The slots stay
+pinned by the fetch until the worker has returned, even if the request went away meanwhile, so
+no transfer writes into a reused slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hicache.backends.base import StoreTier
+from hicache.backends.host import HostTier
+from hicache.chain.jobs import Job
+from hicache.config import Layout, Policy
+from hicache.core.cost import Verdict
+from hicache.core.keys import KeyChain
+from hicache.core.slots import Lease
+from hicache.observability.events import EventSink, emit
+from hicache.observability.stats import TierStats
+
+ENGINE_PREP_PAGES = 128
+"""A fetch's first pages that the engine thread hashes itself, in `match` (~25 µs for 128 pages
+on a warm thread): a worker that has just woken runs slowly for its first few hundred µs (4-7
+times slower than warm on the machines measured), and the fill waits for the keys. The worker
+hashes the pages past these (GIL dropped), so the engine thread's share stays bounded however
+long the look-ahead."""
+
+
+@dataclass
+class Fetch:
+    """One request's look-ahead from one tier. Engine thread only.
+
+    The chain links the fetches of one request's walk: where a tier's fetch fell short, the
+    next tier's fetch (`next`) asks for the pages after it."""
+
+    first_group: int
+    groups: int
+    """How many page groups, from `first_group` on, the fetch may bring."""
+    first_page: int
+    """The first page of `first_group`."""
+    host_pages: int
+    """The host hit when the fetch began: the fetch's pages before it (its first group may start
+    below it) were host hits already."""
+    deadline: float
+    started: float
+    link: Any
+    """The `StoreLink` it reads from."""
+    chain: KeyChain
+    """The request's keys (the next tier's fetch starts from them)."""
+    max_pages: int
+    """The cap of the hit: a state layout's fetch ends at a state no deeper than this."""
+    phase: str = "probe"  # probe -> get -> done
+    abandoned: bool = False
+    lease: Lease | None = None
+    """Fetched page slots (and reserved ones while the get runs); released when consumed."""
+    state_lease: Lease | None = None
+    pages: tuple[int, int] = (0, 0)
+    """[first, end) pages that arrived: in the host tier now, under this fetch's slots or (a
+    page the host tier held already) another slot."""
+    fresh: list[int] = field(default_factory=list)
+    """The slots this fetch published, in page order (a page the host tier held already is
+    not among them)."""
+    keys: list[bytes] = field(default_factory=list)
+    """Keys of the pages from the first group's first page on (those the worker hashed come
+    with its first result)."""
+    next: Fetch | None = None
+    """The next tier's fetch of the same walk, once this one has finished short."""
+
+    def key_before(self, pages: int) -> bytes:
+        """The key of page ``pages - 1`` (a group end inside the fetch)."""
+        return self.keys[pages - 1 - self.first_page]
+
+    @property
+    def busy(self) -> bool:
+        """Some part of the walk (this fetch, or one after it) is not done."""
+        fetch: Fetch | None = self
+        while fetch is not None:
+            if fetch.phase != "done":
+                return True
+            fetch = fetch.next
+        return False
+
+    def parts(self) -> list[Fetch]:
+        """This fetch and the ones after it, in walk order."""
+        out: list[Fetch] = []
+        fetch: Fetch | None = self
+        while fetch is not None:
+            out.append(fetch)
+            fetch = fetch.next
+        return out
+
+    def release(self) -> None:
+        """Release this fetch's own slots."""
+        for lease in (self.lease, self.state_lease):
+            if lease is not None:
+                lease.release()
+        self.lease = self.state_lease = None
+
+
+class FetchSide:
+    """The fetch part of a `StoreLink` (engine thread): start a fetch, choose and reserve its
+    run after the probe, publish what the get brought."""
+
+    G: int
+    store: StoreTier
+    host: HostTier
+    layout: Layout
+    policy: Policy
+    stats: TierStats
+    events: EventSink | None
+    settings: Any
+    clock: Callable[[], float]
+    _verdict: Verdict
+    _trusted_books: bool
+    _groups_held: Any
+    _reserve: Lease
+    _lent: int
+    _fetch_load: list[int]
+    _fetch_jobs: list[Any]
+    usable: Callable[[], bool]
+    _done: Callable[[Fetch], None]
+    jobs_in_flight: int
+    _take_back: Callable[[Lease, int], None]
+
+    def start_fetch(
+        self,
+        chain: KeyChain,
+        host_pages: int,
+        max_pages: int,
+        deadline: float | None = None,
+        planned: bool = False,
+    ) -> Fetch | None:
+        """Begin a fetch of the groups after `host_pages` of `chain`, up to `max_pages` pages.
+
+        `chain` has hashed at least `host_pages` pages; the worker hashes the rest it needs.
+        `deadline`: when a waiting request gives up (default: `policy.fetch_max_wait_ms` from
+        now). Returns None when no whole group lies in that range, the tier is not available or
+        busy, or fetching is slower than recomputing (see `hicache.core.cost`; not asked for a
+        `planned` partial fetch, whose plan weighed the tier's speed already).
+        """
+        G = self.G
+        first = host_pages // G
+        # groups [first, last): every whole group that starts below max_pages (the hit is capped
+        # at max_pages afterwards, so a group may be fetched for only part of its pages)
+        last = min(-(-max_pages // G), chain.pages // G)
+        if last <= first:
+            return None
+        if not self.usable():
+            self.stats.skipped_down += 1
+            return None
+        if sum(self._fetch_load) >= self.settings.fetch_depth:
+            self.stats.skipped_busy += 1
+            return None
+        if not planned and not self._verdict.worth():
+            self.stats.skipped_slow += 1
+            return None
+        if self._trusted_books:
+            chain.hash_to((first + 1) * G)
+            if chain.hashed[(first + 1) * G - 1] not in self._groups_held:
+                self.stats.skipped_unheld += 1
+                return None
+        now = self.clock()
+        deadline = now + self.policy.fetch_max_wait_ms / 1e3 if deadline is None else deadline
+        fetch = Fetch(
+            first, last - first, first * G, host_pages, deadline, now, self, chain, max_pages
+        )
+        self.stats.fetches += 1
+        pages = (last - first) * G
+        job = Job("probe", fetch=fetch, started=now)
+        if (
+            not self.layout.state_bytes  # a state's boundary decides the run: probe first
+            and self.store.missing_code is not None  # a miss told from a failure
+            and len(self._reserve.slots) >= pages
+        ):
+            # One call: get every group into reserved slots; the leading run that arrives is the
+            # hit (a missing object reads as a miss). No exists, no second trip to this thread.
+            fetch.lease, fetch.phase = self._reserve.split(pages), "get"
+            fetch.lease.slots.sort()  # runs of slots in order: a group in a run is one piece
+            self._lent += pages
+            job.kind, job.groups, job.unprobed = "get", last - first, True
+            job.page_slots = fetch.lease.slots
+        # The first ENGINE_PREP_PAGES pages are hashed here; the worker hashes the rest.
+        begin, end = first * G, last * G
+        own = min(end, begin + ENGINE_PREP_PAGES)
+        chain.hash_to(own)
+        job.page_keys = fetch.keys = chain.hashed[begin:own]
+        if own < end:
+            # a view, no copy: the chain's tokens are its own and never changed in place
+            P = chain.page_tokens
+            job.hash_from = (job.page_keys[-1], chain.tokens[own * P : end * P])
+        self._submit_fetch(job)
+        return fetch
+
+    def _on_probe(self, job: Job, present: list[bool] | None) -> None:
+        fetch = job.fetch
+        n_groups = fetch.groups
+        if present is None or fetch.abandoned:
+            self._done(fetch)
+            return
+        run = 0
+        while run < n_groups and present[run]:
+            run += 1
+        state_here = False  # the run ends where this tier holds a state (the host tier has none)
+        if self.layout.state_bytes:
+            # snap to the deepest group end with a state somewhere, no deeper than the cap: a
+            # state past it (at the prompt's end) could not be used, one a group earlier can
+            G = self.G
+            run = min(run, (fetch.max_pages - fetch.first_page) // G)
+            states = self.host.state_slots
+            while run > 0:
+                key = fetch.key_before(fetch.first_page + run * G)
+                if key in states:
+                    break
+                if present[n_groups + run - 1]:
+                    state_here = True
+                    break
+                run -= 1
+        if run <= 0 or not self.host.ready:
+            self._done(fetch)
+            return
+        lease = self.host.page_slots.reserve(run * self.G)
+        run = len(lease.slots) // self.G  # the whole groups that fit (the others' pages are pinned)
+        lease.split(len(lease.slots) - run * self.G).release()
+        lease.slots.sort()  # runs of slots in order: a group in a run is one piece
+        state_lease = None
+        if state_here and run:
+            state_lease = self.host.state_slots.reserve(1)
+            if not state_lease.slots:
+                run = 0
+        if run == 0:
+            lease.release()
+            if state_lease is not None:
+                state_lease.release()
+            self.stats.no_space += 1
+            self._done(fetch)
+            return
+        get = Job("get", job.ends[:run], page_slots=lease.slots, fetch=fetch, groups=run)
+        if state_lease is not None:
+            get.state_ends = [fetch.key_before(fetch.first_page + run * self.G)]
+            get.state_slots = state_lease.slots
+        get.started = self.clock()
+        fetch.lease, fetch.state_lease, fetch.phase = lease, state_lease, "get"
+        self._submit_fetch(get)
+
+    def _on_get(self, job: Job, codes: list[int] | None) -> None:
+        """A get returned: `codes` one per object (the worker checked), or None for a failed
+        call (a miss; the fetch's slots are released)."""
+        fetch = job.fetch
+        run = job.groups
+        if job.unprobed:  # its slots are the fetch's now (or free again): the reserve may refill
+            self._lent -= run * self.G
+        # a read counts only where it returned the object's exact size: a tier that answers 0
+        # (or a short count) for an object it did not fill must not make a hit
+        group_bytes = self.G * self.layout.page_size
+        ok = 0
+        if codes is not None:
+            while ok < run and codes[ok] == group_bytes:
+                ok += 1
+            if ok < run and not (job.unprobed and codes[ok] == self.store.missing_code):
+                self.stats.get_failed += run - ok
+        state_ok = (
+            fetch.state_lease is not None
+            and codes is not None
+            and codes[-1] == self.layout.state_bytes
+        )
+        if fetch.state_lease is not None and not state_ok:
+            ok = 0  # without its state the run can't be resumed from
+        if job.unprobed:  # the slots nothing was read into go back where they came from
+            self._take_back(fetch.lease, ok * self.G)  # type: ignore[arg-type]
+        first_page = fetch.first_page
+        if ok:
+            got = fetch.keys[: ok * self.G]
+            fresh = fetch.fresh = self.host.page_slots.publish(
+                fetch.lease.slots[: ok * self.G], got
+            )
+            if self.events is not None:
+                emit(self.events, "stored", "host", self.host.page_slots.keys_of(fresh))
+            self._groups_held.add_all(job.ends[:ok])
+            if fetch.state_lease is not None:
+                boundary_key = got[-1]
+                self.host.state_slots.publish(fetch.state_lease.slots, [boundary_key])
+            fetch.pages = (first_page, first_page + ok * self.G)
+            nbytes = ok * self.G * self.layout.page_size
+            self.stats.pages_fetched += ok * self.G
+            self.stats.get_bytes += nbytes
+            self.read.observe(nbytes, job.finished - job.started)
+        self.stats.latency["hicache_tier_fetch_seconds"].observe(self.clock() - fetch.started)
+        if fetch.abandoned or not ok:
+            fetch.release()
+        self._done(fetch)
+
+    def _submit_fetch(self, job: Job) -> None:
+        """Queue a fetch job for the least busy fetch worker (the first of equals)."""
+        load = self._fetch_load
+        job.worker = load.index(min(load))
+        load[job.worker] += 1
+        self._fetch_jobs[job.worker].put(job)
+        self.jobs_in_flight += 1

@@ -1,0 +1,255 @@
+"""The tier chain: the store tiers below the host, walked in the order of `tiers:`.
+
+`match` takes the host tier's prefix, then asks the first store tier (one batched call, on that
+tier's worker thread) for the page groups after it. When that tier's part of the walk is done
+(`StoreLink.on_done`, on the engine thread) and it fell short of the request's cap, the next
+tier is asked for the pages after what has arrived, and so on down the chain: each tier only for
+the pages the tiers above it lack. Every tier's pages are published in the host tier as they
+arrive (promoted), so the answer is the host walk over them: the longest prefix of page groups
+(and, for state layouts, the deepest usable state). Pages a lower tier brought are also put
+behind to the store tiers above it whose `write:` is `behind`.
+
+A tier that cannot be asked (not connected, breaker open, busy, slower than recompute, or its
+books say it lacks the first group) is passed over: the walk goes on below it, from the same
+page. A tier whose call fails ends its part with nothing, and the walk goes on below it too.
+The whole walk shares one deadline (`policy.fetch_max_wait_ms`).
+
+Writes go down the chain per tier (`StoreTierConfig.write`): `behind` (every group `store`
+copies to the host is put soon after), `on_evict` (put when the host is about to evict it) or
+`off`. Engine thread only, except where a method says otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from hicache import threads
+from hicache.backends import codec as codecs
+from hicache.backends.base import StoreTier
+from hicache.backends.host import HostTier
+from hicache.chain.fetch import Fetch
+from hicache.chain.link import LinkSettings, StoreLink
+from hicache.config import Layout, Policy, StoreTierConfig, tier_name
+from hicache.core.cost import Rate
+from hicache.core.keys import KeyChain
+from hicache.core.plan import PrefillSpeed, plan_fetch
+from hicache.kernels.completions import Completion
+from hicache.observability.events import EventSink
+from hicache.observability.stats import Stats
+from hicache.registry import tier_class
+
+
+class TierChain:
+    """The `StoreLink`s of the store tiers below the host, in walk order."""
+
+    def __init__(
+        self,
+        configs: list[StoreTierConfig],
+        host: HostTier,
+        layout: Layout,
+        fingerprint: bytes,
+        policy: Policy,
+        stats: Stats,
+        events: EventSink | None = None,
+        wake: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        fence: Callable[[], Completion],
+    ) -> None:
+        """`fence`: a completion of every copy enqueued so far on the engine's stream
+        (`hicache.kernels.completions.Transfers.fence`); every put waits for one made when it
+        was queued."""
+        self.policy = policy
+        self.layout = layout
+        self.clock = clock
+        self.prefill = Rate(policy.prefill_tokens_per_s)
+        """The engine's prefill speed (tokens/s), shared by every tier's cost model."""
+        self._stats = stats
+        self.links: list[StoreLink] = []
+        self._close_timeouts: list[float] = []
+        for cfg in configs:
+            store: StoreTier = tier_class(cfg.type)(cfg)
+            cpus = frozenset(cfg.worker_cpus)
+            settings = LinkSettings(
+                name=tier_name(cfg),
+                group_pages=cfg.group_pages,
+                key_prefix=cfg.key_prefix,
+                queue_depth=cfg.write_queue_depth,
+                fetch_depth=cfg.fetch_queue_depth,
+                fetch_workers=cfg.fetch_workers or threads.fetch_workers(cpus),
+                reserve_pages=cfg.fetch_reserve // layout.page_size,
+                worker_cpus=cpus,
+                write=cfg.write,
+                read_gbps=cfg.read_gbps or store.read_gbps,
+                breaker_failures=cfg.breaker_failures,
+                breaker_reprobe_s=cfg.breaker_reprobe_s,
+                codec=codecs.for_dtype(layout.kv_dtype) if cfg.codec == "lossless" else None,
+                codec_threads=cfg.codec_threads,
+            )
+            link = StoreLink(
+                store, settings, host, layout, fingerprint, policy, self.prefill,
+                clock=clock, events=events, wake=wake, on_done=self._walk_on, fence=fence,
+            )  # fmt: skip
+            self.links.append(link)
+            self._close_timeouts.append(cfg.close_timeout_s)
+            stats.tiers[link.name] = link.stats
+        self._index = {id(link): i for i, link in enumerate(self.links)}
+        self._write_back = [link for link in self.links if link.settings.write == "on_evict"]
+        self._behind = [link for link in self.links if link.settings.write == "behind"]
+        self.group_pages = sorted({link.G for link in self.links})
+        """The group sizes of the tiers (a state at a group end of each can be fetched)."""
+
+    # -- fetch ------------------------------------------------------------------------------------
+
+    def start(
+        self,
+        chain: KeyChain,
+        host_pages: int,
+        max_pages: int,
+        after: int = 0,
+        deadline: float | None = None,
+        planned: bool = False,
+    ) -> Fetch | None:
+        """Begin the walk at tier `after`: the first tier from there that takes the fetch of
+        the groups after `host_pages` (up to `max_pages`). None when none does. `planned`: a
+        partial fetch (see `plan`), asked of a tier however its speed compares to recompute."""
+        for link in self.links[after:]:
+            fetch = link.start_fetch(chain, host_pages, max_pages, deadline, planned)
+            if fetch is not None:
+                return fetch
+        return None
+
+    def plan(self, first: int, host_pages: int, max_pages: int) -> tuple[int, float]:
+        """A partial fetch of a hit capped at `max_pages` pages, of which the engine holds
+        `first` and the host tier the pages up to `host_pages`: the page k (a group start of
+        the first tier) from which the tiers are asked, so that the engine's prefill of
+        [first, k) and the first tier's read of [k, max_pages) end together (`plan_fetch`, with
+        the learned read rate and prefill speed), and the seconds the read is expected to take.
+        (0, 0.0) where k would not pass the host hit (the host part is fast: fetch as usual) or
+        would leave nothing to fetch."""
+        link, P = self.links[0], self.layout.page_tokens
+        plan = plan_fetch(
+            max_pages * P,
+            page_tokens=P,
+            page_bytes=self.layout.page_size,
+            read_bytes_per_s=link.read.per_s,
+            prefill=PrefillSpeed(self.prefill.per_s),
+            computed_tokens=first * P,
+        )
+        k = plan.head_tokens // P // link.G * link.G
+        if not host_pages < k < max_pages:
+            return 0, 0.0
+        return k, (max_pages - k) * self.layout.page_size / link.read.per_s
+
+    def _walk_on(self, fetch: Fetch) -> None:
+        """A tier's part of a walk is done: put what it brought behind to the tiers above it,
+        and ask the tiers below it for what is still missing."""
+        if fetch.abandoned:
+            return
+        i = self._index[id(fetch.link)]
+        lo, hi = fetch.pages
+        if hi > lo:
+            adopt_keys(fetch.chain, fetch)
+            self._promote(fetch.chain.hashed[:hi], i)
+        reached = max(fetch.host_pages, hi)
+        if i + 1 < len(self.links) and reached < fetch.max_pages and self.clock() < fetch.deadline:
+            adopt_keys(fetch.chain, fetch)
+            fetch.next = self.start(fetch.chain, reached, fetch.max_pages, i + 1, fetch.deadline)
+
+    def _promote(self, keys: list[bytes], below: int) -> None:
+        """Put the groups of `keys` (in the host tier now) to the write-behind tiers above tier
+        `below`."""
+        for link in self._behind:
+            if self._index[id(link)] < below:
+                link.write_behind(keys, len(keys), range(link.G, len(keys) + 1, link.G))
+
+    def waiting(self, fetch: Fetch) -> bool:
+        """True while the request should wait for its walk (policy 'wait', before the walk's
+        deadline). Past it the walk is abandoned (its results still arrive and free their
+        slots) and the tier whose part was running counts a timeout."""
+        if self.policy.fetch_pending != "wait" or not fetch.busy:
+            return False
+        if self.clock() <= fetch.deadline:
+            return True
+        for part in fetch.parts():
+            if part.phase != "done" and not part.abandoned:
+                part.link.stats.timeouts += 1
+            part.abandoned = True
+        return False
+
+    def forget(self, fetch: Fetch) -> None:
+        """The request is gone: drop its walk. A part that is done releases its slots now; a
+        running one still finishes into its slots, which its result then releases."""
+        for part in fetch.parts():
+            part.abandoned = True
+            if part.phase == "done":
+                part.release()
+
+    def apply(self) -> bool:
+        """Apply what every tier's workers have posted; True if a fetch finished."""
+        fetched = False
+        for link in self.links:
+            fetched = link.apply() or fetched
+        return fetched
+
+    # -- writes -----------------------------------------------------------------------------------
+
+    def stored(self, keys: list[bytes], ready: Completion, slots: list[int] | None = None) -> None:
+        """`store` copied `keys` (a sequence from its first page) to the host tier: hand them
+        to every tier as its `write:` says. `ready`: a fence made after the host copy (what
+        `Transfers.then` returned for it)."""
+        n = len(keys)
+        for link in self._behind:
+            link.write_behind(keys, n, range(link.G, n + 1, link.G), ready, slots)
+        for link in self._write_back:
+            link.note_dirty(keys, n)
+
+    def evicted(self, keys: list[bytes]) -> None:
+        """The host tier evicted `keys` (its eviction hook)."""
+        for link in self._write_back:
+            link.evicted(keys)
+
+    # -- housekeeping -----------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        for link in self.links:
+            link.poll()
+
+    def report_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed `tokens` in `seconds`: fold it into the prefill speed."""
+        self.prefill.observe(tokens, seconds)
+        self._stats.prefill_tokens_per_s = int(self.prefill.per_s)
+
+    def usable(self) -> bool:
+        """Every tier answers (for `wait_ready`)."""
+        return all(link.usable() for link in self.links)
+
+    @property
+    def idle(self) -> bool:
+        """No job is queued or running in any tier."""
+        return all(link.idle for link in self.links)
+
+    def gauges(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for link in self.links:
+            out.update(link.gauges())
+        return out
+
+    def close(self) -> None:
+        """Drain the writes of the persistent tiers (each for at most its `close_timeout_s`),
+        then stop every tier's workers and close its store. Blocks."""
+        for link, timeout in zip(self.links, self._close_timeouts):
+            if link.store.persistent and link.usable():
+                link.drain(timeout)
+        for link in self.links:
+            link.close()
+
+
+def adopt_keys(chain: KeyChain, fetch: Fetch) -> None:
+    """Take the keys a fetch's worker hashed into the request's chain, so that the walk over
+    the fetched pages looks them up instead of hashing them again. They chain from the key
+    before the fetch's first page, which the chain had hashed when the fetch began."""
+    have, first = len(chain.hashed), fetch.first_page
+    if first <= have < first + len(fetch.keys):
+        chain.append(fetch.keys[have - first :])

@@ -1,0 +1,210 @@
+"""A store link's writes (`WriteSide`, a part of `hicache.chain.link.StoreLink`; engine thread).
+
+- *write: behind*: `store` queues a put with the completion of its host copy: the worker waits
+  for that copy, then sends the full page groups (and group-aligned states) that the tier is not
+  known to hold straight from the pinned host slots, which stay pinned until the put returns.
+- *write: on_evict*: `store` only notes the new groups; once the host tier runs short of free
+  slots, `poll` puts the oldest of them (pinned until the put returns, so not evicted before).
+
+Every put carries a fence (`ready`): a completion of every copy enqueued on the engine's stream
+before the put was queued, which the worker waits for before it reads a slot (a slot is
+published as its copy is enqueued, so a put of any published page may otherwise read it early).
+
+The put queue is bounded (`queue_depth` puts queued or running): when it is full, work is
+dropped and counted, never queued without bound and never waited for.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from itertools import filterfalse
+from typing import Any
+
+from hicache.backends.host import HostTier
+from hicache.chain.jobs import Job
+from hicache.config import Layout
+from hicache.kernels.completions import Completion
+from hicache.observability.events import EventSink, emit
+from hicache.observability.stats import TierStats
+
+WRITE_BACK_GROUPS = 64
+"""`write: on_evict`: page groups one write-back put takes at most."""
+
+
+class WriteSide:
+    """The write part of a `StoreLink`."""
+
+    G: int
+    name: str
+    host: HostTier
+    layout: Layout
+    stats: TierStats
+    events: EventSink | None
+    settings: Any
+    clock: Callable[[], float]
+    fence: Callable[[], Completion]
+    _dirty: OrderedDict[bytes, list[bytes]]
+    _groups_held: Any
+    _states_held: Any
+    _puts_out: int
+    _put_jobs: Any
+    usable: Callable[[], bool]
+    jobs_in_flight: int
+
+    def note_dirty(self, keys: list[bytes], n_pages: int) -> None:
+        """`write: on_evict`: `store` has written `keys[:n_pages]` to the host; note the groups
+        the tier does not hold, for `write_back`."""
+        G, held, dirty = self.G, self._groups_held, self._dirty
+        for g in range(n_pages // G):
+            end = keys[(g + 1) * G - 1]
+            if end not in held and end not in dirty:
+                dirty[end] = keys[g * G : (g + 1) * G]
+
+    def write_behind(
+        self,
+        keys: list[bytes],
+        n_pages: int,
+        state_pages: Sequence[int],
+        ready: Completion | None = None,
+        slots: list[int] | None = None,
+    ) -> None:
+        """Queue puts of the full groups of `keys[:n_pages]` (and states) the tier does not hold.
+
+        `ready`: a fence the caller has just made (`store` gives the completion of its host
+        write-through); None: one is made here. The worker waits for it before reading the
+        slots, which stay pinned until the put has returned. On this
+        thread: which groups are new, their slots, their pins; the worker names them and finds
+        their bytes. `slots`, where the caller knows them: the host slot of each of `keys`
+        (all published), so that they need not be looked up.
+        """
+        G, n_groups = self.G, n_pages // self.G
+        if not self.usable():  # not connected, or the breaker is open: offer nothing
+            self.stats.puts_skipped += n_groups
+            return
+        held = self._groups_held
+        every_end = keys[G - 1 : n_groups * G : G]
+        ends = list(filterfalse(held.__contains__, every_end))
+        if self._puts_out >= self.settings.queue_depth:  # drop at once, build nothing
+            self.stats.puts_dropped += len(ends)
+            return
+        pins: list[int] = []
+        if slots is not None and len(ends) == n_groups:  # every group is new: no loop
+            pins = slots[: n_groups * G]
+        elif ends:
+            page_slots: Sequence[int | None] = (
+                slots if slots is not None else self.host.page_slots.lookup(keys[: n_groups * G])
+            )
+            ends = []
+            for g, end in enumerate(every_end):
+                group = page_slots[g * G : (g + 1) * G]
+                # held, or a page evicted meanwhile (this group can't be put)
+                if end not in held and None not in group:
+                    ends.append(end)
+                    pins += group  # type: ignore[arg-type]
+        state_ends: list[bytes] = []
+        state_pins: list[int] = []
+        if self.layout.state_bytes:
+            wanted = [keys[p - 1] for p in state_pages if p % G == 0]
+            wanted = [k for k in wanted if k not in self._states_held]
+            for key, slot in zip(wanted, self.host.state_slots.lookup(wanted)):
+                if slot is not None:
+                    state_ends.append(key)
+                    state_pins.append(slot)
+        self._put(ends, pins, state_ends, state_pins, ready)
+
+    def _put(
+        self,
+        ends: list[bytes],
+        pins: list[int],
+        state_ends: list[bytes],
+        state_pins: list[int],
+        ready: Completion | None = None,
+    ) -> None:
+        """Queue one put of the groups named by `ends` (their pages in host slots `pins`, `G`
+        a group) and the states in `state_pins`; the slots stay pinned until it has returned.
+        `ready`: a fence made after the last copy enqueued so far (None: made here)."""
+        if not ends and not state_ends:
+            return
+        if ready is None:
+            ready = self.fence()
+        leases = (self.host.page_slots.lease(pins),)
+        if state_pins:
+            leases += (self.host.state_slots.lease(state_pins),)
+        job = Job("put", ends, state_ends, pins, state_pins, leases=leases, ready=ready)
+        job.started = self.clock()
+        self._puts_out += 1
+        self._put_jobs.put(job)
+        self.jobs_in_flight += 1
+        self._groups_held.add_all(ends)
+        if state_ends:
+            self._states_held.add_all(state_ends)
+
+    def write_back(self, force: bool = False) -> None:
+        """`write: on_evict`: once the host tier runs short of free slots (fewer than an eighth
+        of them free; `force`: at once), put the oldest groups noted by `stored` that it still
+        holds, up to `WRITE_BACK_GROUPS` in one put. A group the host evicted first is counted
+        lost (`evict_lost`)."""
+        dirty = self._dirty
+        if not dirty or self._puts_out >= self.settings.queue_depth or not self.usable():
+            return
+        pool = self.host.page_slots
+        if not force and pool.free >= pool.capacity // 8:
+            return
+        batch = [dirty.popitem(last=False) for _ in range(min(WRITE_BACK_GROUPS, len(dirty)))]
+        flat = [key for _, group in batch for key in group]
+        found = pool.lookup(flat)
+        G = self.G
+        ends: list[bytes] = []
+        pins: list[int] = []
+        for i, (end, _) in enumerate(batch):
+            group = found[i * G : (i + 1) * G]
+            if None in group:
+                self.stats.evict_lost += 1
+                continue
+            ends.append(end)
+            pins += group  # type: ignore[arg-type]
+        state_ends: list[bytes] = []
+        state_pins: list[int] = []
+        if self.layout.state_bytes and ends:
+            for key, slot in zip(ends, self.host.state_slots.lookup(ends)):
+                if slot is not None and key not in self._states_held:
+                    state_ends.append(key)
+                    state_pins.append(slot)
+        self._put(ends, pins, state_ends, state_pins)
+
+    def evicted(self, keys: Sequence[bytes]) -> None:
+        """The host evicted `keys`: groups noted for write-back whose end was among them are
+        lost to this tier (counted)."""
+        dirty = self._dirty
+        if dirty:
+            for key in keys:
+                if dirty.pop(key, None) is not None:
+                    self.stats.evict_lost += 1
+
+    def _on_put(self, job: Job, codes: list[int] | None) -> None:
+        for lease in job.leases:
+            lease.release()
+        groups, layout, stats = len(job.ends), self.layout, self.stats
+        group_bytes = self.G * layout.page_size
+        n = groups + len(job.state_ends)
+        # codes: one per object (the worker checked), or None for a failed call
+        if codes is not None and min(codes) >= 0:  # the usual case: counted in one step
+            stats.objects_put += n
+            stats.put_bytes += (
+                len(job.page_slots) * layout.page_size + len(job.state_slots) * layout.state_bytes
+            )
+            put = job.ends
+        else:
+            put = []
+            for i, key in enumerate(job.ends + job.state_ends):
+                if codes is not None and codes[i] >= 0:
+                    stats.objects_put += 1
+                    stats.put_bytes += group_bytes if i < groups else layout.state_bytes
+                    if i < groups:
+                        put.append(key)
+                else:
+                    (self._groups_held if i < groups else self._states_held).discard(key)
+                    stats.put_failed += 1
+        if self.events is not None:
+            emit(self.events, "stored", self.name, put)
