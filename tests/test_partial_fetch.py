@@ -97,6 +97,7 @@ def _reader(model, space: str, x: float, monkeypatch, tier: dict | None = None, 
 
 
 def _clean(eng) -> dict:
+    """Check that the reader settles with nothing held, then close it; its last stats."""
     deadline = time.monotonic() + 15
     while not eng.cache.tiers_idle:  # the reader's own stores are put behind to the tier
         assert time.monotonic() < deadline, "the store tier did not settle in time"
@@ -108,6 +109,7 @@ def _clean(eng) -> dict:
     reserve = sum(v for key, v in stats.items() if key.startswith("fetch_reserve_"))
     assert stats["requests"] == 0 and stats["host_pinned"] == reserve
     assert stats["copies_in_flight"] == 0
+    eng.cache.close()
     return stats
 
 
