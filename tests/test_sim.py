@@ -9,12 +9,15 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hicache.testing import canaries, faults
 from hicache.testing.device import SimDevice
+from hicache.testing.oracle import Content, Oracle, Violation
 from hicache.testing.sim import plan, replay, run_seed
 from hicache.testing.workload import _has_vllm
+from hicache.tiers import envelope
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -142,3 +145,33 @@ def test_a_bad_argument_is_one_line():
     done = _run("python -m hicache.testing.sim --skip nothing")
     assert done.returncode == 2
     assert "--skip: unknown 'nothing'" in done.stderr
+
+
+def _object(name: str, payload: np.ndarray) -> bytes:
+    """An object as a store tier's worker puts it: its header (`envelope`), then `payload`."""
+    headers = envelope.Envelopes(1, 0)
+    at = headers.page_header(0)
+    headers.seal(name, [at, payload.ctypes.data], [envelope.HEADER, payload.size])
+    return headers.memory.numpy()[: envelope.HEADER].tobytes() + payload.tobytes()
+
+
+def test_the_oracle_checks_what_a_put_holds_behind_its_header():
+    """A put's object is a header, then the payload: the oracle compares the payload (it once
+    compared the whole object, so a right state failed and no group was checked at all)."""
+    oracle = Oracle(page_bytes=64, state_bytes=24, page_tokens=4)
+    content = Content(tuple(range(1, 9)))
+    keys = [bytes([1]) * 16, bytes([2]) * 16]
+    oracle.learn(keys, content, "a store")
+    group = f"sim/g2/{keys[1].hex()}"
+    pages = np.concatenate([oracle.page(content, 4), oracle.page(content, 8)])
+    oracle.check_put(group, _object(group, pages))
+    state = f"sim/s/{keys[1].hex()}"
+    oracle.check_put(state, _object(state, oracle.state(content, 8)))
+    wrong = pages.copy()
+    wrong[64 + 5] ^= 1
+    with pytest.raises(Violation, match="page 1 of 2 has wrong bytes"):
+        oracle.check_put(group, _object(group, wrong))
+    with pytest.raises(Violation, match="wrong bytes"):
+        oracle.check_put(state, _object(state, oracle.state(content, 4)))
+    with pytest.raises(Violation, match="checksum"):
+        oracle.check_put(state, _object(group, oracle.state(content, 8)))
