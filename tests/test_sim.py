@@ -175,3 +175,45 @@ def test_the_oracle_checks_what_a_put_holds_behind_its_header():
         oracle.check_put(state, _object(state, oracle.state(content, 4)))
     with pytest.raises(Violation, match="checksum"):
         oracle.check_put(state, _object(group, oracle.state(content, 8)))
+
+
+STEP_WAIT_OPS = [
+    ("step",),
+    ("ask", "v176", (0, 2, 38, 10, 55, 2, 1, None), 2, False),
+    ("step",),
+    ("ask", "v181", (0, 1, 19, 52, 37, 1, 2, None), 1, False),
+    ("ask", "v199", (0, 0, 43, 15, 48, 0, 2, (1, 21, 7)), 0, False),
+    ("device", 2),
+    ("device", 3),
+    ("call", 3, None),
+    ("step",),
+    ("device", -1),
+    ("preempt", "v176"),
+    ("call", 1, None),
+    ("call", 1, None),
+    ("step",),
+    ("ask", "v231", (0, 2, 73, 54, 66, 1, 2, None), 1, False),
+    ("call", 1, None),
+    ("step",),
+    ("call", 1, None),
+    ("ask", "v237", (0, 1, 26, 42, 19, 1, 1, (0, 20, 4)), 0, False),
+    ("step",),
+    ("step",),
+]
+"""Seed 12's operations (shrunk) in which vLLM's worker waits in its step for a granted load's
+fetch, whose store calls are parked at the gate."""
+
+
+@pytest.mark.skipif(not _has_vllm(), reason="vLLM is not installed")
+def test_the_store_answers_while_the_vllm_worker_waits_in_step_for_a_fetch():
+    """The simulation serves parked store calls while the engine thread waits for them (it
+    once waited for the next operation to release them: a stall of fetch_max_wait_ms)."""
+    setup, _ = plan(12, CI_OPS)
+    assert setup.engine == "vllm" and setup.in_step
+    outcome: list[tuple[int, str | None]] = []
+    runner = threading.Thread(
+        target=lambda: outcome.append(replay(12, setup, STEP_WAIT_OPS)), daemon=True
+    )
+    runner.start()
+    runner.join(240)
+    assert outcome == [(len(STEP_WAIT_OPS), None)], "the world stalled in a step"

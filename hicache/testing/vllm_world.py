@@ -58,6 +58,42 @@ def request_content(r: Any) -> Content:
     )
 
 
+class StoreWhileWaiting:
+    """What the worker waits on while a granted load's fetch is pending (in step): the
+    simulation serves the store meanwhile, as a real store answers while the engine waits. Each
+    wait lets the first parked call through (in the gate's order, no fault), else runs the
+    device's next work, else lets time pass; a wait that serves nothing for `IDLE_WAITS` rounds
+    is a fetch that never ends (a hang in the cache)."""
+
+    IDLE_WAITS = 100
+    TIME_STEP_S = 60.0
+    """Simulated seconds a wait with nothing to serve lets pass (the fetch deadline is the
+    world's `fetch_max_wait_ms`, in simulated time)."""
+
+    def __init__(self, world: VllmWorld) -> None:
+        self.world = world
+        self.idle = 0  # waits in a row that served nothing
+
+    def wait(self, _timeout: float) -> bool:
+        world = self.world
+        world.settle()
+        if world.space.gate.release(0, None) is None and not world.device.advance(1):
+            world.now += self.TIME_STEP_S
+            self.idle += 1
+            if self.idle > self.IDLE_WAITS:
+                raise Violation("the worker waits in step for a fetch that never ends")
+        else:
+            self.idle = 0
+        world.settle()
+        return True
+
+    def set(self) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
+
+
 class VllmWorld(World):
     """A `World` whose engine is vLLM's scheduler and worker with the hicache connector."""
 
@@ -81,6 +117,7 @@ class VllmWorld(World):
         self.gpu = cache.gpu._pages
         self.states = None
         self._attach(cache)
+        self.worker._woken = StoreWhileWaiting(self)  # type: ignore[assignment]
         self.books = SchedulerBooks(P, ranks=1, in_step=s.in_step)
         self.vreqs: dict[str, VReq] = {}
         self.reqs = {}  # the World's own requests: none (see `_live`)
