@@ -71,11 +71,15 @@ def _keep_caller_array() -> Callable[[], None]:
     """The prefix memo keeps the caller's token array (which the engine reuses) after release."""
     from hicache.cache import HiCache
 
-    match, release = HiCache.match, HiCache.release
+    match, store, release = HiCache.match, HiCache.store, HiCache.release
 
     def matched(self, request_id, tokens, **kwargs):  # type: ignore[no-untyped-def]
         self.__dict__.setdefault("_caller_tokens", {})[request_id] = tokens
         return match(self, request_id, tokens, **kwargs)
+
+    def stored(self, request_id, tokens, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.__dict__.setdefault("_caller_tokens", {})[request_id] = tokens
+        return store(self, request_id, tokens, *args, **kwargs)
 
     def released(self, request_id):  # type: ignore[no-untyped-def]
         req = self._requests.get(request_id)
@@ -86,7 +90,11 @@ def _keep_caller_array() -> Callable[[], None]:
             req.chain.tokens = caller[: held.shape[0]]
         return release(self, request_id)
 
-    undo = [_patch(HiCache, "match", matched), _patch(HiCache, "release", released)]
+    undo = [
+        _patch(HiCache, "match", matched),
+        _patch(HiCache, "store", stored),
+        _patch(HiCache, "release", released),
+    ]
     return lambda: [u() for u in undo] and None
 
 

@@ -131,6 +131,9 @@ class VllmWorld(World):
         truth = request_content(vr.request)
         return Content(truth.tokens[: len(tokens)], truth.salt, truth.lora, truth.images)
 
+    def content_of_match(self, rid: str, tokens: Any) -> Content | None:
+        return self.content_of_store(rid, tokens) if rid in self.vreqs else None
+
     def _live(self) -> set[str]:
         """The engine's requests, and those whose end the workers learn in the next step."""
         step = self.books._step
@@ -299,12 +302,31 @@ class VllmWorld(World):
         sent = {r for r in (*books._granted, *books._loads) if r not in books._claims}
         open_ = sent | set(books._asked) | {q.request_id for q in step.lookups}
         closing = set(step.unused) | set(step.forget)
-        for rid in (*self.worker._matched, *self.worker._asking):
-            if rid not in open_ and rid not in closing:
+        asked = self._open_questions()
+        held = {rid: pair[1] for rid, pair in self.worker._matched.items()}
+        for rid, lookup in (*held.items(), *self.worker._asking.items()):
+            if rid in closing:
+                continue
+            if rid not in open_:
                 raise Violation(
                     f"request {rid}: the worker holds a question the scheduler closed without "
                     "telling it"
                 )
+            if lookup is not None and asked.get(rid, lookup.computed) != lookup.computed:
+                raise Violation(
+                    f"request {rid}: the worker holds a question from {lookup.computed} tokens, "
+                    f"which the scheduler replaced (from {asked[rid]}) without telling it"
+                )
+
+    def _open_questions(self) -> dict[str, int]:
+        """The computed tokens of each request's open question on the scheduler's side (the
+        newest: asked this step, asked, or answered and granted)."""
+        books = self.books
+        out = {rid: a.computed for rid, a in books._loads.items()}
+        out.update((rid, a.computed) for rid, a in books._granted.items())
+        out.update(books._asked)
+        out.update((q.request_id, q.computed) for q in books._step.lookups)
+        return {rid: c for rid, c in out.items() if rid not in books._claims}
 
     # the direct engine's operations have no meaning here
     def op_load(self, *_: Any) -> None:
