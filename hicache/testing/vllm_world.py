@@ -16,8 +16,16 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from vllm import SamplingParams
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.v1.request import Request
+
 from hicache.core.keys import namespace
+from hicache.integrations.vllm.scheduler import SchedulerBooks
+from hicache.integrations.vllm.worker import WorkerCache
 from hicache.testing.oracle import Content, Violation
+from hicache.testing.workload import content_of
 from hicache.testing.world import World
 
 LORAS = (None, ("alpha", "/adapters/alpha"), ("beta", "/adapters/beta"))
@@ -100,8 +108,6 @@ class VllmWorld(World):
     def _open(self) -> None:
         import torch
 
-        from hicache.integrations.vllm.scheduler import SchedulerBooks
-        from hicache.integrations.vllm.worker import WorkerCache
         from hicache.testing.device import SimDevice
 
         s, P = self.setup, self.setup.page_tokens
@@ -143,13 +149,6 @@ class VllmWorld(World):
 
     def op_ask(self, rid: str, spec: tuple, own: int, _partial: bool) -> None:
         """A new request (or `rid` asked again with another prompt: a new vLLM request)."""
-        from vllm import SamplingParams
-        from vllm.lora.request import LoRARequest
-        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-        from vllm.v1.request import Request
-
-        from hicache.testing.workload import content_of
-
         if rid in self.vreqs:
             self.op_release(rid)
         salt, lora, image = spec[5], spec[6], spec[7]
