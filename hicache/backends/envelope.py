@@ -18,9 +18,10 @@ an object written by an older version without a header, one of another layout or
 miss, counted, never a hit.
 
 The headers live in memory of their own (`Envelopes`), registered with the store beside the host
-pools: one header per host page slot (a page group's goes by its first slot) and per state slot.
-A slot belongs to one job at a time (a put's are pinned and published, a get's reserved), so
-two jobs never share a header.
+pools: one header per host page slot (a page group's goes by its last slot) and per state slot.
+Two jobs never share a header: a get's slots are reserved, its own; puts read pinned slots, and
+two puts that share a group's last slot put the same object (a last page's key names its
+group), whereas groups that share a first page do not.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class Envelopes:
         self._states = page_slots
 
     def page_header(self, slot: int) -> int:
-        """Address of the header of the group whose first page is in host page slot `slot`."""
+        """Address of the header of the group whose last page is in host page slot `slot`."""
         return self._base + HEADER * slot
 
     def state_header(self, slot: int) -> int:

@@ -282,8 +282,10 @@ class Worker:
         `group_pieces`), then one state per entry of `state_slots`."""
         pieces = group_pieces(self._page_rows, self.G, page_slots)
         header = self.envelopes.page_header
-        for ptrs, sizes, first in zip(pieces.ptrs, pieces.sizes, page_slots[:: self.G]):
-            ptrs.insert(0, header(first))
+        # by its last slot: groups that share their first page (prompts that part in the
+        # group) are put at once from the same first slot, but a last page names its group
+        for ptrs, sizes, last in zip(pieces.ptrs, pieces.sizes, page_slots[self.G - 1 :: self.G]):
+            ptrs.insert(0, header(last))
             sizes.insert(0, HEADER)
         for slot in state_slots:
             row = self.host.state(slot)

@@ -70,23 +70,35 @@ def _publish_before_copy() -> Callable[[], None]:
 def _keep_caller_array() -> Callable[[], None]:
     """The prefix memo keeps the caller's token array (which the engine reuses) after release."""
     from hicache.match import Matcher
+    from hicache.store import WriteThrough
 
-    match, release = Matcher.match, Matcher.release
+    match, store, release = Matcher.match, WriteThrough.store, Matcher.release
+    callers: dict[tuple[int, str], object] = {}
+    """The caller's arrays, by (the cache's request table, request): the matcher and the
+    write-through share that table."""
 
     def matched(self, request_id, tokens, **kwargs):  # type: ignore[no-untyped-def]
-        self.__dict__.setdefault("_caller_tokens", {})[request_id] = tokens
+        callers[id(self.requests), request_id] = tokens
         return match(self, request_id, tokens, **kwargs)
+
+    def stored(self, request_id, tokens, *args, **kwargs):  # type: ignore[no-untyped-def]
+        callers[id(self._requests), request_id] = tokens
+        return store(self, request_id, tokens, *args, **kwargs)
 
     def released(self, request_id):  # type: ignore[no-untyped-def]
         req = self.requests.get(request_id)
-        caller = self.__dict__.get("_caller_tokens", {}).pop(request_id, None)
+        caller = callers.pop((id(self.requests), request_id), None)
         held = req.chain.tokens if req is not None else None
         ours = held is not None and isinstance(caller, type(held)) and caller.dtype == held.dtype
         if ours and caller.shape[0] >= held.shape[0]:  # the memo keeps the caller's own array
             req.chain.tokens = caller[: held.shape[0]]
         return release(self, request_id)
 
-    undo = [_patch(Matcher, "match", matched), _patch(Matcher, "release", released)]
+    undo = [
+        _patch(Matcher, "match", matched),
+        _patch(WriteThrough, "store", stored),
+        _patch(Matcher, "release", released),
+    ]
     return lambda: [u() for u in undo] and None
 
 

@@ -12,10 +12,15 @@ says it holds (`check_put`).
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from hicache.backends import envelope
+from hicache.backends.codec import Codec
+from hicache.core.checksum import checksum_bytes
 
 
 class Violation(AssertionError):
@@ -91,9 +96,11 @@ class Oracle:
 
     def check_put(self, name: str, data: bytes) -> None:
         """An object put to a store tier holds what its name says: a group of pages ending at
-        its key (``.../g<G>/<key>``) or the state there (``.../s/<key>``)."""
+        its key (``.../g<G>/<key>``) or the state there (``.../s/<key>``), behind a header that
+        describes it (`hicache.backends.envelope`)."""
         parts = name.split("/")
         kind, key = parts[-2], bytes.fromhex(parts[-1])
+        data = payload(name, data)
         if kind == "s":
             want = self.expected_state(key)
             if want is not None and data != want.tobytes():
@@ -113,3 +120,27 @@ class Oracle:
                     f"put of group {parts[-1][:16]}: page {j} of {G} has wrong bytes "
                     "(read before its copy completed, or another page's)"
                 )
+
+
+_HEADER = struct.Struct("<4sBBHQQQ")
+"""An object's header (`hicache.backends.envelope`): magic, version, codec, flags, raw bytes,
+stored bytes, checksum of the raw bytes."""
+
+
+def payload(name: str, data: bytes) -> bytes:
+    """The raw payload of object `name` as put (`data`: header, then the payload as stored,
+    decoded where its codec encoded it); a Violation where the header does not describe it."""
+    if len(data) < envelope.HEADER:
+        raise Violation(f"put of {name[-16:]}: {len(data)} bytes, shorter than a header")
+    magic, version, codec, flags, raw, stored, value = _HEADER.unpack_from(data)
+    body = data[envelope.HEADER :]
+    if (magic, version) != (envelope.MAGIC, envelope.VERSION) or stored != len(body):
+        raise Violation(f"put of {name[-16:]}: its header does not describe its payload")
+    if codec != envelope.CODEC_NONE and flags != envelope.RAW:
+        out = np.empty(raw, dtype=np.uint8)
+        if not Codec(codec).decode(codec, np.frombuffer(body, dtype=np.uint8), out):
+            raise Violation(f"put of {name[-16:]}: its payload does not decode")
+        body = out.tobytes()
+    if len(body) != raw or checksum_bytes(body, envelope.seed(name)) != value:
+        raise Violation(f"put of {name[-16:]}: its header's checksum or length is wrong")
+    return body

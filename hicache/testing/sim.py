@@ -47,6 +47,7 @@ def replay(seed: int, setup: Setup, ops: list[Op]) -> tuple[int, str | None]:
         from hicache.testing.world import World
 
     gc.collect()
+    gc.freeze()  # what the process held before (vLLM's modules): not scanned at each collection
     gc.disable()  # collections at fixed steps only (`GC_EVERY`), so that a seed reproduces
     world = World(setup, f"sim-{seed}")
     done, error = 0, None
@@ -70,6 +71,7 @@ def replay(seed: int, setup: Setup, ops: list[Op]) -> tuple[int, str | None]:
         error = error or f"at close: {type(err).__name__}: {err}\n{traceback.format_exc()}"
     finally:
         gc.enable()
+        gc.unfreeze()
     if error is None and world.failure is not None:  # found at close, by the collector
         error = f"at close: {world.failure}"
     return done, error

@@ -16,8 +16,16 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from vllm import SamplingParams
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.v1.request import Request
+
 from hicache.core.keys import namespace
+from hicache.integrations.vllm.scheduler import SchedulerBooks
+from hicache.integrations.vllm.worker import WorkerCache
 from hicache.testing.oracle import Content, Violation
+from hicache.testing.workload import content_of
 from hicache.testing.world import World
 
 LORAS = (None, ("alpha", "/adapters/alpha"), ("beta", "/adapters/beta"))
@@ -58,14 +66,48 @@ def request_content(r: Any) -> Content:
     )
 
 
+class StoreWhileWaiting:
+    """What the worker waits on while a granted load's fetch is pending (in step): the
+    simulation serves the store meanwhile, as a real store answers while the engine waits. Each
+    wait lets the first parked call through (in the gate's order, no fault), else runs the
+    device's next work, else lets time pass; a wait that serves nothing for `IDLE_WAITS` rounds
+    is a fetch that never ends (a hang in the cache)."""
+
+    IDLE_WAITS = 100
+    TIME_STEP_S = 60.0
+    """Simulated seconds a wait with nothing to serve lets pass (the fetch deadline is the
+    world's `fetch_max_wait_ms`, in simulated time)."""
+
+    def __init__(self, world: VllmWorld) -> None:
+        self.world = world
+        self.idle = 0  # waits in a row that served nothing
+
+    def wait(self, _timeout: float) -> bool:
+        world = self.world
+        world.settle()
+        if world.space.gate.release(0, None) is None and not world.device.advance(1):
+            world.now += self.TIME_STEP_S
+            self.idle += 1
+            if self.idle > self.IDLE_WAITS:
+                raise Violation("the worker waits in step for a fetch that never ends")
+        else:
+            self.idle = 0
+        world.settle()
+        return True
+
+    def set(self) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
+
+
 class VllmWorld(World):
     """A `World` whose engine is vLLM's scheduler and worker with the hicache connector."""
 
     def _open(self) -> None:
         import torch
 
-        from hicache.integrations.vllm.scheduler import SchedulerBooks
-        from hicache.integrations.vllm.worker import WorkerCache
         from hicache.testing.device import SimDevice
 
         s, P = self.setup, self.setup.page_tokens
@@ -81,6 +123,7 @@ class VllmWorld(World):
         self.gpu = cache.gpu._pages
         self.states = None
         self._attach(cache)
+        self.worker._woken = StoreWhileWaiting(self)  # type: ignore[assignment]
         self.books = SchedulerBooks(P, ranks=1, in_step=s.in_step)
         self.vreqs: dict[str, VReq] = {}
         self.reqs = {}  # the World's own requests: none (see `_live`)
@@ -94,6 +137,9 @@ class VllmWorld(World):
         truth = request_content(vr.request)
         return Content(truth.tokens[: len(tokens)], truth.salt, truth.lora, truth.images)
 
+    def content_of_match(self, rid: str, tokens: Any) -> Content | None:
+        return self.content_of_store(rid, tokens) if rid in self.vreqs else None
+
     def _live(self) -> set[str]:
         """The engine's requests, and those whose end the workers learn in the next step."""
         step = self.books._step
@@ -103,13 +149,6 @@ class VllmWorld(World):
 
     def op_ask(self, rid: str, spec: tuple, own: int, _partial: bool) -> None:
         """A new request (or `rid` asked again with another prompt: a new vLLM request)."""
-        from vllm import SamplingParams
-        from vllm.lora.request import LoRARequest
-        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-        from vllm.v1.request import Request
-
-        from hicache.testing.workload import content_of
-
         if rid in self.vreqs:
             self.op_release(rid)
         salt, lora, image = spec[5], spec[6], spec[7]
@@ -262,12 +301,31 @@ class VllmWorld(World):
         sent = {r for r in (*books._granted, *books._loads) if r not in books._claims}
         open_ = sent | set(books._asked) | {q.request_id for q in step.lookups}
         closing = set(step.unused) | set(step.forget)
-        for rid in (*self.worker._matched, *self.worker._asking):
-            if rid not in open_ and rid not in closing:
+        asked = self._open_questions()
+        held = {rid: pair[1] for rid, pair in self.worker._matched.items()}
+        for rid, lookup in (*held.items(), *self.worker._asking.items()):
+            if rid in closing:
+                continue
+            if rid not in open_:
                 raise Violation(
                     f"request {rid}: the worker holds a question the scheduler closed without "
                     "telling it"
                 )
+            if lookup is not None and asked.get(rid, lookup.computed) != lookup.computed:
+                raise Violation(
+                    f"request {rid}: the worker holds a question from {lookup.computed} tokens, "
+                    f"which the scheduler replaced (from {asked[rid]}) without telling it"
+                )
+
+    def _open_questions(self) -> dict[str, int]:
+        """The computed tokens of each request's open question on the scheduler's side (the
+        newest: asked this step, asked, or answered and granted)."""
+        books = self.books
+        out = {rid: a.computed for rid, a in books._loads.items()}
+        out.update((rid, a.computed) for rid, a in books._granted.items())
+        out.update(books._asked)
+        out.update((q.request_id, q.computed) for q in books._step.lookups)
+        return {rid: c for rid, c in out.items() if rid not in books._claims}
 
     # the direct engine's operations have no meaning here
     def op_load(self, *_: Any) -> None:

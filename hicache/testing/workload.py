@@ -157,11 +157,16 @@ def operations(rng: random.Random, setup: Setup, count: int) -> list[Op]:
     P = setup.page_tokens
     kinds = ("ask", "again", "load", "store", "release", "device", "call", "poll", "fault")
     weights = (3, 1.5, 4, 2.5, 2, 4, 4, 3, 0.4)
+    last: dict[str, tuple] = {}  # each live request's prompt
+    released: tuple | None = None  # the prompt of the request released last
     for _ in range(count):
         kind = rng.choices(kinds, weights)[0]
         if kind == "ask" or (kind in ("again", "load", "store", "release") and not live):
             if specs and rng.random() < 0.6:
-                old = rng.choice(specs)  # a follow-up: the same prefix, more or other text
+                # a follow-up: the same prefix, more or other text; often the next turn of the
+                # conversation that just ended (in the token buffer it leaves behind)
+                next_turn = released is not None and rng.random() < 0.5
+                old = released if next_turn else rng.choice(specs)
                 n = max(2, old[4] + rng.randrange(-8, 24))
                 shared = old[4] if rng.random() < 0.7 else old[2]
                 spec = (old[0], old[1], shared, rng.randrange(99), n)
@@ -175,13 +180,15 @@ def operations(rng: random.Random, setup: Setup, count: int) -> list[Op]:
             live.append(rid)
             computed = rng.choice((0, 0, 0, 1, 2))
             ops.append(("ask", rid, spec, computed, rng.random() < 0.3))
+            last[rid] = spec
         elif kind == "again":
             rid = rng.choice(live)
-            last = next(op for op in reversed(ops) if op[0] == "ask" and op[1] == rid)
-            spec = last[2]
+            asked = next(op for op in reversed(ops) if op[0] == "ask" and op[1] == rid)
+            spec = asked[2]
             if rng.random() < 0.2:  # asked again with another prompt
                 spec = (*spec[:3], rng.randrange(99), spec[4])
-            ops.append(("ask", rid, spec, last[3] + (rng.random() < 0.2), last[4]))
+            ops.append(("ask", rid, spec, asked[3] + (rng.random() < 0.2), asked[4]))
+            last[rid] = spec
         elif kind == "load":
             skip = rng.choice((0.0, 0.0, 0.0, 0.5))
             ops.append(("load", rng.choice(live), rng.random() < 0.5, skip))
@@ -190,6 +197,7 @@ def operations(rng: random.Random, setup: Setup, count: int) -> list[Op]:
         elif kind == "release":
             rid = rng.choice(live)
             live.remove(rid)
+            released = last.pop(rid)
             ops.append(("release", rid))
         elif kind == "poll":
             ops.append(("poll",))

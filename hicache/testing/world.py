@@ -206,8 +206,17 @@ class World:
         return self.now
 
     def _instrument(self, cache: HiCache) -> None:
-        """Learn the keys the cache gives each stored page (before the request is released)."""
-        store = cache.store
+        """Learn the keys the cache gives each page it hashed for a match, and each stored page
+        (before the request is released)."""
+        store, match = cache.store, cache.match
+
+        def matched(rid: str, tokens: Any, *args: Any, **kwargs: Any) -> Match:
+            out = match(rid, tokens, *args, **kwargs)
+            req = cache._requests.get(rid)
+            content = self.content_of_match(rid, tokens)
+            if req is not None and content is not None:
+                self.oracle.learn(list(req.chain.hashed), content, f"match of {rid}")
+            return out
 
         def recorded(rid: str, tokens: Any, *args: Any, **kwargs: Any) -> int:
             out = store(rid, tokens, *args, **kwargs)
@@ -219,6 +228,11 @@ class World:
             return out
 
         cache.store = recorded  # type: ignore[method-assign]
+        cache.match = matched  # type: ignore[method-assign]
+
+    def content_of_match(self, rid: str, tokens: Any) -> Content | None:
+        """What the tokens of a match of `rid` mean (None: a request the engine lost)."""
+        return self.content_of_store(rid, tokens) if rid in self.reqs else None
 
     def content_of_store(self, rid: str, tokens: Any) -> Content:
         content = self.reqs[rid].content
