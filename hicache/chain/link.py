@@ -14,7 +14,7 @@ Both queues are bounded by a count of jobs queued or running (`queue_depth` puts
 `fetch_depth` fetches); beyond it a put is dropped and a fetch not started, both counted. On
 the engine thread a job is bookkeeping only (keys, slots, pins), besides a fetch's first
 `ENGINE_PREP_PAGES` pages hashed; what a worker does with it (hash the rest, name the objects,
-find their bytes, make the call) is `hicache.chain.jobs.Worker`'s. Nothing
+find their bytes, make the call) is `hicache.chain.jobs.JobRunner`'s. Nothing
 here releases the GIL on the engine thread (see the README's engine contract): a worker that
 wants it waits for the engine's next release, never cuts into a call.
 
@@ -41,7 +41,7 @@ from hicache.backends.breaker import CircuitBreaker
 from hicache.backends.codec import Codec
 from hicache.backends.host import HostTier
 from hicache.chain.fetch import Fetch, Fetcher, Held
-from hicache.chain.jobs import Job, Worker
+from hicache.chain.jobs import Job, JobRunner
 from hicache.chain.writes import WriteBehind
 from hicache.config import Layout, Policy
 from hicache.core.cost import Rate
@@ -134,7 +134,7 @@ class StoreLink:
         self._own_breaker = own is None
         self.breaker = own or CircuitBreaker(settings.breaker_failures, settings.breaker_reprobe_s)
         """The store's own breaker, or one the link keeps from the outcomes of its calls."""
-        self._runner = Worker(
+        self._runner = JobRunner(
             store,
             host,
             settings.key_prefix,
