@@ -5,10 +5,10 @@ The engine thread never calls the store. It hands jobs to worker threads — one
 `fetch_workers` for fetches, each fetch to the least busy of them — and applies their results in
 `poll` (and in `match`, for a request whose fetch is running):
 
-- a *fetch* (for one request whose prompt runs past the host tier's hit: `hicache.chain.fetch`),
-  into the link's reserve of free host slots where it fits (`refill`, `_take_back` here);
+- a *fetch* (for one request whose prompt runs past the host tier's hit: `hicache.chain.fetch`
+  `Fetcher`), into its reserve of free host slots where it fits;
 - a *put* (`write: behind` from `store`, or `write: on_evict` once the host runs short of free
-  slots: `hicache.chain.writes`).
+  slots: `hicache.chain.writes` `WriteBehind`).
 
 Both queues are bounded by a count of jobs queued or running (`queue_depth` puts,
 `fetch_depth` fetches); beyond it a put is dropped and a fetch not started, both counted. On
