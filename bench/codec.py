@@ -179,7 +179,7 @@ def disk_reads(args, dtype: str, pages: np.ndarray, threads: int) -> list[dict]:
     from hicache.backends.disk.config import DiskTierConfig
     from hicache.backends.disk.tier import DiskTier
     from hicache.backends.host import HostTier, HostTierConfig
-    from hicache.chain.jobs import READ_CHUNK_BYTES, Job, Worker
+    from hicache.chain.jobs import READ_CHUNK_BYTES, Job, JobRunner
     from hicache.config import Layout
 
     G, n_pages, page = args.group_pages, pages.shape[0], pages.shape[1]
@@ -209,7 +209,7 @@ def disk_reads(args, dtype: str, pages: np.ndarray, threads: int) -> list[dict]:
             tier.wait_ready(60)
             for memory in host.memory():
                 tier.register(memory)
-        worker = Worker(tier, host, "b", b"f", G, args.page_tokens, False, c, threads, chunk)
+        worker = JobRunner(tier, host, "b", b"f", G, args.page_tokens, False, c, threads, chunk)
         for memory in worker.memory():
             tier.register(memory)
         if mode != "lossless_serial":

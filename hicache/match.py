@@ -257,7 +257,7 @@ class Matcher:
 
     def _look_ahead(self, req: Request, first: int, found: int, cap: int, partial: bool) -> bool:
         """Start the walk down the store tiers for the pages after the host hit (the first
-        tier's `start_fetch` hashes the first of them, its worker the rest), or, for a
+        tier's `Fetcher.start` hashes the first of them, its worker the rest), or, for a
         `partial` match that the chain plans, after the head; True while the request waits."""
         chain = self._chain
         if chain is None:
@@ -303,7 +303,7 @@ class Matcher:
             req.pages = taken
         else:
             req.pages.absorb(taken)
-        tiers = ((fetch.link.name, (cap - found) * self.layout.page_tokens),)
+        tiers = ((fetch.source.name, (cap - found) * self.layout.page_tokens),)
         return _Hit(cap, cap - pending.first_page, tiers, False, False, hi - cap)
 
     def release(self, request_id: str) -> None:
@@ -360,6 +360,6 @@ def _tier_tokens(
         lo, hi = part.pages
         begin, end = max(done, part.host_pages, lo), min(hit, hi)
         if end > begin:
-            out.append((part.link.name, (end - begin) * page_tokens))
+            out.append((part.source.name, (end - begin) * page_tokens))
             done = end
     return tuple(out)

@@ -25,7 +25,7 @@ from hicache.backends.disk.records import HEADER as DISK_HEADER
 from hicache.backends.disk.records import file_name
 from hicache.backends.envelope import _FIELDS, HEADER, RAW
 from hicache.backends.host import HostTier, HostTierConfig
-from hicache.chain.jobs import Job, Worker
+from hicache.chain.jobs import Job, JobRunner
 from hicache.config import Layout, load_config
 from hicache.errors import ConfigError
 from hicache.registry import register_tier
@@ -253,7 +253,7 @@ def _codec_worker(read_chunk_bytes: int):
     rows[:6] = kv(torch.bfloat16, 6 * PAGE // 2).reshape(6, PAGE)
     # a get's first call has read slots 6-7 (group 0): the gate opens once they are decoded
     store = _Gated(lambda: np.array_equal(rows[6:8], rows[0:2]))
-    worker = Worker(store, host, "t", b"f", 2, 4, False, codec.for_dtype("bfloat16"), 2,
+    worker = JobRunner(store, host, "t", b"f", 2, 4, False, codec.for_dtype("bfloat16"), 2,
                     read_chunk_bytes)  # fmt: skip
     worker.memory()  # the staging memory (the memory tier reads any address)
     keys = [bytes([k]) * 16 for k in range(3)]

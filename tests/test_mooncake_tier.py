@@ -155,7 +155,7 @@ def test_a_fetch_of_objects_the_store_does_not_hold_gives_its_slots_back_to_the_
     refill, no eviction, and nothing left pinned but the reserve."""
     reader = engines(mooncake_config(mooncake_master, fetch_reserve=16 * 64))
     reader.cache.poll()  # fills the reserve
-    before = sorted(reader.cache._chain.links[0]._reserve.slots)
+    before = sorted(reader.cache._chain.links[0].fetcher.reserve.slots)
     assert len(before) == 8
     m = reader.cache.match("r", prompt(21, 34))  # 8 full pages that L3 has never seen
     assert (
@@ -168,7 +168,7 @@ def test_a_fetch_of_objects_the_store_does_not_hold_gives_its_slots_back_to_the_
     reader.cache.poll()
     del pool.reserve
     assert reserved == []  # the reserve was never refilled: its own slots came back
-    assert sorted(reader.cache._chain.links[0]._reserve.slots) == before
+    assert sorted(reader.cache._chain.links[0].fetcher.reserve.slots) == before
     m = reader.cache.match("r", prompt(21, 34))
     assert (m.pending, m.hit_tokens, m.fetched_tokens) == (False, 0, 0)
     reader.cache.release("r")

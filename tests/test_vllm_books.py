@@ -194,15 +194,15 @@ def test_worker_stores_answers_and_loads_the_bytes_granted():
     for t in kv.values():
         t[:, :3] = torch.randn(2, 3, P, 8)
     prompt = list(range(100, 113))
-    w.start(StepMeta())
-    w.after(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2])]))  # blocks 0..2 hold 12 tokens
-    w.start(StepMeta(lookups=[Lookup("b", [*prompt[:12], 7, 7], 0), Lookup("c", prompt, 0)]))
+    w.start_load(StepMeta())
+    w.save(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2])]))  # blocks 0..2 hold 12 tokens
+    w.start_load(StepMeta(lookups=[Lookup("b", [*prompt[:12], 7, 7], 0), Lookup("c", prompt, 0)]))
     assert w.answers().by_rank == {
         0: [Answer("b", 0, 12, (("host", 12),)), Answer("c", 0, 12, (("host", 12),))]
     }
     assert w.answers() is None
     # b gets all three blocks; c only two (another rank held less): block 13 stays untouched
-    w.start(StepMeta(loads=[Load("b", 0, 12, [7, 8, 9, 10]), Load("c", 0, 8, [11, 12, 13])]))
+    w.start_load(StepMeta(loads=[Load("b", 0, 12, [7, 8, 9, 10]), Load("c", 0, 8, [11, 12, 13])]))
     for src, dst in ((0, 7), (1, 8), (2, 9), (0, 11), (1, 12)):
         assert all(torch.equal(a, b) for a, b in zip(block(kv, src), block(kv, dst)))
     assert all(not t[:, 13].any() for t in kv.values())
@@ -213,9 +213,9 @@ def test_worker_stores_answers_and_loads_the_bytes_granted():
 
 def test_worker_reports_a_load_it_cannot_make_and_copies_nothing():
     w, kv = worker()
-    w.start(StepMeta(lookups=[Lookup("d", list(range(13)), 0)]))
+    w.start_load(StepMeta(lookups=[Lookup("d", list(range(13)), 0)]))
     assert w.answers().by_rank == {0: [Answer("d", 0, 0)]}  # nothing stored: a miss
-    w.start(StepMeta(loads=[Load("d", 0, 8, [5, 6, 7]), Load("e", 4, 12, [1, 2, 3])]))
+    w.start_load(StepMeta(loads=[Load("d", 0, 8, [5, 6, 7]), Load("e", 4, 12, [1, 2, 3])]))
     assert w.load_errors() == {5, 6, 2, 3}
     assert w.load_errors() == set()
     assert all(not t.any() for t in kv.values())
@@ -225,11 +225,11 @@ def test_worker_reports_a_load_it_cannot_make_and_copies_nothing():
 def test_worker_lets_pins_go_for_an_answer_not_taken_and_a_forgotten_request():
     w, _ = worker()
     prompt = list(range(13))
-    w.start(StepMeta())
-    w.after(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2])]))
-    w.start(StepMeta(lookups=[Lookup("u", prompt, 0), Lookup("f", prompt, 0)]))
+    w.start_load(StepMeta())
+    w.save(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2])]))
+    w.start_load(StepMeta(lookups=[Lookup("u", prompt, 0), Lookup("f", prompt, 0)]))
     assert w.cache.stats()["host_pinned"] == 3  # both hits pin the same three slots
-    w.start(StepMeta(unused=["u"], forget=["f"]))
+    w.start_load(StepMeta(unused=["u"], forget=["f"]))
     stats = w.cache.stats()
     assert (stats["host_pinned"], stats["requests"], stats["host_used"]) == (0, 0, 3)
 
@@ -237,10 +237,10 @@ def test_worker_lets_pins_go_for_an_answer_not_taken_and_a_forgotten_request():
 def test_worker_keys_pages_by_the_requests_cache_salt():
     w, _ = worker()
     prompt = list(range(13))
-    w.start(StepMeta())
-    w.after(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2], salt="tenant-1")]))
-    w.start(StepMeta(lookups=[Lookup("b", prompt, 0, "tenant-2"), Lookup("c", prompt, 0)]))
-    w.start(StepMeta(lookups=[Lookup("d", prompt, 0, "tenant-1")]))
+    w.start_load(StepMeta())
+    w.save(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2], salt="tenant-1")]))
+    w.start_load(StepMeta(lookups=[Lookup("b", prompt, 0, "tenant-2"), Lookup("c", prompt, 0)]))
+    w.start_load(StepMeta(lookups=[Lookup("d", prompt, 0, "tenant-1")]))
     hits = [(a.request_id, a.hit) for a in w.answers().by_rank[0]]
     assert hits == [("b", 0), ("c", 0), ("d", 12)]
 
@@ -248,12 +248,12 @@ def test_worker_keys_pages_by_the_requests_cache_salt():
 def test_worker_reports_what_its_counters_gained_to_vllms_connector_stats():
     w, _ = worker()
     prompt = list(range(13))
-    w.start(StepMeta())
-    w.after(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2])]))
+    w.start_load(StepMeta())
+    w.save(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2])]))
     assert w.stats() == HiCacheStats({"pages_stored": 3})
     assert w.stats() is None  # nothing since
-    w.start(StepMeta(lookups=[Lookup("b", prompt, 0)]))
-    w.start(StepMeta(loads=[Load("b", 0, 12, [4, 5, 6])]))
+    w.start_load(StepMeta(lookups=[Lookup("b", prompt, 0)]))
+    w.start_load(StepMeta(loads=[Load("b", 0, 12, [4, 5, 6])]))
     got = w.stats()
     assert got == HiCacheStats({"hit_tokens_host": 12, "pages_loaded": 3})
     assert got.aggregate(HiCacheStats({"pages_loaded": 2})).reduce() == {
@@ -274,9 +274,9 @@ class Engine:
 
     def step(self, scheduled=None, tables=None, spec=None) -> StepMeta:
         meta = self.books.build(sched(scheduled, tables, spec))
-        self.w.began(meta)
-        self.w.start(meta)
-        self.w.after(meta)
+        self.w.bind_step(meta)
+        self.w.start_load(meta)
+        self.w.save(meta)
         self.books.answered(SimpleNamespace(kv_connector_worker_meta=self.w.answers()))
         return meta
 
@@ -371,7 +371,7 @@ def test_a_question_vllms_own_cache_then_covers_lets_its_pins_go_and_stores_go_o
     q = Req("q", list(range(21)))
     assert e.books.matched_tokens(q, 0) == (None, False)
     meta = e.books.build(sched())
-    w.start(meta)  # the worker answers a hit of 12 and pins it
+    w.start_load(meta)  # the worker answers a hit of 12 and pins it
     assert w.cache.stats()["host_pinned"] == 3
     assert e.books.matched_tokens(q, 20) == (0, False)  # vLLM's own cache holds 20 tokens
     e.books.allocated(q, 0)
@@ -390,23 +390,23 @@ def test_no_store_takes_a_block_whose_load_failed_nor_a_page_after_it_in_any_ste
     blocks hold what vLLM will recompute, and the pages after them were computed from them."""
     w, _ = worker()
     prompt = list(range(100, 117))
-    w.start(StepMeta(loads=[Load("b", 4, 12, [0, 1, 2])]))
+    w.start_load(StepMeta(loads=[Load("b", 4, 12, [0, 1, 2])]))
     assert w.load_errors() == {1, 2}
-    w.after(StepMeta(stores=[Store("b", 0, prompt[:13], 13, [0, 1, 2, 3])]))
-    w.start(StepMeta())
-    w.after(StepMeta(stores=[Store("b", 13, prompt[13:], 17, [0, 1, 2, 3, 4])]))
-    w.start(StepMeta(lookups=[Lookup("c", prompt, 0)]))
+    w.save(StepMeta(stores=[Store("b", 0, prompt[:13], 13, [0, 1, 2, 3])]))
+    w.start_load(StepMeta())
+    w.save(StepMeta(stores=[Store("b", 13, prompt[13:], 17, [0, 1, 2, 3, 4])]))
+    w.start_load(StepMeta(lookups=[Lookup("c", prompt, 0)]))
     assert w.answers().by_rank == {0: [Answer("c", 0, 4, (("host", 4),))]}
     assert w.cache.stats()["pages_stored"] == 1
 
 
 def test_a_request_sharing_a_failed_block_in_that_step_does_not_store_from_it():
     w, _ = worker()
-    w.start(StepMeta(loads=[Load("b", 0, 8, [5, 6])]))
+    w.start_load(StepMeta(loads=[Load("b", 0, 8, [5, 6])]))
     assert w.load_errors() == {5, 6}
     # another request whose table holds block 6 (vLLM's prefix cache shared it) in that step
-    w.after(StepMeta(stores=[Store("o", 0, list(range(16)), 16, [4, 6, 7, 8])]))
-    w.start(StepMeta(lookups=[Lookup("c", list(range(17)), 0)]))
+    w.save(StepMeta(stores=[Store("o", 0, list(range(16)), 16, [4, 6, 7, 8])]))
+    w.start_load(StepMeta(lookups=[Lookup("c", list(range(17)), 0)]))
     assert w.answers().by_rank[0][0].hit == 4
 
 
@@ -438,19 +438,19 @@ def test_a_read_counts_only_where_it_returned_the_objects_exact_size(code, monke
     tier = {"type": "lying", "space": uuid.uuid4().hex, "group_pages": 1}
     first, _ = worker(tiers=(tier,))
     prompt = list(range(100, 113))
-    first.start(StepMeta())
-    first.after(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2])]))
+    first.start_load(StepMeta())
+    first.save(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2])]))
     deadline = time.monotonic() + 60
     while not first.cache.tiers_idle and time.monotonic() < deadline:
         first.cache.poll()
         time.sleep(0.01)
     assert len(LyingTier.spaces[tier["space"]]) == 3
     second, _ = worker(tiers=(tier,))
-    second.start(StepMeta(lookups=[Lookup("b", prompt, 0)]))
+    second.start_load(StepMeta(lookups=[Lookup("b", prompt, 0)]))
     got = second.answers().by_rank  # the first answers carry the rank's news: never None
     while not got and time.monotonic() < deadline:
         time.sleep(0.01)
-        second.start(StepMeta())
+        second.start_load(StepMeta())
         got = (second.answers() or Answers()).by_rank
     assert got == {0: [Answer("b", 0, 0)]}
     stats = second.cache.stats()
@@ -527,16 +527,16 @@ def test_the_workers_feed_vllms_prefill_speed_to_the_cost_model():
     e.step()
     e.books.matched_tokens(r, 0)
     e.books.allocated(r, 0)
-    e.w.began = _slow(e.w.began)
+    e.w.bind_step = _slow(e.w.bind_step)
     e.step({"p": 2000}, {"p": list(range(16))})
     e.step()  # the timed step is read at the next one
     assert 0 < w.cache.stats()["prefill_tokens_per_s"] < 20_000
     w.close()
 
 
-def _slow(began):
+def _slow(bind_step):
     def wrapped(meta):
-        began(meta)
+        bind_step(meta)
         time.sleep(0.5 if meta.prefill_tokens else 0)  # a forward of 2000 tokens in 0.5 s
 
     return wrapped
@@ -680,14 +680,14 @@ def test_loads_go_layer_by_layer_unless_layers_share_one_tensor():
     prompt = list(range(100, 113))
     for t in kv.values():
         t[:, :3] = torch.randn(2, 3, P, 8)
-    w.start(StepMeta())
-    w.after(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2])]))
-    w.start(StepMeta(lookups=[Lookup("b", prompt, 0)]))
-    w.start(StepMeta(loads=[Load("b", 0, 12, [5, 6, 7])]))
+    w.start_load(StepMeta())
+    w.save(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2])]))
+    w.start_load(StepMeta(lookups=[Lookup("b", prompt, 0)]))
+    w.start_load(StepMeta(loads=[Load("b", 0, 12, [5, 6, 7])]))
     for name in kv:
         w.wait_layer(name)
     w.wait_layer("not.a.layer")
-    w.after(StepMeta())
+    w.save(StepMeta())
     for src, dst in ((0, 5), (1, 6), (2, 7)):
         assert all(torch.equal(a, b) for a, b in zip(block(kv, src), block(kv, dst)))
     config = load_config({"tiers": [{"type": "host", "size": 64 * PAGE_BYTES}]}, env={})
@@ -734,8 +734,8 @@ def test_a_superseded_question_lets_its_pins_go_and_the_request_loads_and_stores
     for t in kv.values():
         t[:, :4] = torch.randn(2, 4, P, 8)
     prompt = list(range(100, 117))
-    w.start(StepMeta())
-    w.after(StepMeta(stores=[Store("a", 0, prompt, 16, [0, 1, 2, 3])]))
+    w.start_load(StepMeta())
+    w.save(StepMeta(stores=[Store("a", 0, prompt, 16, [0, 1, 2, 3])]))
     e = Engine(w, SchedulerBooks(P, ranks=1))
     q = Req("q", [*prompt, *range(7, 15)])  # 25 tokens: 6 pages
     assert e.books.matched_tokens(q, 0) == (None, False)

@@ -1,10 +1,10 @@
 """A store link's fetches: the look-ahead of one request from one store tier, on the engine
-thread (`FetchSide`, a part of `hicache.chain.link.StoreLink`).
+thread (`Fetcher`, a part of `hicache.chain.link.StoreLink`).
 
 A fetch is for one request whose prompt runs past the host tier's hit: the pages after the host
 hit are hashed, by the engine thread for the first `ENGINE_PREP_PAGES` pages and by the worker
 (from the key before them and their tokens) for the rest; the worker names their groups. If the
-fetch fits the link's reserve of free host slots (`StoreLink.refill`), it is one batched
+fetch fits the reserve of free host slots (`Fetcher.refill`), it is one batched
 `get_into` those slots, and the leading run that arrives is the hit. Otherwise one batched
 `exists` for the groups (and, for state layouts, the states at the group ends), then — on the
 engine thread — a choice (the leading run of groups, snapped to a state), fresh host slots
@@ -16,15 +16,16 @@ no transfer writes into a reused slot.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from queue import SimpleQueue
 
 from hicache.backends.base import StoreTier
 from hicache.backends.host import HostTier
 from hicache.chain.jobs import Job
 from hicache.config import Layout, Policy
-from hicache.core.cost import Verdict
+from hicache.core.cost import Rate, Verdict
 from hicache.core.keys import KeyChain
 from hicache.core.slots import Lease
 from hicache.observability.events import EventSink, emit
@@ -55,8 +56,8 @@ class Fetch:
     below it) were host hits already."""
     deadline: float
     started: float
-    link: Any
-    """The `StoreLink` it reads from."""
+    source: Fetcher
+    """The fetches of the tier it reads from (its `name`, its `stats`)."""
     chain: KeyChain
     """The request's keys (the next tier's fetch starts from them)."""
     max_pages: int
@@ -109,32 +110,73 @@ class Fetch:
         self.lease = self.state_lease = None
 
 
-class FetchSide:
-    """The fetch part of a `StoreLink` (engine thread): start a fetch, choose and reserve its
-    run after the probe, publish what the get brought."""
+class Fetcher:
+    """A store link's fetches (engine thread): start a fetch, choose and reserve its run after
+    the probe, publish what the get brought, and keep the reserve of free host slots that a
+    fetch can get into at once.
 
-    G: int
-    store: StoreTier
-    host: HostTier
-    layout: Layout
-    policy: Policy
-    stats: TierStats
-    events: EventSink | None
-    settings: Any
-    clock: Callable[[], float]
-    _verdict: Verdict
-    _trusted_books: bool
-    _groups_held: Any
-    _reserve: Lease
-    _lent: int
-    _fetch_load: list[int]
-    _fetch_jobs: list[Any]
-    usable: Callable[[], bool]
-    _done: Callable[[Fetch], None]
-    jobs_in_flight: int
-    _take_back: Callable[[Lease, int], None]
+    It reads the store tier's capabilities (`shared`, `persistent`, `missing_code`), never
+    calls it: its jobs go to the fetch workers' queues `jobs` (one per worker, each job to the
+    least busy), and their results come back through `on_probe` / `on_get`, which the link
+    calls from its `apply`. `on_done` is called when a fetch's part here is over (the chain
+    walks on)."""
 
-    def start_fetch(
+    def __init__(
+        self,
+        name: str,
+        store: StoreTier,
+        host: HostTier,
+        layout: Layout,
+        policy: Policy,
+        group_pages: int,
+        *,
+        stats: TierStats,
+        events: EventSink | None,
+        clock: Callable[[], float],
+        read: Rate,
+        prefill: Rate,
+        held: Held,
+        jobs: Sequence[SimpleQueue[Job | None]],
+        depth: int,
+        reserve_pages: int,
+        usable: Callable[[], bool],
+        on_done: Callable[[Fetch], None],
+    ) -> None:
+        """`read`: the tier's read throughput, which the gets teach; `prefill`: the engine's
+        prefill speed (both for the cost model). `held`: the groups the link knows the tier
+        holds (the writes add theirs). `depth`: fetch jobs queued or running at most.
+        `reserve_pages`: the reserve's size, at most an eighth of the host tier. `usable`:
+        whether the tier can be used now (the link's)."""
+        self.name = name
+        self.store = store
+        self.host = host
+        self.layout = layout
+        self.policy = policy
+        self.G = group_pages
+        self.stats = stats
+        self.events = events
+        self.clock = clock
+        self.read = read
+        self._verdict = Verdict(read, prefill, layout.page_size, layout.page_tokens)
+        self._trusted_books = not (store.shared or store.persistent)
+        """Nobody else writes this tier and it starts empty: a group the link never put there
+        is a miss without asking."""
+        self._held = held
+        self._jobs = jobs
+        self.load = [0] * len(jobs)
+        """Per fetch worker: jobs queued or running (together at most `depth`)."""
+        self._depth = depth
+        self.usable = usable
+        self.on_done = on_done
+        self.reserve: Lease = host.page_slots.lease([])
+        """Free host slots (reserved, pinned) that a fetch can get into at once, skipping the
+        probe; topped up by `refill`."""
+        self._reserve_size = min(reserve_pages, host.page_slots.capacity // 8)
+        """The slots the reserve holds when no get is out: `reserve_pages`, at most an eighth of
+        the host tier."""
+        self._lent = 0  # reserve slots that unprobed gets are reading into now
+
+    def start(
         self,
         chain: KeyChain,
         host_pages: int,
@@ -160,7 +202,7 @@ class FetchSide:
         if not self.usable():
             self.stats.skipped_down += 1
             return None
-        if sum(self._fetch_load) >= self.settings.fetch_depth:
+        if sum(self.load) >= self._depth:
             self.stats.skipped_busy += 1
             return None
         if not planned and not self._verdict.worth():
@@ -168,7 +210,7 @@ class FetchSide:
             return None
         if self._trusted_books:
             chain.hash_to((first + 1) * G)
-            if chain.hashed[(first + 1) * G - 1] not in self._groups_held:
+            if chain.hashed[(first + 1) * G - 1] not in self._held:
                 self.stats.skipped_unheld += 1
                 return None
         now = self.clock()
@@ -182,11 +224,11 @@ class FetchSide:
         if (
             not self.layout.state_bytes  # a state's boundary decides the run: probe first
             and self.store.missing_code is not None  # a miss told from a failure
-            and len(self._reserve.slots) >= pages
+            and len(self.reserve.slots) >= pages
         ):
             # One call: get every group into reserved slots; the leading run that arrives is the
             # hit (a missing object reads as a miss). No exists, no second trip to this thread.
-            fetch.lease, fetch.phase = self._reserve.split(pages), "get"
+            fetch.lease, fetch.phase = self.reserve.split(pages), "get"
             fetch.lease.slots.sort()  # runs of slots in order: a group in a run is one piece
             self._lent += pages
             job.kind, job.groups, job.unprobed = "get", last - first, True
@@ -203,7 +245,10 @@ class FetchSide:
         self._submit_fetch(job)
         return fetch
 
-    def _on_probe(self, job: Job, present: list[bool] | None) -> None:
+    def on_probe(self, job: Job, present: list[bool] | None) -> None:
+        """A probe returned: `present` one per object (groups, then states), or None for a
+        failed call. Reserve host slots for the leading run the tier holds and queue its get."""
+        self.load[job.worker] -= 1
         fetch = job.fetch
         n_groups = fetch.groups
         if present is None or fetch.abandoned:
@@ -254,9 +299,10 @@ class FetchSide:
         fetch.lease, fetch.state_lease, fetch.phase = lease, state_lease, "get"
         self._submit_fetch(get)
 
-    def _on_get(self, job: Job, codes: list[int] | None) -> None:
+    def on_get(self, job: Job, codes: list[int] | None) -> None:
         """A get returned: `codes` one per object (the worker checked), or None for a failed
         call (a miss; the fetch's slots are released)."""
+        self.load[job.worker] -= 1
         fetch = job.fetch
         run = job.groups
         if job.unprobed:  # its slots are the fetch's now (or free again): the reserve may refill
@@ -287,7 +333,7 @@ class FetchSide:
             )
             if self.events is not None:
                 emit(self.events, "stored", "host", self.host.page_slots.keys_of(fresh))
-            self._groups_held.add_all(job.ends[:ok])
+            self._held.add_all(job.ends[:ok])
             if fetch.state_lease is not None:
                 boundary_key = got[-1]
                 self.host.state_slots.publish(fetch.state_lease.slots, [boundary_key])
@@ -303,8 +349,56 @@ class FetchSide:
 
     def _submit_fetch(self, job: Job) -> None:
         """Queue a fetch job for the least busy fetch worker (the first of equals)."""
-        load = self._fetch_load
+        load = self.load
         job.worker = load.index(min(load))
         load[job.worker] += 1
-        self._fetch_jobs[job.worker].put(job)
-        self.jobs_in_flight += 1
+        self._jobs[job.worker].put(job)
+
+    def _done(self, fetch: Fetch) -> None:
+        """This tier's part of `fetch` is over: the chain may walk on."""
+        fetch.phase = "done"
+        self.on_done(fetch)
+
+    def refill(self, after_fetch: bool = False) -> None:
+        """Top the reserve up to its size, less the slots lent to running gets (evicting if
+        needed). `after_fetch`: a poll that has just finished a fetch refills only while the
+        reserve holds less than half its size: the request that fetch answers is matched right
+        after this poll, and should not wait for slots that a later fetch needs."""
+        have = len(self.reserve.slots)
+        if (after_fetch and 2 * have >= self._reserve_size) or not self.host.ready:
+            return
+        short = self._reserve_size - self._lent - have
+        if short > 0:
+            self.reserve.absorb(self.host.page_slots.reserve(short))
+
+    def _take_back(self, lease: Lease, keep: int) -> None:
+        """A get into slots lent by the reserve has read `keep` pages: the lease's other slots
+        (reserved, never published) return to the reserve, as far as it has room, and the rest
+        to the free list. A fetch of objects the store does not hold leaves nothing to refill,
+        so misses cost the engine thread no evictions and no refill."""
+        spare = lease.split(len(lease.slots) - keep)
+        room = max(0, self._reserve_size - self._lent - len(self.reserve.slots))
+        if len(spare.slots) > room:
+            spare.split(len(spare.slots) - room).release()
+        self.reserve.absorb(spare)
+
+
+class Held(OrderedDict[bytes, None]):
+    """The object keys a store tier holds or is receiving, as far as its link knows: the most
+    recent `cap` added (an LRU set; `in` is the dict's own test, without a Python call).
+    Engine thread only."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__()
+        self.cap = cap
+
+    def add_all(self, keys: Sequence[bytes]) -> None:
+        """Add `keys`, the last one most recent."""
+        for key in keys:
+            self[key] = None
+            self.move_to_end(key)
+        while len(self) > self.cap:
+            self.popitem(last=False)
+
+    def discard(self, key: bytes) -> None:
+        self.pop(key, None)

@@ -84,10 +84,10 @@ class Job:
     """For a fetch job: the fetch worker it was queued for."""
 
 
-class Worker:
+class JobRunner:
     """Runs jobs against `store`, naming objects under `key_prefix` and `fingerprint` in groups
     of `group_pages` pages (see `hicache.core.keys.store_key`). Holds no state a job changes: one
-    `Worker` serves every worker thread."""
+    `JobRunner` serves every worker thread."""
 
     def __init__(
         self,

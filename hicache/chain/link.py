@@ -5,16 +5,16 @@ The engine thread never calls the store. It hands jobs to worker threads — one
 `fetch_workers` for fetches, each fetch to the least busy of them — and applies their results in
 `poll` (and in `match`, for a request whose fetch is running):
 
-- a *fetch* (for one request whose prompt runs past the host tier's hit: `hicache.chain.fetch`),
-  into the link's reserve of free host slots where it fits (`refill`, `_take_back` here);
+- a *fetch* (for one request whose prompt runs past the host tier's hit: `hicache.chain.fetch`
+  `Fetcher`), into its reserve of free host slots where it fits;
 - a *put* (`write: behind` from `store`, or `write: on_evict` once the host runs short of free
-  slots: `hicache.chain.writes`).
+  slots: `hicache.chain.writes` `WriteBehind`).
 
 Both queues are bounded by a count of jobs queued or running (`queue_depth` puts,
 `fetch_depth` fetches); beyond it a put is dropped and a fetch not started, both counted. On
 the engine thread a job is bookkeeping only (keys, slots, pins), besides a fetch's first
 `ENGINE_PREP_PAGES` pages hashed; what a worker does with it (hash the rest, name the objects,
-find their bytes, make the call) is `hicache.chain.jobs.Worker`'s. Nothing
+find their bytes, make the call) is `hicache.chain.jobs.JobRunner`'s. Nothing
 here releases the GIL on the engine thread (see the README's engine contract): a worker that
 wants it waits for the engine's next release, never cuts into a call.
 
@@ -31,8 +31,8 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hicache import threads
@@ -40,12 +40,11 @@ from hicache.backends.base import StoreTier, StoreUnavailable
 from hicache.backends.breaker import CircuitBreaker
 from hicache.backends.codec import Codec
 from hicache.backends.host import HostTier
-from hicache.chain.fetch import Fetch, FetchSide
-from hicache.chain.jobs import Job, Worker
-from hicache.chain.writes import WriteSide
+from hicache.chain.fetch import Fetch, Fetcher, Held
+from hicache.chain.jobs import Job, JobRunner
+from hicache.chain.writes import WriteBehind
 from hicache.config import Layout, Policy
-from hicache.core.cost import Rate, Verdict
-from hicache.core.slots import Lease
+from hicache.core.cost import Rate
 from hicache.errors import HiCacheError
 from hicache.kernels.completions import Completion
 from hicache.observability.events import EventSink
@@ -89,8 +88,14 @@ class LinkSettings:
     """Threads that encode and decode one call's objects in parallel."""
 
 
-class StoreLink(FetchSide, WriteSide):
-    """Fetches and puts between the host tier and one `StoreTier`, off the engine thread."""
+class StoreLink:
+    """Fetches and puts between the host tier and one `StoreTier`, off the engine thread.
+
+    Its parts: `fetcher` (`Fetcher`: fetches and the reserve of free host slots) and `writer`
+    (`WriteBehind`: puts), each given what it uses; the link owns the worker threads, their
+    queues (handed to the parts that fill them) and the results, which `apply` routes to the
+    part that queued the job. It also owns what both parts ask: whether the tier is `usable`,
+    its `read` rate and its `stats`."""
 
     def __init__(
         self,
@@ -104,10 +109,13 @@ class StoreLink(FetchSide, WriteSide):
         clock: Callable[[], float] = time.monotonic,
         events: EventSink | None = None,
         wake: Callable[[], None] | None = None,
-        on_done: Callable[[Fetch], None] | None = None,
         *,
+        on_done: Callable[[Fetch], None],
         fence: Callable[[], Completion],
     ) -> None:
+        """`on_done`: called on the engine thread when a fetch's part here is over (the chain
+        walks on). `fence`: a completion of every copy enqueued so far on the engine's stream
+        (a put waits for one)."""
         self.store = store
         self.settings = settings
         self.name = settings.name
@@ -117,28 +125,16 @@ class StoreLink(FetchSide, WriteSide):
         self.fingerprint = fingerprint
         self.policy = policy
         self.stats = TierStats()
-        self.clock = clock
-        self.events = events
+        self._clock = clock
         self.wake = wake
         """Called by a worker after it posted a result (see `HiCache`'s `wake`)."""
-        self.on_done = on_done
-        """Called on the engine thread when a fetch's part here is done (the chain walks on)."""
-        self.fence = fence
-        """A completion of every copy enqueued so far on the engine's stream (a put waits)."""
         self.read = Rate(settings.read_gbps * 1e9)
         """This tier's read throughput (bytes/s), learned from its gets."""
-        self._verdict = Verdict(self.read, prefill, layout.page_size, layout.page_tokens)
         own = store.breaker
         self._own_breaker = own is None
         self.breaker = own or CircuitBreaker(settings.breaker_failures, settings.breaker_reprobe_s)
         """The store's own breaker, or one the link keeps from the outcomes of its calls."""
-        self._trusted_books = not (store.shared or store.persistent)
-        """Nobody else writes this tier and it starts empty: a group the link never put there
-        is a miss without asking."""
-        self._dirty: OrderedDict[bytes, list[bytes]] = OrderedDict()
-        """write: on_evict: groups stored in the host and not yet put here, oldest first, by
-        their end key: the keys of their pages."""
-        self._worker = Worker(
+        self._runner = JobRunner(
             store,
             host,
             settings.key_prefix,
@@ -149,20 +145,8 @@ class StoreLink(FetchSide, WriteSide):
             settings.codec,
             settings.codec_threads,
         )
-        # what the tier holds (or receives), by the key naming the object: engine thread only
-        self._groups_held = _Seen(1 << 20)
-        self._states_held = _Seen(1 << 18)
         self._registered = threading.Event()
         self._results: deque[tuple[Job, object]] = deque()
-        self._reserve: Lease = host.page_slots.lease([])
-        """Free host slots (reserved, pinned) that a fetch can get into at once, skipping the
-        probe; topped up by `refill`."""
-        self._reserve_size = min(settings.reserve_pages, host.page_slots.capacity // 8)
-        """The slots the reserve holds when no get is out: `reserve_pages`, at most an eighth of
-        the host tier."""
-        self._lent = 0  # reserve slots that unprobed gets are reading into now
-        self.jobs_in_flight = 0
-        """Jobs handed to the workers whose results `poll` has not applied yet."""
         # SimpleQueue: putting never blocks, nor releases the GIL (queue.Queue's lock may). A
         # queue per fetch worker: a job goes to the least busy, the first of equals, so that
         # one fetch at a time always finds the same thread (and its state in Mooncake's client)
@@ -170,10 +154,19 @@ class StoreLink(FetchSide, WriteSide):
         self._fetch_jobs: list[queue.SimpleQueue[Job | None]] = [
             queue.SimpleQueue() for _ in range(settings.fetch_workers)
         ]
-        # per fetch worker: jobs queued or running (together at most settings.fetch_depth)
-        self._fetch_load = [0] * settings.fetch_workers
         self._put_jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._puts_out = 0  # put jobs queued or running (at most settings.queue_depth)
+        held = Held(1 << 20)  # the groups the tier holds (or receives), by their object's key
+        self.fetcher = Fetcher(
+            self.name, store, host, layout, policy, self.G,
+            stats=self.stats, events=events, clock=clock, read=self.read, prefill=prefill,
+            held=held, jobs=self._fetch_jobs, depth=settings.fetch_depth,
+            reserve_pages=settings.reserve_pages, usable=self.usable, on_done=on_done,
+        )  # fmt: skip
+        self.writer = WriteBehind(
+            self.name, host, layout, self.G,
+            stats=self.stats, events=events, clock=clock, held=held, jobs=self._put_jobs,
+            depth=settings.queue_depth, usable=self.usable, fence=fence,
+        )  # fmt: skip
         cpus = settings.worker_cpus
         store.start()
         name = settings.name
@@ -185,6 +178,16 @@ class StoreLink(FetchSide, WriteSide):
             threads.start(self._work, f"hicache-{name}-put", cpus, (self._put_jobs,)),
         ]
         threads.start(self._register, f"hicache-{name}-register", cpus)
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock of the link and its parts (a job's times, a fetch's deadline)."""
+        return self._clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        """Put the link and its parts on another clock (a simulation's)."""
+        self._clock = self.fetcher.clock = self.writer.clock = clock
 
     def usable(self) -> bool:
         """Whether the tier can be used now: the host pools are registered, the store answers
@@ -198,33 +201,9 @@ class StoreLink(FetchSide, WriteSide):
     def poll(self) -> None:
         """Apply the results the workers have posted, refill the fetch reserve, write back.
         Never blocks."""
-        self.refill(after_fetch=self.apply())
-        if self._dirty:
-            self.write_back()
-
-    def refill(self, after_fetch: bool = False) -> None:
-        """Top the fetch reserve up to `_reserve_size` free host slots, less those lent to
-        running gets (evicting if needed). `after_fetch`: a poll that has just finished a fetch
-        refills only while the reserve holds less than half its size: the request that fetch
-        answers is matched right after this poll, and should not wait for slots that a later
-        fetch needs."""
-        have = len(self._reserve.slots)
-        if (after_fetch and 2 * have >= self._reserve_size) or not self.host.ready:
-            return
-        short = self._reserve_size - self._lent - have
-        if short > 0:
-            self._reserve.absorb(self.host.page_slots.reserve(short))
-
-    def _take_back(self, lease: Lease, keep: int) -> None:
-        """A get into slots lent by the reserve has read `keep` pages: the lease's other slots
-        (reserved, never published) return to the reserve, as far as it has room, and the rest
-        to the free list. A fetch of objects the store does not hold leaves nothing to refill,
-        so misses cost the engine thread no evictions and no refill."""
-        spare = lease.split(len(lease.slots) - keep)
-        room = max(0, self._reserve_size - self._lent - len(self._reserve.slots))
-        if len(spare.slots) > room:
-            spare.split(len(spare.slots) - room).release()
-        self._reserve.absorb(spare)
+        self.fetcher.refill(after_fetch=self.apply())
+        if self.writer.dirty:
+            self.writer.write_back()
 
     def apply(self) -> bool:
         """Apply the results the workers have posted (engine thread); True if a fetch finished.
@@ -233,11 +212,6 @@ class StoreLink(FetchSide, WriteSide):
         fetched = False
         while self._results:
             job, outcome = self._results.popleft()
-            self.jobs_in_flight -= 1
-            if job.kind == "put":
-                self._puts_out -= 1
-            else:
-                self._fetch_load[job.worker] -= 1
             family = _LATENCY[job.kind]
             self.stats.latency[family].observe(job.finished - job.started)
             failed = isinstance(outcome, BaseException)
@@ -247,19 +221,13 @@ class StoreLink(FetchSide, WriteSide):
             if job.page_keys:  # a fetch's first job: its pages' keys, the worker's part too
                 job.fetch.keys = job.page_keys
             if job.kind == "probe":
-                self._on_probe(job, None if failed else outcome)  # type: ignore[arg-type]
+                self.fetcher.on_probe(job, None if failed else outcome)  # type: ignore[arg-type]
             elif job.kind == "get":
-                self._on_get(job, None if failed else outcome)  # type: ignore[arg-type]
+                self.fetcher.on_get(job, None if failed else outcome)  # type: ignore[arg-type]
                 fetched = True
             else:
-                self._on_put(job, None if failed else outcome)  # type: ignore[arg-type]
+                self.writer.on_put(job, None if failed else outcome)  # type: ignore[arg-type]
         return fetched
-
-    def _done(self, fetch: Fetch) -> None:
-        """This tier's part of `fetch` is over: the chain may walk on."""
-        fetch.phase = "done"
-        if self.on_done is not None:
-            self.on_done(fetch)
 
     def gauges(self) -> dict[str, int]:
         """Gauges for `HiCache.stats`, each ``<gauge>_<name>``: availability (1 the store
@@ -269,12 +237,17 @@ class StoreLink(FetchSide, WriteSide):
         n = self.name
         return {
             f"available_{n}": int(self.store.available and self.breaker.closed),
-            f"queue_depth_{n}": self._puts_out,
+            f"queue_depth_{n}": self.writer.out,
             f"jobs_in_flight_{n}": self.jobs_in_flight,
-            f"fetch_reserve_{n}": len(self._reserve.slots),
-            f"write_back_pending_{n}": len(self._dirty),
+            f"fetch_reserve_{n}": len(self.fetcher.reserve.slots),
+            f"write_back_pending_{n}": len(self.writer.dirty),
             f"read_mbps_{n}": int(self.read.per_s / 1e6),
         }
+
+    @property
+    def jobs_in_flight(self) -> int:
+        """Jobs handed to the workers whose results `apply` has not applied yet."""
+        return self.writer.out + sum(self.fetcher.load)
 
     @property
     def idle(self) -> bool:
@@ -289,7 +262,7 @@ class StoreLink(FetchSide, WriteSide):
             if job is None:
                 return
             try:
-                outcome: object = self._worker.run(job)
+                outcome: object = self._runner.run(job)
             except Exception as err:  # reported to the engine thread as a failed job
                 if not isinstance(err, StoreUnavailable):
                     log.warning("hicache tier %s: %s failed: %r", self.name, job.kind, err)
@@ -299,7 +272,7 @@ class StoreLink(FetchSide, WriteSide):
             else:
                 if self._own_breaker:
                     self.breaker.record_success()
-            job.finished = self.clock()
+            job.finished = self._clock()
             self._results.append((job, outcome))
             if self.wake is not None:
                 try:
@@ -319,7 +292,7 @@ class StoreLink(FetchSide, WriteSide):
         except HiCacheError:  # the host tier could not be allocated: its wait_ready says so
             return
         try:
-            for tensor in (*self.host.memory(), *self._worker.memory()):
+            for tensor in (*self.host.memory(), *self._runner.memory()):
                 self.store.register(tensor)
         except Exception as err:  # the tier stays unused; the engine goes on without it
             log.error("hicache tier %s: registering the host pools failed: %r", self.name, err)
@@ -332,10 +305,11 @@ class StoreLink(FetchSide, WriteSide):
         deadline = time.monotonic() + timeout_s
         while True:
             self.apply()
-            if self._dirty and self.usable():
-                self.write_back(force=True)
-            if not self._puts_out and not (self._dirty and self.usable()):
-                return not self._dirty
+            dirty = self.writer.dirty
+            if dirty and self.usable():
+                self.writer.write_back(force=True)
+            if not self.writer.out and not (dirty and self.usable()):
+                return not dirty
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.002)
@@ -347,27 +321,7 @@ class StoreLink(FetchSide, WriteSide):
         self._put_jobs.put(None)
         for t in self._threads:
             t.join(timeout=30)
-        self._worker.close()
+        self._runner.close()
         self.poll()
-        self._reserve.release()
+        self.fetcher.reserve.release()
         self.store.close()
-
-
-class _Seen(OrderedDict[bytes, None]):
-    """The most recent `cap` keys added (an LRU set; `in` is the dict's own test, without a
-    Python call). Engine thread only."""
-
-    def __init__(self, cap: int) -> None:
-        super().__init__()
-        self.cap = cap
-
-    def add_all(self, keys: Sequence[bytes]) -> None:
-        """Add `keys`, the last one most recent."""
-        for key in keys:
-            self[key] = None
-            self.move_to_end(key)
-        while len(self) > self.cap:
-            self.popitem(last=False)
-
-    def discard(self, key: bytes) -> None:
-        self.pop(key, None)

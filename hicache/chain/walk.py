@@ -2,7 +2,7 @@
 
 `match` takes the host tier's prefix, then asks the first store tier (one batched call, on that
 tier's worker thread) for the page groups after it. When that tier's part of the walk is done
-(`StoreLink.on_done`, on the engine thread) and it fell short of the request's cap, the next
+(its `StoreLink`'s `on_done`, on the engine thread) and it fell short of the request's cap, the next
 tier is asked for the pages after what has arrived, and so on down the chain: each tier only for
 the pages the tiers above it lack. Every tier's pages are published in the host tier as they
 arrive (promoted), so the answer is the host walk over them: the longest prefix of page groups
@@ -94,7 +94,7 @@ class TierChain:
             self.links.append(link)
             self._close_timeouts.append(cfg.close_timeout_s)
             stats.tiers[link.name] = link.stats
-        self._index = {id(link): i for i, link in enumerate(self.links)}
+        self._index = {id(link.fetcher): i for i, link in enumerate(self.links)}
         self._write_back = [link for link in self.links if link.settings.write == "on_evict"]
         self._behind = [link for link in self.links if link.settings.write == "behind"]
         self.group_pages = sorted({link.G for link in self.links})
@@ -115,7 +115,7 @@ class TierChain:
         the groups after `host_pages` (up to `max_pages`). None when none does. `planned`: a
         partial fetch (see `plan`), asked of a tier however its speed compares to recompute."""
         for link in self.links[after:]:
-            fetch = link.start_fetch(chain, host_pages, max_pages, deadline, planned)
+            fetch = link.fetcher.start(chain, host_pages, max_pages, deadline, planned)
             if fetch is not None:
                 return fetch
         return None
@@ -147,7 +147,7 @@ class TierChain:
         and ask the tiers below it for what is still missing."""
         if fetch.abandoned:
             return
-        i = self._index[id(fetch.link)]
+        i = self._index[id(fetch.source)]
         lo, hi = fetch.pages
         if hi > lo:
             adopt_keys(fetch.chain, fetch)
@@ -161,8 +161,8 @@ class TierChain:
         """Put the groups of `keys` (in the host tier now) to the write-behind tiers above tier
         `below`."""
         for link in self._behind:
-            if self._index[id(link)] < below:
-                link.write_behind(keys, len(keys), range(link.G, len(keys) + 1, link.G))
+            if self._index[id(link.fetcher)] < below:
+                link.writer.write_behind(keys, len(keys), range(link.G, len(keys) + 1, link.G))
 
     def waiting(self, fetch: Fetch) -> bool:
         """True while the request should wait for its walk (policy 'wait', before the walk's
@@ -174,7 +174,7 @@ class TierChain:
             return True
         for part in fetch.parts():
             if part.phase != "done" and not part.abandoned:
-                part.link.stats.timeouts += 1
+                part.source.stats.timeouts += 1
             part.abandoned = True
         return False
 
@@ -201,14 +201,14 @@ class TierChain:
         `Transfers.then` returned for it)."""
         n = len(keys)
         for link in self._behind:
-            link.write_behind(keys, n, range(link.G, n + 1, link.G), ready, slots)
+            link.writer.write_behind(keys, n, range(link.G, n + 1, link.G), ready, slots)
         for link in self._write_back:
-            link.note_dirty(keys, n)
+            link.writer.note_dirty(keys, n)
 
     def evicted(self, keys: list[bytes]) -> None:
         """The host tier evicted `keys` (its eviction hook)."""
         for link in self._write_back:
-            link.evicted(keys)
+            link.writer.evicted(keys)
 
     # -- housekeeping -----------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""A store link's writes (`WriteSide`, a part of `hicache.chain.link.StoreLink`; engine thread).
+"""A store link's writes (`WriteBehind`, a part of `hicache.chain.link.StoreLink`; engine thread).
 
 - *write: behind*: `store` queues a put with the completion of its host copy: the worker waits
   for that copy, then sends the full page groups (and group-aligned states) that the tier is not
@@ -19,9 +19,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from itertools import filterfalse
-from typing import Any
+from queue import SimpleQueue
 
 from hicache.backends.host import HostTier
+from hicache.chain.fetch import Held
 from hicache.chain.jobs import Job
 from hicache.config import Layout
 from hicache.kernels.completions import Completion
@@ -32,30 +33,54 @@ WRITE_BACK_GROUPS = 64
 """`write: on_evict`: page groups one write-back put takes at most."""
 
 
-class WriteSide:
-    """The write part of a `StoreLink`."""
+class WriteBehind:
+    """A store link's writes (engine thread): which groups and states to put, their slots and
+    pins, and the put jobs, queued on `jobs` (the put worker's queue); their results come back
+    through `on_put`, which the link calls from its `apply`."""
 
-    G: int
-    name: str
-    host: HostTier
-    layout: Layout
-    stats: TierStats
-    events: EventSink | None
-    settings: Any
-    clock: Callable[[], float]
-    fence: Callable[[], Completion]
-    _dirty: OrderedDict[bytes, list[bytes]]
-    _groups_held: Any
-    _states_held: Any
-    _puts_out: int
-    _put_jobs: Any
-    usable: Callable[[], bool]
-    jobs_in_flight: int
+    def __init__(
+        self,
+        name: str,
+        host: HostTier,
+        layout: Layout,
+        group_pages: int,
+        *,
+        stats: TierStats,
+        events: EventSink | None,
+        clock: Callable[[], float],
+        held: Held,
+        jobs: SimpleQueue[Job | None],
+        depth: int,
+        usable: Callable[[], bool],
+        fence: Callable[[], Completion],
+    ) -> None:
+        """`held`: the groups the link knows the tier holds (the fetches add theirs); a put
+        adds its groups when queued and drops those that failed. `depth`: put jobs queued or
+        running at most. `usable`: whether the tier can be used now (the link's). `fence`: a
+        completion of every copy enqueued so far on the engine's stream."""
+        self.name = name
+        self.host = host
+        self.layout = layout
+        self.G = group_pages
+        self.stats = stats
+        self.events = events
+        self.clock = clock
+        self._groups_held = held
+        self._states_held = Held(1 << 18)
+        self._jobs = jobs
+        self._depth = depth
+        self.usable = usable
+        self.fence = fence
+        self.out = 0
+        """Put jobs queued or running (at most `depth`)."""
+        self.dirty: OrderedDict[bytes, list[bytes]] = OrderedDict()
+        """write: on_evict: groups stored in the host and not yet put here, oldest first, by
+        their end key: the keys of their pages."""
 
     def note_dirty(self, keys: list[bytes], n_pages: int) -> None:
         """`write: on_evict`: `store` has written `keys[:n_pages]` to the host; note the groups
         the tier does not hold, for `write_back`."""
-        G, held, dirty = self.G, self._groups_held, self._dirty
+        G, held, dirty = self.G, self._groups_held, self.dirty
         for g in range(n_pages // G):
             end = keys[(g + 1) * G - 1]
             if end not in held and end not in dirty:
@@ -85,7 +110,7 @@ class WriteSide:
         held = self._groups_held
         every_end = keys[G - 1 : n_groups * G : G]
         ends = list(filterfalse(held.__contains__, every_end))
-        if self._puts_out >= self.settings.queue_depth:  # drop at once, build nothing
+        if self.out >= self._depth:  # drop at once, build nothing
             self.stats.puts_dropped += len(ends)
             return
         pins: list[int] = []
@@ -133,9 +158,8 @@ class WriteSide:
             leases += (self.host.state_slots.lease(state_pins),)
         job = Job("put", ends, state_ends, pins, state_pins, leases=leases, ready=ready)
         job.started = self.clock()
-        self._puts_out += 1
-        self._put_jobs.put(job)
-        self.jobs_in_flight += 1
+        self.out += 1
+        self._jobs.put(job)
         self._groups_held.add_all(ends)
         if state_ends:
             self._states_held.add_all(state_ends)
@@ -145,8 +169,8 @@ class WriteSide:
         of them free; `force`: at once), put the oldest groups noted by `stored` that it still
         holds, up to `WRITE_BACK_GROUPS` in one put. A group the host evicted first is counted
         lost (`evict_lost`)."""
-        dirty = self._dirty
-        if not dirty or self._puts_out >= self.settings.queue_depth or not self.usable():
+        dirty = self.dirty
+        if not dirty or self.out >= self._depth or not self.usable():
             return
         pool = self.host.page_slots
         if not force and pool.free >= pool.capacity // 8:
@@ -176,13 +200,16 @@ class WriteSide:
     def evicted(self, keys: Sequence[bytes]) -> None:
         """The host evicted `keys`: groups noted for write-back whose end was among them are
         lost to this tier (counted)."""
-        dirty = self._dirty
+        dirty = self.dirty
         if dirty:
             for key in keys:
                 if dirty.pop(key, None) is not None:
                     self.stats.evict_lost += 1
 
-    def _on_put(self, job: Job, codes: list[int] | None) -> None:
+    def on_put(self, job: Job, codes: list[int] | None) -> None:
+        """A put returned: `codes` one per object (the worker checked), or None for a failed
+        call. Release its slots, count what was stored, forget what was not."""
+        self.out -= 1
         for lease in job.leases:
             lease.release()
         groups, layout, stats = len(job.ends), self.layout, self.stats

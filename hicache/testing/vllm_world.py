@@ -235,8 +235,8 @@ class VllmWorld(World):
             scheduled_spec_decode_tokens={},
         )
         meta = books.build(out)
-        w.began(meta)
-        w.start(meta)
+        w.bind_step(meta)
+        w.start_load(meta)
         failed = w.load_errors()
         redo: list[tuple[VReq, int, int]] = []
         for rid, count in scheduled.items():
@@ -252,7 +252,7 @@ class VllmWorld(World):
             end = (r.num_computed_tokens + count) // P
             self._compute(vr, max(vr.kv_pages, r.num_computed_tokens // P), end)
             r.num_computed_tokens += count
-        w.after(meta)
+        w.save(meta)
         for vr, lo, hi in redo:  # vLLM recomputes the blocks whose load failed
             self._compute(vr, lo, hi, force=True)
         books.answered(SimpleNamespace(kv_connector_worker_meta=w.answers()))

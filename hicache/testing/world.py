@@ -480,7 +480,8 @@ class World:
         quiet = self.device.idle and not cache._transfers.in_flight and cache.tiers_idle
         if not self._live() and quiet and not self.space.gate.parked:
             chain = cache._chain
-            reserve = 0 if chain is None else sum(len(ln._reserve.slots) for ln in chain.links)
+            links = [] if chain is None else chain.links
+            reserve = sum(len(ln.fetcher.reserve.slots) for ln in links)
             if pages.pinned != reserve:
                 raise Violation(f"{pages.pinned - reserve} host pages pinned with no request")
 

@@ -199,10 +199,10 @@ class HiCacheConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, StepMeta):
-            self._worker.began(connector_metadata)
+            self._worker.bind_step(connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._worker_side().start(self._step())
+        self._worker_side().start_load(self._step())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._worker_side().wait_layer(layer_name)
@@ -213,7 +213,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         return  # stores are enqueued after the forward, in wait_for_save
 
     def wait_for_save(self) -> None:
-        self._worker_side().after(self._step())
+        self._worker_side().save(self._step())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().load_errors()

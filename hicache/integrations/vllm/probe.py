@@ -62,7 +62,7 @@ class StoreProbe:
 
     def groups(self, fingerprint: bytes, chain: KeyChain, host_pages: int, cap: int) -> list[str]:
         """The object names of the groups a worker's fetch would ask for past a host hit of
-        `host_pages` pages, capped at page `cap` (`hicache.chain.fetch.FetchSide.start_fetch`):
+        `host_pages` pages, capped at page `cap` (`hicache.chain.fetch.Fetcher.start`):
         every whole group of the prompt from the one holding page `host_pages` on that starts
         below the cap. Each is named by its last page's key (`store_key`)."""
         G = self.group_pages

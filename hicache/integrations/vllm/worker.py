@@ -1,12 +1,13 @@
 """The worker half: owns the HiCache and does what the scheduler half asked.
 
 Each TP rank's worker process has one HiCache over that rank's KV tensors (its own shard: the
-rank is in the layout's fingerprint). Per step, vLLM calls `start` before the forward (sync
-loads must precede it) and `after` once the forward is enqueued; both run on the engine thread.
+rank is in the layout's fingerprint). Per step, vLLM binds the step's metadata (`bind_step`), calls
+`start_load` before the forward (sync loads must precede it) and `save` once the forward is
+enqueued (its `wait_for_save`); all run on the engine thread.
 A question whose fetch is still running is asked again on the next step, and only then
 answered. The one wait on a store tier is a load whose match must fetch (a hit the scheduler
 granted from its own probe of a store tier, `hicache.integrations.vllm.probe`, or pages the
-host tier lost since the answer): `start` fetches those groups into host slots (every such
+host tier lost since the answer): `start_load` fetches those groups into host slots (every such
 load of the step at once) and waits for them, at most the policy's `fetch_max_wait_ms`, before
 it loads them like a host hit; what did not come is a load error.
 """
@@ -165,16 +166,17 @@ class WorkerCache:
         elif event.kind == "stored":
             self._news.lower.extend(event.keys)
 
-    def began(self, step: StepMeta) -> None:
-        """vLLM bound this step's metadata, before its forward: time its prefill."""
+    def bind_step(self, step: StepMeta) -> None:
+        """vLLM bound this step's metadata (`bind_connector_metadata`), before its forward: time
+        its prefill."""
         if self._clock is not None and step.prefill_tokens >= self._layout["page_tokens"]:
             self._clock.begin(step.prefill_tokens)
 
     # -- one step -------------------------------------------------------------------------------
 
-    def start(self, step: StepMeta) -> None:
-        """Before the forward: forget, let unused answers go, load what was granted, and answer
-        the questions whose matches are no longer pending."""
+    def start_load(self, step: StepMeta) -> None:
+        """Before the forward (vLLM's `start_load_kv`): forget, let unused answers go, load what
+        was granted, and answer the questions whose matches are no longer pending."""
         cache = self._cache()
         cache.poll()
         if self._clock is not None:
@@ -223,10 +225,11 @@ class WorkerCache:
             for loading in self._loading:
                 loading.wait_layer(i)
 
-    def after(self, step: StepMeta) -> None:
-        """After the forward is enqueued: store the pages this step completed. The model's
-        stream first waits for every layer of this step's loads, whether or not the forward
-        asked for each (the blocks must be whole before any later kernel reads them)."""
+    def save(self, step: StepMeta) -> None:
+        """After the forward is enqueued (vLLM's `wait_for_save`): store the pages this step
+        completed. The model's stream first waits for every layer of this step's loads, whether
+        or not the forward asked for each (the blocks must be whole before any later kernel
+        reads them)."""
         for loading in self._loading:
             if isinstance(loading, LayerLoad) and loading.layers:
                 loading.wait_layer(loading.layers - 1)  # one copy stream: the last is all
