@@ -118,8 +118,8 @@ class Fetcher:
     It reads the store tier's capabilities (`shared`, `persistent`, `missing_code`), never
     calls it: its jobs go to the fetch workers' queues `jobs` (one per worker, each job to the
     least busy), and their results come back through `on_probe` / `on_get`, which the link
-    calls from its `apply`. `on_done` is called when a fetch's part here is over (the chain
-    walks on)."""
+    calls from its `apply`. `on_done` is called when a fetch's part here is over, and marks
+    it done (`phase`; the chain then walks on)."""
 
     def __init__(
         self,
@@ -252,7 +252,7 @@ class Fetcher:
         fetch = job.fetch
         n_groups = fetch.groups
         if present is None or fetch.abandoned:
-            self._done(fetch)
+            self.on_done(fetch)
             return
         run = 0
         while run < n_groups and present[run]:
@@ -273,7 +273,7 @@ class Fetcher:
                     break
                 run -= 1
         if run <= 0 or not self.host.ready:
-            self._done(fetch)
+            self.on_done(fetch)
             return
         lease = self.host.page_slots.reserve(run * self.G)
         run = len(lease.slots) // self.G  # the whole groups that fit (the others' pages are pinned)
@@ -289,7 +289,7 @@ class Fetcher:
             if state_lease is not None:
                 state_lease.release()
             self.stats.no_space += 1
-            self._done(fetch)
+            self.on_done(fetch)
             return
         get = Job("get", job.ends[:run], page_slots=lease.slots, fetch=fetch, groups=run)
         if state_lease is not None:
@@ -345,7 +345,7 @@ class Fetcher:
         self.stats.latency["hicache_tier_fetch_seconds"].observe(self.clock() - fetch.started)
         if fetch.abandoned or not ok:
             fetch.release()
-        self._done(fetch)
+        self.on_done(fetch)
 
     def _submit_fetch(self, job: Job) -> None:
         """Queue a fetch job for the least busy fetch worker (the first of equals)."""
@@ -353,11 +353,6 @@ class Fetcher:
         job.worker = load.index(min(load))
         load[job.worker] += 1
         self._jobs[job.worker].put(job)
-
-    def _done(self, fetch: Fetch) -> None:
-        """This tier's part of `fetch` is over: the chain may walk on."""
-        fetch.phase = "done"
-        self.on_done(fetch)
 
     def refill(self, after_fetch: bool = False) -> None:
         """Top the reserve up to its size, less the slots lent to running gets (evicting if

@@ -113,9 +113,9 @@ class StoreLink:
         on_done: Callable[[Fetch], None],
         fence: Callable[[], Completion],
     ) -> None:
-        """`on_done`: called on the engine thread when a fetch's part here is over (the chain
-        walks on). `fence`: a completion of every copy enqueued so far on the engine's stream
-        (a put waits for one)."""
+        """`on_done`: called on the engine thread when a fetch's part here is over; it marks
+        the part done (`phase`) and the chain walks on. `fence`: a completion of every copy
+        enqueued so far on the engine's stream (a put waits for one)."""
         self.store = store
         self.settings = settings
         self.name = settings.name

@@ -143,8 +143,9 @@ class TierChain:
         return k, (max_pages - k) * self.layout.page_size / link.read.per_s
 
     def _walk_on(self, fetch: Fetch) -> None:
-        """A tier's part of a walk is done: put what it brought behind to the tiers above it,
-        and ask the tiers below it for what is still missing."""
+        """A tier's part of a walk is over (its phase becomes done here): put what it brought
+        behind to the tiers above it, and ask the tiers below it for what is still missing."""
+        fetch.phase = "done"
         if fetch.abandoned:
             return
         i = self._index[id(fetch.source)]
