@@ -1,6 +1,7 @@
-"""docs/tools.md works as written: every ```bash block runs verbatim, from a fresh directory
-that holds the clone's `examples/` and `configs/` (as from the clone, leaving the files it
-writes elsewhere), and exits 0. `--plot` needs the `plot` extra, which the tests install."""
+"""docs/tools.md and docs/planner.md work as written: every ```bash block runs verbatim, from a
+fresh directory that holds the clone's `examples/` and `configs/` (as from the clone, leaving
+the files it writes elsewhere), and exits 0. `--plot` needs the `plot` extra, which the tests
+install."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import pytest
 from test_vllm_docs import blocks
 
 ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "tools.md"
-COMMANDS = [(s, t) for s, lang, t in blocks(DOC) if lang == "bash"]
+DOCS = (ROOT / "docs" / "tools.md", ROOT / "docs" / "planner.md")
+COMMANDS = [(s, t) for doc in DOCS for s, lang, t in blocks(doc) if lang == "bash"]
 
 
 @pytest.mark.parametrize(("section", "text"), COMMANDS, ids=lambda v: str(v).split()[:3])
