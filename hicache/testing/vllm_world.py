@@ -6,12 +6,19 @@ The scheduler here is a small one: each step it asks the connector about its wai
 (with its own prefix cache's hit), allocates blocks for those answered, schedules their prefill
 and one token for each decoding request, builds the connector's metadata, and runs the worker's
 start (loads), the forward (kernels on the simulated device: reads of the loaded blocks, writes
-of the computed ones) and the worker's after (stores). A block whose load the worker reports
-failed keeps what it held until the engine recomputes it after the step, as vLLM does.
+of the computed ones) and the worker's after (stores). A failed load is recovered from as vLLM
+0.32 does it with `kv_load_failure_policy="recompute"` (`Scheduler._update_requests_with_invalid_
+blocks`, run in `update_from_output`, after the step's forward and its `wait_for_save`): the
+step's forward runs as scheduled, over the failed blocks' stale contents (what their previous
+owner left), so the pages it computes after the first failed one are wrong too (a page's KV
+depends on every page before it); the step's stores see all that; only then does the scheduler
+roll the request's computed tokens back to its first failed block, and the next step recomputes
+from there.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -24,8 +31,8 @@ from vllm.v1.request import Request
 from hicache.core.keys import namespace
 from hicache.integrations.vllm.scheduler import SchedulerBooks
 from hicache.integrations.vllm.worker import WorkerCache
-from hicache.testing.oracle import Content, Violation
-from hicache.testing.workload import content_of
+from hicache.testing.oracle import Content, Violation, expand
+from hicache.testing.workload import call_fault, content_of
 from hicache.testing.world import World
 
 LORAS = (None, ("alpha", "/adapters/alpha"), ("beta", "/adapters/beta"))
@@ -50,6 +57,7 @@ class VReq:
     decode: int = 0  # tokens still to sample
     hit: tuple[int, int] | None = None  # (computed, hit) loaded in the current step
     kv_pages: int = 0
+    stale: int | None = None  # its first page whose load failed in the current step
 
 
 def request_content(r: Any) -> Content:
@@ -69,9 +77,11 @@ def request_content(r: Any) -> Content:
 class StoreWhileWaiting:
     """What the worker waits on while a granted load's fetch is pending (in step): the
     simulation serves the store meanwhile, as a real store answers while the engine waits. Each
-    wait lets the first parked call through (in the gate's order, no fault), else runs the
+    wait lets the first parked call through (in the gate's order; with a call fault, drawn as
+    the `call` operations draw theirs, from a generator of the world's own seed), else runs the
     device's next work, else lets time pass; a wait that serves nothing for `IDLE_WAITS` rounds
-    is a fetch that never ends (a hang in the cache)."""
+    is a fetch that never ends (a hang in the cache). A faulty answer fails the load after its
+    grant, which vLLM then recovers from (see the module docstring)."""
 
     IDLE_WAITS = 100
     TIME_STEP_S = 60.0
@@ -81,11 +91,13 @@ class StoreWhileWaiting:
     def __init__(self, world: VllmWorld) -> None:
         self.world = world
         self.idle = 0  # waits in a row that served nothing
+        self.rng = random.Random(world.name)
 
     def wait(self, _timeout: float) -> bool:
         world = self.world
         world.settle()
-        if world.space.gate.release(0, None) is None and not world.device.advance(1):
+        fault = call_fault(self.rng, world.setup)
+        if world.space.gate.release(0, fault) is None and not world.device.advance(1):
             world.now += self.TIME_STEP_S
             self.idle += 1
             if self.idle > self.IDLE_WAITS:
@@ -212,7 +224,9 @@ class VllmWorld(World):
         for rid, vr in self.vreqs.items():
             r = vr.request
             if vr.running:
-                if vr.decode and r.num_computed_tokens >= r.num_tokens:
+                if r.num_computed_tokens < r.num_tokens:  # rolled back after a failed load
+                    scheduled[rid] = r.num_tokens - r.num_computed_tokens
+                elif vr.decode:
                     r.append_output_token_ids([7 + vr.decode])
                     vr.decode -= 1
                     scheduled[rid] = 1
@@ -238,7 +252,6 @@ class VllmWorld(World):
         w.bind_step(meta)
         w.start_load(meta)
         failed = w.load_errors()
-        redo: list[tuple[VReq, int, int]] = []
         for rid, count in scheduled.items():
             vr = self.vreqs[rid]
             r = vr.request
@@ -246,15 +259,15 @@ class VllmWorld(World):
                 lo, hi = vr.hit[0] // P, vr.hit[1] // P
                 bad = [i for i in range(lo, hi) if vr.blocks[i] in failed]
                 self._check_blocks(rid, vr, [i for i in range(lo, hi) if i not in bad])
-                for i in bad:
-                    redo.append((vr, i, i + 1))
-                vr.hit = None
+                vr.stale, vr.hit = (bad[0] if bad else None), None
             end = (r.num_computed_tokens + count) // P
             self._compute(vr, max(vr.kv_pages, r.num_computed_tokens // P), end)
             r.num_computed_tokens += count
         w.save(meta)
-        for vr, lo, hi in redo:  # vLLM recomputes the blocks whose load failed
-            self._compute(vr, lo, hi, force=True)
+        for vr in self.vreqs.values():  # vLLM's update_from_output: recompute from the failed
+            if vr.stale is not None:
+                vr.request.num_computed_tokens = vr.stale * P
+                vr.kv_pages, vr.stale = vr.stale, None
         books.answered(SimpleNamespace(kv_connector_worker_meta=w.answers()))
 
     def _allocate(self, vr: VReq) -> bool:
@@ -264,13 +277,22 @@ class VllmWorld(World):
         vr.blocks = [self.free_blocks.pop() for _ in range(need)]
         return True
 
-    def _compute(self, vr: VReq, lo: int, hi: int, force: bool = False) -> None:  # type: ignore[override]
-        if not force:
-            lo = max(lo, vr.kv_pages)
+    def _compute(self, vr: VReq, lo: int, hi: int) -> None:  # type: ignore[override]
+        """The forward's pages [lo, hi) of `vr`: the oracle's bytes, or, past a page whose load
+        failed in this step (stale), bytes that are no page's (computed over the wrong KV)."""
+        lo = max(lo, vr.kv_pages)
         if hi <= lo:
             return
-        content, P = request_content(vr.request), self.setup.page_tokens
-        pages = [(vr.blocks[i], self.oracle.page(content, (i + 1) * P)) for i in range(lo, hi)]
+        content, P, stale = request_content(vr.request), self.setup.page_tokens, vr.stale
+        pages = [
+            (
+                vr.blocks[i],
+                self.oracle.page(content, (i + 1) * P)
+                if stale is None or i < stale
+                else expand(content.digest((i + 1) * P), self.oracle.page_bytes, b"stale"),
+            )
+            for i in range(lo, hi)
+        ]
 
         def write() -> None:
             for block, data in pages:

@@ -25,6 +25,8 @@ SALTS = (None, "tenant-a", "tenant-b")
 STORE_FAULTS = ("down", "up", "restart", "lost", "truncated", "full")
 GOOD_CODES = tuple(f for f in CALL_FAULTS if f not in ("short", "long", "wrong_type"))
 """Call faults whose answers have the right form (without `bad-codes`)."""
+FAULT_SHARE = 0.2
+"""The share of released store calls that answer with a fault."""
 
 
 @dataclass(frozen=True)
@@ -206,13 +208,18 @@ def operations(rng: random.Random, setup: Setup, count: int) -> list[Op]:
     return ops
 
 
+def call_fault(rng: random.Random, setup: Setup) -> str | None:
+    """The fault a released store call answers with, or None (`FAULT_SHARE` of them faulty)."""
+    faults = CALL_FAULTS if "bad-codes" in setup.features else GOOD_CODES
+    return rng.choice(faults) if rng.random() < FAULT_SHARE else None
+
+
 def _common(rng: random.Random, setup: Setup, kind: str) -> Op:
     """An operation on the device, the store calls or the store."""
     if kind == "device":
         return ("device", rng.choice((1, 1, 2, 3, -1)))
     if kind == "call":
-        faults = CALL_FAULTS if "bad-codes" in setup.features else GOOD_CODES
-        return ("call", rng.randrange(4), rng.choice(faults) if rng.random() < 0.2 else None)
+        return ("call", rng.randrange(4), call_fault(rng, setup))
     if rng.random() < 0.1:
         return ("reopen",)
     replaced = ("replaced",) if "replaced" in setup.features else ()
