@@ -1,5 +1,6 @@
 """`HiCache.store`: write the engine's new pages through to the host tier, and hand them to the
-store tiers' write-behind (`StoreSide`, a part of `hicache.cache.HiCache`; engine thread).
+store tiers' write-behind (`WriteThrough`, whose `store` `hicache.cache.HiCache` offers as its
+own; engine thread).
 
 1. the request's keys are extended to the stored tokens (`hicache.core.keys.KeyChain`);
 2. the host slot books split them into pages held and pages missing; the held ones are pinned
