@@ -213,3 +213,23 @@ def test_interleaved_runs_take_turns_and_answer_as_each_engine_alone(model):
     assert _outputs(done[0]) == _outputs(alone) == _outputs(done[1])
     assert all(t > 0 for t in elapsed)
     assert sum(r.hit_tokens for c in done[1] for r in c) > 0  # the hicache engine hit
+
+
+def test_every_prompt_token_the_engine_computes_reaches_the_cost_model_once(model):
+    convs = make_workload(
+        conversations=2,
+        turns=3,
+        first_tokens=150,
+        message_tokens=24,
+        answer_tokens=5,
+        vocab_size=1000,
+        seed=9,
+    )
+    eng = build_engine(_spec(), HOST, model=model)
+    reported: list[tuple[int, float]] = []
+    eng.cache.report_prefill = lambda tokens, seconds: reported.append((tokens, seconds))
+    done = drive(eng, convs)
+    computed = sum(len(r.prompt) - r.hit_tokens for conv in done for r in conv)
+    assert sum(r.hit_tokens for conv in done for r in conv) > 0
+    assert sum(tokens for tokens, _ in reported) == computed
+    assert all(seconds > 0 for _, seconds in reported)

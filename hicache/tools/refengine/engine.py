@@ -20,7 +20,8 @@ One `Engine.step()`:
 4. run the model, take the argmax of each finished prompt's or decoded token's logits; with
    ``by_layer`` the pages of a hit are loaded layer by layer beside the model, and the model
    waits for layer i's pages (``wait_layer``) just before it computes layer i;
-5. a request whose prompt is fully computed is stored (``store``); a request that has its
+5. the step's prompt tokens and time go to the cache's cost model (``report_prefill``); a
+   request whose prompt is fully computed is stored (``store``); a request that has its
    ``max_new_tokens`` is stored with ``prompt + output[:-1]`` (the tokens whose KV it holds),
    released, its full pages kept by the GPU prefix cache and its other blocks and slot freed.
 
@@ -166,9 +167,11 @@ class Engine:
         items, owners = self._batch()
         done: list[Request] = []
         if items:
+            start = self.clock()
             logits = self.model.forward(items, self.memory)
-            next_tokens = logits.argmax(-1).tolist()
+            next_tokens = logits.argmax(-1).tolist()  # waits for the step's work on the device
             now = self.clock()
+            self._report_prefill(owners, now - start)
             for (req, n), tok in zip(owners, next_tokens):
                 was_prefill = req.prefilling
                 req.computed += n
@@ -189,6 +192,17 @@ class Engine:
         return done
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _report_prefill(self, owners: list[tuple[Request, int]], seconds: float) -> None:
+        """Feed the step's prompt tokens and time to the cache's cost model (``report_prefill``,
+        where the cache has it). The time counts the step's decodes and layer loads too, so the
+        speed errs on the slow side, as vLLM's connector measures it."""
+        report = getattr(self.cache, "report_prefill", None)
+        if report is None:
+            return
+        tokens = sum(n for req, n in owners if req.prefilling)
+        if tokens:
+            report(tokens, seconds)
 
     def alloc_blocks(self, n: int) -> list[int] | None:
         """`n` free blocks of the pool, evicting unpinned prefix-cache pages if need be; None
