@@ -81,6 +81,7 @@ class WriteThrough:
         state_slot: int | None = None,
         *,
         salt: str | bytes | None = None,
+        tail: bool = True,
     ) -> int:
         """Write through: copy the full pages of `tokens` that the host tier lacks, GPU -> host.
 
@@ -90,7 +91,12 @@ class WriteThrough:
         the last `policy.state_boundaries` page boundaries that the engine can still produce are
         saved from `state_slot` too. Returns the number of pages copied. When the host tier is
         full of pinned pages, the leading pages that fit are stored and the rest are counted as
-        dropped. `salt` is used only for a request that was never matched.
+        dropped. `salt` is used only for a request that was never matched. `tail`: the pages
+        past the last whole page group of each store tier go there too, as one shorter object
+        (`hicache.core.span`): right for a store that ends where a later request may end (a
+        prompt, a request's answer); pass False for a store that a later one of the same
+        request extends (vLLM's store as each page fills), whose tail would be written for
+        nothing.
         """
         if self.policy.write_policy == "read_only":
             return 0
@@ -131,9 +137,9 @@ class WriteThrough:
             if self._chain is not None:
                 # the host slot of each page, where `pins` has them in page order (every page
                 # held or copied, the copied ones the tail); else write-behind looks them up
-                tail = not missing or missing[0] == n_pages - len(missing)
-                slots = pins.slots if tail and len(pins.slots) == n_pages else None
-                self._chain.stored(keys, done, slots)
+                in_order = not missing or missing[0] == n_pages - len(missing)
+                slots = pins.slots if in_order and len(pins.slots) == n_pages else None
+                self._chain.stored(keys, done, slots, tail)
         return copied
 
     def _store_pages(

@@ -280,6 +280,33 @@ def test_without_states_a_prompt_of_whole_groups_hits_up_to_its_cap(
         reader.cache.close()
 
 
+@pytest.mark.parametrize("tier", ["memory", "mooncake", "disk"])
+def test_the_pages_past_the_last_whole_group_reach_a_second_instance(
+    tier, mooncake_master, tmp_path
+):
+    """A prompt of 10 pages and 5 tokens, in groups of 4 pages: the writer puts 2 groups and a
+    tail of 2 pages. A fresh instance asked the same prompt hits all 10 pages; asked its first
+    160 tokens, 9 (the cap: a token is left to compute), from the same tail; asked a longer
+    prompt, the 2 whole groups (the tail ends where that prompt does not)."""
+    cfg = config(page_tokens=16, page_bytes=64, host_pages=128)
+    cfg["tiers"].append(fresh_tier(tier, mooncake_master, tmp_path, group_pages=4))
+    p = prompt(171, 240)
+    writer = FakeEngine(cfg, num_blocks=64)
+    try:
+        writer.run("w", p[:165])
+        settle(writer)
+        assert writer.cache.stats()[f"objects_put_{tier}"] == 3
+    finally:
+        writer.cache.close()
+    for n, hit in [(165, 160), (160, 144), (240, 128)]:
+        reader = FakeEngine(cfg, num_blocks=64)
+        try:
+            m = reader.run("r", p[:n])  # checks every page it loads
+            assert (m.hit_tokens, m.fetched_tokens) == (hit, hit), n
+        finally:
+            reader.cache.close()
+
+
 def test_host_disk_mooncake_hits_from_each_tier_and_disk_survives_a_restart(
     mooncake_master, tmp_path
 ):

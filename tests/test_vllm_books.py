@@ -142,12 +142,13 @@ def test_stores_follow_completed_pages_with_only_the_new_tokens():
     books.matched_tokens(r, 0)
     table = {"s": [3, 1, 4, 2]}
     step = books.build(sched({"s": 10}, table))  # the prefill writes blocks 3 and 1
-    assert step.stores == [Store("s", 0, list(range(8)), 8, [3, 1, 4, 2])]  # whole pages
+    # whole pages; the prompt's whole pages end here: its tail goes to the store tiers too
+    assert step.stores == [Store("s", 0, list(range(8)), 8, [3, 1, 4, 2], tail=True)]
     advance(r, 10, 11)
     assert books.build(sched({"s": 1}, table)).stores == []  # token 10: no new whole block
     advance(r, 12, 13)
     assert books.build(sched({"s": 1}, table)).stores == [
-        Store("s", 8, [8, 9, 10, 11], 12, table["s"])
+        Store("s", 8, [8, 9, 10, 11], 12, table["s"])  # a page of the answer: no tail
     ]
     advance(r, 13, 14)
     # three of the four scheduled tokens are speculative: only token 13 is surely written
@@ -856,12 +857,12 @@ Tensors = dict[str, torch.Tensor]
 
 
 def mooncake_pair(
-    master, wait_s: float = 30.0, in_step: bool = True
+    master, wait_s: float = 30.0, in_step: bool = True, group_pages: int = 1
 ) -> tuple[Engine, Engine, Tensors, Tensors, StoreProbe]:
     """Two instances on one Mooncake store node: `a` (view answers only) writes, `b` answers
     from its view and a probe of its own (waiting `wait_s`; generous by default: the machine
     may be busy), or with `in_step` false asks its worker every time."""
-    tier = {"type": "mooncake", **master.tier_config, "group_pages": 1}
+    tier = {"type": "mooncake", **master.tier_config, "group_pages": group_pages}
     wa, kva = worker(blocks=64, tiers=(tier,))
     wb, kvb = worker(blocks=64, tiers=(tier,))
     for w in (wa, wb):
@@ -888,12 +889,16 @@ def drain(e: Engine) -> None:
 
 
 @pytest.mark.mooncake
-def test_a_store_tier_hit_is_answered_in_the_step_and_loads_the_exact_bytes(mooncake_master):
-    """Instance a stores a prompt (its pages reach the store node); instance b, whose host
-    tier holds nothing, is granted the four pages in the step it asks (its probe of the store
-    tier, no question to its worker), and its load fetches them and copies a's exact bytes."""
-    a, b, kva, kvb, probe = mooncake_pair(mooncake_master)
-    prompt = list(range(300, 317))
+@pytest.mark.parametrize("group_pages", [1, 3])
+def test_a_store_tier_hit_is_answered_in_the_step_and_loads_the_exact_bytes(
+    mooncake_master, group_pages
+):
+    """Instance a stores a prompt (its pages reach the store node: in groups of 3 pages, a
+    group and a tail of one page); instance b, whose host tier holds nothing, is granted the
+    four pages in the step it asks (its probe of the store tier, no question to its worker), and
+    its load fetches them and copies a's exact bytes."""
+    a, b, kva, kvb, probe = mooncake_pair(mooncake_master, group_pages=group_pages)
+    prompt = list(range(300 + group_pages, 317 + group_pages))
     stored = a.prefill(Req("a", prompt))
     drain(a)
     r = Req("r", [*prompt, 9])
@@ -929,7 +934,7 @@ def test_a_store_object_gone_before_the_load_is_a_load_error_not_wrong_bytes(moo
     assert b.books.matched_tokens(r, 0) == (16, False)
     b.books.allocated(r, 16)
     [(fp, chain, _)] = b.books.view.host_runs(r.all_token_ids, None, 0, 4)
-    gone = probe.groups(fp, chain, 2, 4)
+    _, gone = probe.objects(fp, chain, 2, 4)
     assert len(gone) == 2 and probe._tier.remove(gone, force=True) == [0, 0]
     before = {i: block(kvb, i) for i in (42, 43)}
     b.step({"r": 2}, {"r": [40, 41, 42, 43, 44]})

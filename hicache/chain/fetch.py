@@ -28,6 +28,7 @@ from hicache.config import Layout, Policy
 from hicache.core.cost import Rate, Verdict
 from hicache.core.keys import KeyChain
 from hicache.core.slots import Lease
+from hicache.core.span import Span
 from hicache.observability.events import EventSink, emit
 from hicache.observability.stats import TierStats
 
@@ -46,11 +47,8 @@ class Fetch:
     The chain links the fetches of one request's walk: where a tier's fetch fell short, the
     next tier's fetch (`next`) asks for the pages after it."""
 
-    first_group: int
-    groups: int
-    """How many page groups, from `first_group` on, the fetch may bring."""
-    first_page: int
-    """The first page of `first_group`."""
+    span: Span
+    """The objects the fetch may bring: page groups from group `span.first` on, and a tail."""
     host_pages: int
     """The host hit when the fetch began: the fetch's pages before it (its first group may start
     below it) were host hits already."""
@@ -78,6 +76,11 @@ class Fetch:
     with its first result)."""
     next: Fetch | None = None
     """The next tier's fetch of the same walk, once this one has finished short."""
+
+    @property
+    def first_page(self) -> int:
+        """The first page of its first group."""
+        return self.span.first_page
 
     def key_before(self, pages: int) -> bytes:
         """The key of page ``pages - 1`` (a group end inside the fetch)."""
@@ -184,20 +187,18 @@ class Fetcher:
         deadline: float | None = None,
         planned: bool = False,
     ) -> Fetch | None:
-        """Begin a fetch of the groups after `host_pages` of `chain`, up to `max_pages` pages.
+        """Begin a fetch of the objects after `host_pages` of `chain`, up to `max_pages` pages
+        (`hicache.core.span.Span`: whole groups, then the chain's tail).
 
         `chain` has hashed at least `host_pages` pages; the worker hashes the rest it needs.
         `deadline`: when a waiting request gives up (default: `policy.fetch_max_wait_ms` from
-        now). Returns None when no whole group lies in that range, the tier is not available or
+        now). Returns None when no object lies in that range, the tier is not available or
         busy, or fetching is slower than recomputing (see `hicache.core.cost`; not asked for a
         `planned` partial fetch, whose plan weighed the tier's speed already).
         """
         G = self.G
-        first = host_pages // G
-        # groups [first, last): every whole group that starts below max_pages (the hit is capped
-        # at max_pages afterwards, so a group may be fetched for only part of its pages)
-        last = min(-(-max_pages // G), chain.pages // G)
-        if last <= first:
+        span = Span.of(host_pages, max_pages, chain.pages, G, tails=not self.layout.state_bytes)
+        if not span.objects:
             return None
         if not self.usable():
             self.stats.skipped_down += 1
@@ -209,18 +210,17 @@ class Fetcher:
             self.stats.skipped_slow += 1
             return None
         if self._trusted_books:
-            chain.hash_to((first + 1) * G)
-            if chain.hashed[(first + 1) * G - 1] not in self._held:
+            end = span.first_page + span.pages_of(1)
+            chain.hash_to(end)
+            if chain.hashed[end - 1] not in self._held:
                 self.stats.skipped_unheld += 1
                 return None
         now = self.clock()
         deadline = now + self.policy.fetch_max_wait_ms / 1e3 if deadline is None else deadline
-        fetch = Fetch(
-            first, last - first, first * G, host_pages, deadline, now, self, chain, max_pages
-        )
+        fetch = Fetch(span, host_pages, deadline, now, self, chain, max_pages)
         self.stats.fetches += 1
-        pages = (last - first) * G
-        job = Job("probe", fetch=fetch, started=now)
+        pages = span.pages_of(span.objects)
+        job = Job("probe", fetch=fetch, started=now, tail=span.tail)
         if (
             not self.layout.state_bytes  # a state's boundary decides the run: probe first
             and self.store.missing_code is not None  # a miss told from a failure
@@ -231,10 +231,11 @@ class Fetcher:
             fetch.lease, fetch.phase = self.reserve.split(pages), "get"
             fetch.lease.slots.sort()  # runs of slots in order: a group in a run is one piece
             self._lent += pages
-            job.kind, job.groups, job.unprobed = "get", last - first, True
+            job.kind, job.groups, job.unprobed = "get", span.objects, True
             job.page_slots = fetch.lease.slots
         # The first ENGINE_PREP_PAGES pages are hashed here; the worker hashes the rest.
-        begin, end = first * G, last * G
+        begin = span.first_page
+        end = begin + pages
         own = min(end, begin + ENGINE_PREP_PAGES)
         chain.hash_to(own)
         job.page_keys = fetch.keys = chain.hashed[begin:own]
@@ -250,7 +251,8 @@ class Fetcher:
         failed call. Reserve host slots for the leading run the tier holds and queue its get."""
         self.load[job.worker] -= 1
         fetch = job.fetch
-        n_groups = fetch.groups
+        span = fetch.span
+        n_groups = span.objects
         if present is None or fetch.abandoned:
             self.on_done(fetch)
             return
@@ -275,9 +277,10 @@ class Fetcher:
         if run <= 0 or not self.host.ready:
             self.on_done(fetch)
             return
-        lease = self.host.page_slots.reserve(run * self.G)
-        run = len(lease.slots) // self.G  # the whole groups that fit (the others' pages are pinned)
-        lease.split(len(lease.slots) - run * self.G).release()
+        lease = self.host.page_slots.reserve(span.pages_of(run))
+        if len(lease.slots) < span.pages_of(run):  # the whole groups that fit (others are pinned)
+            run = min(len(lease.slots) // self.G, span.groups)
+            lease.split(len(lease.slots) - run * self.G).release()
         lease.slots.sort()  # runs of slots in order: a group in a run is one piece
         state_lease = None
         if state_here and run:
@@ -291,7 +294,8 @@ class Fetcher:
             self.stats.no_space += 1
             self.on_done(fetch)
             return
-        get = Job("get", job.ends[:run], page_slots=lease.slots, fetch=fetch, groups=run)
+        tail = span.tail if run > span.groups else 0
+        get = Job("get", job.ends[:run], page_slots=lease.slots, fetch=fetch, groups=run, tail=tail)
         if state_lease is not None:
             get.state_ends = [fetch.key_before(fetch.first_page + run * self.G)]
             get.state_slots = state_lease.slots
@@ -304,15 +308,16 @@ class Fetcher:
         call (a miss; the fetch's slots are released)."""
         self.load[job.worker] -= 1
         fetch = job.fetch
+        span = fetch.span
         run = job.groups
         if job.unprobed:  # its slots are the fetch's now (or free again): the reserve may refill
-            self._lent -= run * self.G
+            self._lent -= len(job.page_slots)
         # a read counts only where it returned the object's exact size: a tier that answers 0
         # (or a short count) for an object it did not fill must not make a hit
-        group_bytes = self.G * self.layout.page_size
+        page_size = self.layout.page_size
         ok = 0
         if codes is not None:
-            while ok < run and codes[ok] == group_bytes:
+            while ok < run and codes[ok] == (span.pages_of(ok + 1) - span.pages_of(ok)) * page_size:
                 ok += 1
             if ok < run and not (job.unprobed and codes[ok] == self.store.missing_code):
                 self.stats.get_failed += run - ok
@@ -323,23 +328,22 @@ class Fetcher:
         )
         if fetch.state_lease is not None and not state_ok:
             ok = 0  # without its state the run can't be resumed from
+        pages = span.pages_of(ok)
         if job.unprobed:  # the slots nothing was read into go back where they came from
-            self._take_back(fetch.lease, ok * self.G)  # type: ignore[arg-type]
+            self._take_back(fetch.lease, pages)  # type: ignore[arg-type]
         first_page = fetch.first_page
         if ok:
-            got = fetch.keys[: ok * self.G]
-            fresh = fetch.fresh = self.host.page_slots.publish(
-                fetch.lease.slots[: ok * self.G], got
-            )
+            got = fetch.keys[:pages]
+            fresh = fetch.fresh = self.host.page_slots.publish(fetch.lease.slots[:pages], got)
             if self.events is not None:
                 emit(self.events, "stored", "host", self.host.page_slots.keys_of(fresh))
             self._held.add_all(job.ends[:ok])
             if fetch.state_lease is not None:
                 boundary_key = got[-1]
                 self.host.state_slots.publish(fetch.state_lease.slots, [boundary_key])
-            fetch.pages = (first_page, first_page + ok * self.G)
-            nbytes = ok * self.G * self.layout.page_size
-            self.stats.pages_fetched += ok * self.G
+            fetch.pages = (first_page, first_page + pages)
+            nbytes = pages * page_size
+            self.stats.pages_fetched += pages
             self.stats.get_bytes += nbytes
             self.read.observe(nbytes, job.finished - job.started)
         self.stats.latency["hicache_tier_fetch_seconds"].observe(self.clock() - fetch.started)

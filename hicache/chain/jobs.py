@@ -63,7 +63,10 @@ class Job:
     """For a put: the pins on its page (and state) slots, held until its call has returned
     (released by the engine thread)."""
     groups: int = 0
-    """For a get: how many page groups it reads (a state, if any, comes after them)."""
+    """For a get: how many page objects it reads (a state, if any, comes after them)."""
+    tail: int = 0
+    """Pages of its last page object where that is a tail, shorter than a group
+    (`hicache.core.span`); 0: every page object is a whole group."""
     unprobed: bool = False
     """A get asked without an exists: a missing group ends the hit and is no failure."""
     ready: Completion = DONE
@@ -104,11 +107,12 @@ class JobRunner:
     ) -> None:
         self.store = store
         self.host = host
-        self.G = group_pages
+        self.G = G = group_pages
         self.page_tokens = page_tokens
         self.states = states
         """Whether the layout has states (a probe then asks for the state at each group end)."""
-        self._group_names = store_key(key_prefix, fingerprint, b"", group_pages)
+        self._group_names = [store_key(key_prefix, fingerprint, b"", g) for g in range(G + 1)]
+        """The names' prefix of an object of `g` pages: `_group_names[g]`."""
         self._state_names = store_key(key_prefix, fingerprint, b"", None)
         self.envelopes = Envelopes(host.page_slots.capacity, host.state_slots.capacity)
         """The objects' headers (registered with the store beside the host pools)."""
@@ -260,12 +264,17 @@ class JobRunner:
         """A fetch's first job: its groups' ends from its page keys (and, for a probe of a
         state layout, the state at every group end too)."""
         job.ends = job.page_keys[self.G - 1 :: self.G]
+        if job.tail:
+            job.ends.append(job.page_keys[-1])
         if job.kind == "probe" and self.states:
             job.state_ends = job.ends
 
     def _place(self, job: Job) -> None:
         """The names of a job's objects and, for a get or a put, where their bytes lie."""
-        job.names = [self._group_names + k.hex() for k in job.ends]
+        group = self._group_names[self.G]
+        job.names = [group + k.hex() for k in job.ends]
+        if job.tail:
+            job.names[len(job.ends) - 1] = self._group_names[job.tail] + job.ends[-1].hex()
         job.names += [self._state_names + k.hex() for k in job.state_ends]
         if job.kind != "probe":
             job.buffers = self._buffers(job.page_slots, job.state_slots)
@@ -279,12 +288,15 @@ class JobRunner:
     def _buffers(self, page_slots: list[int], state_slots: list[int] | tuple[()] = ()) -> Buffers:
         """Where the objects lie: each its header (`envelopes`), then its bytes in the host
         pools: a page group per `G` consecutive entries of `page_slots` (laid out by
-        `group_pieces`), then one state per entry of `state_slots`."""
-        pieces = group_pieces(self._page_rows, self.G, page_slots)
+        `group_pieces`; the last may be a tail, shorter), then one state per entry of
+        `state_slots`."""
+        G = self.G
+        pieces = group_pieces(self._page_rows, G, page_slots)
         header = self.envelopes.page_header
         # by its last slot: groups that share their first page (prompts that part in the
         # group) are put at once from the same first slot, but a last page names its group
-        for ptrs, sizes, last in zip(pieces.ptrs, pieces.sizes, page_slots[self.G - 1 :: self.G]):
+        lasts = page_slots[G - 1 :: G] + (page_slots[-1:] if len(page_slots) % G else [])
+        for ptrs, sizes, last in zip(pieces.ptrs, pieces.sizes, lasts):
             ptrs.insert(0, header(last))
             sizes.insert(0, HEADER)
         for slot in state_slots:
@@ -335,8 +347,9 @@ _INTEGERS = (int, np.integer, np.bool_)  # bool is an int
 
 
 def group_pieces(rows: tuple[int, int, int], G: int, slots: list[int]) -> Buffers:
-    """The pieces of page groups of `G` pages, a group per `G` consecutive entries of `slots`, in
-    a pool whose `rows` are (address of slot 0, bytes between slots, bytes of a page).
+    """The pieces of page groups of `G` pages, a group per `G` consecutive entries of `slots` (the
+    last group may be shorter: a tail), in a pool whose `rows` are (address of slot 0, bytes
+    between slots, bytes of a page).
 
     Where rows lie back to back, a group whose pages are in consecutive slots, in order, is one
     piece; any other group is a piece per page. Mooncake moves fewer, larger pieces faster: a
@@ -352,22 +365,25 @@ def group_pieces(rows: tuple[int, int, int], G: int, slots: list[int]) -> Buffer
         # the usual fetch (sorted slots of a fresh reserve): one run, a piece per group,
         # without a list per group (half the time of the loop below, on the fill's path)
         first = base + stride * slots[0]
+        sizes = [[G * size] for _ in range(n // G)]
+        if n % G:
+            sizes.append([n % G * size])
         return Buffers(
             [[at] for at in range(first, first + n * stride, G * stride)],
-            [[G * size] for _ in range(n // G)],
+            sizes,
             (first, first + n * stride),
         )
     ptrs: list[list[int]] = []
     sizes: list[list[int]] = []
     for i in range(0, n, G):  # plain ints: cheaper than numpy at this size
         group = slots[i : i + G]
-        first = group[0]
-        if merge and group == list(range(first, first + G)):
+        first, k = group[0], len(group)
+        if merge and group == list(range(first, first + k)):
             ptrs.append([base + stride * first])
-            sizes.append([G * size])
+            sizes.append([k * size])
         else:
             ptrs.append([base + stride * slot for slot in group])
-            sizes.append([size] * G)
+            sizes.append([size] * k)
     # min/max of the ints, not numpy reductions (each costs more than the loop here)
     low, high = min(slots), max(slots)
     return Buffers(ptrs, sizes, (base + stride * low, base + stride * high + size))

@@ -163,7 +163,8 @@ class TierChain:
         `below`."""
         for link in self._behind:
             if self._index[id(link.fetcher)] < below:
-                link.writer.write_behind(keys, len(keys), range(link.G, len(keys) + 1, link.G))
+                n = len(keys)
+                link.writer.write_behind(keys, n, range(link.G, n + 1, link.G), tail=True)
 
     def waiting(self, fetch: Fetch) -> bool:
         """True while the request should wait for its walk (policy 'wait', before the walk's
@@ -196,13 +197,20 @@ class TierChain:
 
     # -- writes -----------------------------------------------------------------------------------
 
-    def stored(self, keys: list[bytes], ready: Completion, slots: list[int] | None = None) -> None:
+    def stored(
+        self,
+        keys: list[bytes],
+        ready: Completion,
+        slots: list[int] | None = None,
+        tail: bool = True,
+    ) -> None:
         """`store` copied `keys` (a sequence from its first page) to the host tier: hand them
-        to every tier as its `write:` says. `ready`: a fence made after the host copy (what
+        to every tier as its `write:` says (with `tail`, the pages past the last whole group
+        too, to the `write: behind` tiers). `ready`: a fence made after the host copy (what
         `Transfers.then` returned for it)."""
         n = len(keys)
         for link in self._behind:
-            link.writer.write_behind(keys, n, range(link.G, n + 1, link.G), ready, slots)
+            link.writer.write_behind(keys, n, range(link.G, n + 1, link.G), ready, slots, tail)
         for link in self._write_back:
             link.writer.note_dirty(keys, n)
 

@@ -93,8 +93,11 @@ class WriteBehind:
         state_pages: Sequence[int],
         ready: Completion | None = None,
         slots: list[int] | None = None,
+        tail: bool = False,
     ) -> None:
-        """Queue puts of the full groups of `keys[:n_pages]` (and states) the tier does not hold.
+        """Queue puts of the full groups of `keys[:n_pages]` (and states) the tier does not hold,
+        and with `tail` the pages past the last of them as one tail object
+        (`hicache.core.span`; never for a layout with states, whose runs end at group ends).
 
         `ready`: a fence the caller has just made (`store` gives the completion of its host
         write-through); None: one is made here. The worker waits for it before reading the
@@ -136,7 +139,18 @@ class WriteBehind:
                 if slot is not None:
                     state_ends.append(key)
                     state_pins.append(slot)
-        self._put(ends, pins, state_ends, state_pins, ready)
+        k = n_pages % G if tail and not self.layout.state_bytes else 0
+        if k and keys[n_pages - 1] not in held:
+            rest = slice(n_groups * G, n_pages)
+            found = slots[rest] if slots is not None else self.host.page_slots.lookup(keys[rest])
+            if None in found:  # a page evicted meanwhile
+                k = 0
+            else:
+                ends.append(keys[n_pages - 1])
+                pins += found  # type: ignore[arg-type]
+        else:
+            k = 0
+        self._put(ends, pins, state_ends, state_pins, ready, k)
 
     def _put(
         self,
@@ -145,10 +159,12 @@ class WriteBehind:
         state_ends: list[bytes],
         state_pins: list[int],
         ready: Completion | None = None,
+        tail: int = 0,
     ) -> None:
         """Queue one put of the groups named by `ends` (their pages in host slots `pins`, `G`
-        a group) and the states in `state_pins`; the slots stay pinned until it has returned.
-        `ready`: a fence made after the last copy enqueued so far (None: made here)."""
+        a group; the last `tail` pages a tail object where `tail` > 0) and the states in
+        `state_pins`; the slots stay pinned until it has returned. `ready`: a fence made after
+        the last copy enqueued so far (None: made here)."""
         if not ends and not state_ends:
             return
         if ready is None:
@@ -156,7 +172,7 @@ class WriteBehind:
         leases = (self.host.page_slots.lease(pins),)
         if state_pins:
             leases += (self.host.state_slots.lease(state_pins),)
-        job = Job("put", ends, state_ends, pins, state_pins, leases=leases, ready=ready)
+        job = Job("put", ends, state_ends, pins, state_pins, leases=leases, ready=ready, tail=tail)
         job.started = self.clock()
         self.out += 1
         self._jobs.put(job)
@@ -227,7 +243,11 @@ class WriteBehind:
             for i, key in enumerate(job.ends + job.state_ends):
                 if codes is not None and codes[i] >= 0:
                     stats.objects_put += 1
-                    stats.put_bytes += group_bytes if i < groups else layout.state_bytes
+                    if i >= groups:
+                        stats.put_bytes += layout.state_bytes
+                    else:
+                        last = job.tail and i == groups - 1
+                        stats.put_bytes += job.tail * layout.page_size if last else group_bytes
                     if i < groups:
                         put.append(key)
                 else:

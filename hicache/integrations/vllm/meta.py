@@ -47,7 +47,9 @@ class Load:
 @dataclass(frozen=True)
 class Store:
     """The request's KV is now in its blocks for its first `upto` tokens. `new_tokens` extends
-    the tokens the worker was sent for this request before (from `sent_before` on)."""
+    the tokens the worker was sent for this request before (from `sent_before` on). `tail`:
+    `upto` ends the prompt's whole pages, so the pages past its last whole group go to the store
+    tiers too (`HiCache.store`'s `tail`)."""
 
     request_id: str
     sent_before: int
@@ -55,6 +57,7 @@ class Store:
     upto: int
     block_ids: list[int]
     salt: str | bytes | None = None
+    tail: bool = False
 
 
 @dataclass

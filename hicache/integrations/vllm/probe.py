@@ -4,9 +4,10 @@ vLLM's scheduler holds no pages, and its view of the workers' tiers (`TierView`)
 what a shared store tier holds: other instances write it. Where the config's one store tier
 says it answers existence cheaply from any process (`StoreTier.exists_from_any_process`:
 Mooncake), the scheduler keeps a client of that tier of its own and asks it, in one batched
-`exists`, which of a prompt's next page groups it holds. The scheduler waits for the answer at
-most `wait_s`: a call still out then is left to finish on the probe's thread, and the
-question goes to the workers as before (no second probe is sent while one is out).
+`exists`, which of a prompt's next page groups (and its tail) it holds. The scheduler waits
+for the answer at most `wait_s`: a call still out then is left to finish on the probe's
+thread, and the question goes to the workers as before (no second probe is sent while one is
+out).
 
 An answer is a claim, checked when the worker loads: an object gone by then is a load error
 that vLLM recomputes.
@@ -23,6 +24,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from hicache.backends.base import StoreTier
 from hicache.config import HiCacheConfig, StoreTierConfig
 from hicache.core.keys import KeyChain, store_key
+from hicache.core.span import Span
 from hicache.registry import tier_class
 
 log = logging.getLogger("hicache.vllm")
@@ -60,20 +62,23 @@ class StoreProbe:
             return None
         return cls(cls_(stores[0]), stores[0], wait_s)
 
-    def groups(self, fingerprint: bytes, chain: KeyChain, host_pages: int, cap: int) -> list[str]:
-        """The object names of the groups a worker's fetch would ask for past a host hit of
-        `host_pages` pages, capped at page `cap` (`hicache.chain.fetch.Fetcher.start`):
-        every whole group of the prompt from the one holding page `host_pages` on that starts
-        below the cap. Each is named by its last page's key (`store_key`)."""
+    def objects(
+        self, fingerprint: bytes, chain: KeyChain, host_pages: int, cap: int
+    ) -> tuple[Span, list[str]]:
+        """The objects a worker's fetch would ask for past a host hit of `host_pages` pages,
+        capped at page `cap` (`hicache.chain.fetch.Fetcher.start`): their span and names, each
+        named by its last page's key (`store_key`)."""
         G = self.group_pages
-        first, last = host_pages // G, min(-(-cap // G), chain.pages // G)
-        if last <= first:
-            return []
-        keys = chain.hash_to(last * G)
-        return [
-            store_key(self._prefix, fingerprint, keys[(g + 1) * G - 1], G)
-            for g in range(first, last)
+        span = Span.of(host_pages, cap, chain.pages, G)
+        if not span.objects:
+            return span, []
+        keys = chain.hash_to(span.first_page + span.pages_of(span.objects))
+        sizes = [G] * span.groups + ([span.tail] if span.tail else [])
+        names = [
+            store_key(self._prefix, fingerprint, keys[end], size)
+            for end, size in zip(span.ends(), sizes)
         ]
+        return span, names
 
     def exists(self, names: Sequence[str]) -> list[bool] | None:
         """Which objects the tier holds, or None where it did not answer within the wait (or

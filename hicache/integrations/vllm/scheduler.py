@@ -145,17 +145,17 @@ class SchedulerBooks:
             return None
         if not runs:
             return first, first
-        names = [probe.groups(fp, chain, h, cap) for fp, chain, h in runs]
-        present = probe.exists([name for each in names for name in each])
+        asked = [probe.objects(fp, chain, h, cap) for fp, chain, h in runs]
+        present = probe.exists([name for _, names in asked for name in names])
         if present is None:
             return None
-        G, at, hit, host = probe.group_pages, 0, cap, cap
-        for (_, _, h), each in zip(runs, names):
+        at, hit, host = 0, cap, cap
+        for (_, _, h), (span, names) in zip(runs, asked):
             held = 0
-            while held < len(each) and present[at + held]:
+            while held < len(names) and present[at + held]:
                 held += 1
-            at += len(each)
-            reach = min(cap, (h // G + held) * G) if held else h
+            at += len(names)
+            reach = min(cap, span.first_page + span.pages_of(held)) if held else h
             hit, host = min(hit, max(h, reach)), min(host, h)
         return max(first, hit), max(first, min(host, hit))
 
@@ -242,7 +242,8 @@ class SchedulerBooks:
         sent = tracked.sent
         new = keyed_tokens(req, sent, upto, self._page) if upto > sent else []
         tracked.sent, tracked.stored_pages = max(sent, upto), upto // self._page
-        return Store(rid, sent, new, upto, list(table[0]), tracked.salt)
+        tail = upto == req.num_prompt_tokens // self._page * self._page
+        return Store(rid, sent, new, upto, list(table[0]), tracked.salt, tail)
 
     def answered(self, output: KVConnectorOutput) -> None:
         """vLLM's `update_connector_output`: take the ranks' answers to open questions, and

@@ -391,7 +391,8 @@ class WorkerCache:
             return  # its question is open (not scheduled, or preempted): store later
         cache = self._cache()
         try:
-            cache.store(rid, tokens[:upto], store.block_ids, salt=store.salt)
+            tail = store.tail and upto == store.upto
+            cache.store(rid, tokens[:upto], store.block_ids, salt=store.salt, tail=tail)
         except (ValueError, HiCacheError) as err:
             log.warning("hicache: store of request %s: %s", rid, err)
         finally:

@@ -5,8 +5,9 @@
  * Host books: a page is published or not; a published page has a pin count and is "fresh"
  * until it first becomes idle; the LRU list holds the published pages that have been idle
  * (insert = touch = to the young end); victims are the oldest idle ones (pinned ones met on
- * the way go to the young end). A store tier is an LRU list of objects named by their last
- * page, and the link's books of what it put or fetched (`known`).
+ * the way go to the young end). A store tier is an LRU list of objects (page groups and
+ * tails) named by their last page, in units (an object of k pages: overhead + k * page_cost),
+ * and the link's books of what it put or fetched (`known`).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -62,9 +63,10 @@ typedef struct {
 } Host;
 
 typedef struct {
-    int64_t capacity, group, skipped, fetches, read, written;
+    int64_t capacity, group, overhead, page_cost, used, skipped, fetches, read, written;
     int behind, worth;
     Lru objects;
+    int32_t *size; /* pages of the object that ends at a page */
     uint8_t *known;
 } Store;
 
@@ -128,29 +130,42 @@ static int64_t prefix(const Host *h, const int32_t *pages, int64_t n)
     return k;
 }
 
-static void store_put(Store *s, int32_t end)
+static int64_t store_cost(const Store *s, int64_t pages) { return s->overhead + pages * s->page_cost; }
+
+/* StoreSim.put: the object of k pages that ends at page `end` */
+static void store_put(Store *s, int32_t end, int64_t k)
 {
     s->known[end] = 1;
-    s->written += s->group;
+    s->written += k;
     if (s->objects.in[end]) return;
-    while (s->objects.len >= s->capacity && s->objects.len) lru_unlink(&s->objects, s->objects.head);
-    if (s->capacity > 0) lru_push(&s->objects, end);
+    int64_t cost = store_cost(s, k);
+    while (s->used + cost > s->capacity && s->objects.len) {
+        int32_t old = s->objects.head;
+        s->used -= store_cost(s, s->size[old]);
+        lru_unlink(&s->objects, old);
+    }
+    if (cost <= s->capacity) {
+        lru_push(&s->objects, end);
+        s->size[end] = (int32_t)k;
+        s->used += cost;
+    }
 }
 
-/* ChainSim._put: the full groups of pages[0, n) not known whose pages are held; their pages
- * pinned and released at once. `scratch` holds n entries. */
+/* ChainSim._put: the full groups of pages[0, n) and its tail not known whose pages are held;
+ * their pages pinned and released at once. `scratch` holds n entries. */
 static void put_groups(Host *h, Store *s, const int32_t *pages, int64_t n, int32_t *scratch)
 {
     int64_t G = s->group, m = 0;
-    for (int64_t g = 0; g < n / G; g++) {
+    for (int64_t g = 0; g * G < n; g++) {
         const int32_t *grp = pages + g * G;
-        if (s->known[grp[G - 1]]) continue;
+        int64_t k = n - g * G < G ? n - g * G : G;
+        if (s->known[grp[k - 1]]) continue;
         int held = 1;
-        for (int64_t j = 0; j < G && held; j++) held = h->pub[grp[j]];
+        for (int64_t j = 0; j < k && held; j++) held = h->pub[grp[j]];
         if (!held) continue;
-        store_put(s, grp[G - 1]);
-        memcpy(scratch + m, grp, (size_t)G * sizeof(int32_t));
-        m += G;
+        store_put(s, grp[k - 1], k);
+        memcpy(scratch + m, grp, (size_t)k * sizeof(int32_t));
+        m += k;
     }
     pin(h, scratch, m);
     release(h, scratch, m);
@@ -169,10 +184,14 @@ static void walk(Host *h, Store *st, int n_stores, const int32_t *pages, int64_t
 {
     for (int i = after; i < n_stores; i++) {
         Store *s = &st[i];
+        /* hicache.core.span.Span.of */
         int64_t G = s->group, first = reached / G;
         int64_t last = (cap + G - 1) / G;
         if (n / G < last) last = n / G;
-        if (last <= first) continue;
+        if (last < first) last = first;
+        int64_t groups = last - first, tail = last == n / G && cap > last * G ? n % G : 0;
+        int64_t objects = groups + (tail > 0);
+        if (!objects) continue;
         if (!s->worth && ++s->skipped % EXPLORE_EVERY) continue;
         s->fetches++;
         Part *part = &parts[(*n_parts)++];
@@ -181,22 +200,27 @@ static void walk(Host *h, Store *st, int n_stores, const int32_t *pages, int64_t
         part->lo = part->hi = 0;
         part->items = NULL;
         int64_t run = 0;
-        while (first + run < last && s->objects.in[pages[(first + run + 1) * G - 1]]) run++;
+        while (run < groups && s->objects.in[pages[(first + run + 1) * G - 1]]) run++;
+        if (run == groups && tail && s->objects.in[pages[n - 1]]) run++;
+        int64_t want = run > groups ? groups * G + tail : run * G;
         if (run) {
-            int64_t got = reserve(h, run * G);
-            run = got / G;
-            h->reserved -= got - run * G;
+            int64_t got = reserve(h, want);
+            if (got < want) {
+                run = got / G < groups ? got / G : groups;
+                want = run * G;
+                h->reserved -= got - want;
+            }
         }
         if (run) {
-            for (int64_t g = first; g < first + run; g++) {
-                int32_t end = pages[(g + 1) * G - 1];
+            for (int64_t o = 0; o < run; o++) {
+                int32_t end = o < groups ? pages[(first + o + 1) * G - 1] : pages[n - 1];
                 lru_touch(&s->objects, end);
                 s->known[end] = 1;
             }
-            s->read += run * G;
-            reads[i] += run * G;
+            s->read += want;
+            reads[i] += want;
             part->lo = first * G;
-            part->hi = (first + run) * G;
+            part->hi = first * G + want;
             part->items = buf + part->lo; /* buf: one slot per page of the prompt per part */
             publish(h, pages + part->lo, part->hi - part->lo, part->items);
             for (int j = 0; j < i; j++)
@@ -210,7 +234,8 @@ static void walk(Host *h, Store *st, int n_stores, const int32_t *pages, int64_t
     }
 }
 
-/* Run the trace. stores: n_stores rows of {capacity objects, group pages, behind, worth}.
+/* Run the trace. stores: n_stores rows of {capacity units, group pages, behind, worth,
+ * overhead units, units per page}.
  * Per request r: hit[r] (pages), tier_pages[r * (n_stores + 1) + t] (t = 0 the host),
  * reads[r * n_stores + i] (pages read from store i), written[r * (n_stores + 1) + t] (pages
  * written into the host / put to store i). out[2 + n_stores] = {host pages evicted, pages
@@ -235,13 +260,17 @@ int hicache_chainsim(int64_t host_capacity, int64_t page_tokens, int64_t min_rec
     h.fresh = calloc((size_t)n, 1);
     h.refs = calloc((size_t)n, sizeof(int32_t));
     for (int i = 0; i < n_stores; i++) {
-        st[i].capacity = stores[4 * i];
-        st[i].group = stores[4 * i + 1];
-        st[i].behind = (int)stores[4 * i + 2];
-        st[i].worth = (int)stores[4 * i + 3];
+        const int64_t *row = stores + 6 * i;
+        st[i].capacity = row[0];
+        st[i].group = row[1];
+        st[i].behind = (int)row[2];
+        st[i].worth = (int)row[3];
+        st[i].overhead = row[4];
+        st[i].page_cost = row[5];
         ok = lru_init(&st[i].objects, n) && ok;
         st[i].known = calloc((size_t)n, 1);
-        ok = ok && st[i].known;
+        st[i].size = calloc((size_t)n, sizeof(int32_t));
+        ok = ok && st[i].known && st[i].size;
     }
     int32_t *lease = malloc((size_t)longest * 2 * sizeof(int32_t));
     int32_t *buf = malloc((size_t)longest * (n_stores + 1) * sizeof(int32_t));
@@ -335,7 +364,11 @@ int hicache_chainsim(int64_t host_capacity, int64_t page_tokens, int64_t min_rec
 done:
     lru_free(&h.lru);
     free(h.pub); free(h.fresh); free(h.refs);
-    for (int i = 0; i < n_stores; i++) { lru_free(&st[i].objects); free(st[i].known); }
+    for (int i = 0; i < n_stores; i++) {
+        lru_free(&st[i].objects);
+        free(st[i].known);
+        free(st[i].size);
+    }
     free(lease); free(buf); free(scratch);
     return rc;
 }

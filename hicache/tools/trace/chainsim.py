@@ -20,11 +20,12 @@ hicache/chain/fetch.py, hicache/chain/writes.py), in their order:
    released); otherwise the host prefix is released and walked again;
 3. load (the hit's pages released), store (the prompt's held pages pinned, its new pages placed
    as far as room allows, then released: the new ones, then the held ones), and the puts of
-   every `write: behind` tier: each full group of the prompt that the link has not put or
-   fetched before (its books of the tier never learn of the tier's evictions).
+   every `write: behind` tier: each full group of the prompt, and its tail, that the link has
+   not put or fetched before (its books of the tier never learn of the tier's evictions).
 
-A store tier holds objects of `group_pages` pages, named by their last page, least recently
-used first (disk: a get touches, a put of a held object does nothing), `capacity` objects.
+A store tier holds objects of `group_pages` pages and tails (`hicache.core.span`), named by
+their last page, least recently used first (disk: a get touches, a put of a held object does
+nothing), as many as its `capacity` holds.
 
 It is exact against a real `HiCache` (the replay test checks hits per tier) where the real
 timing cannot reorder anything: writes settled before the next request, `fetch_reserve: 0`,
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 
 from hicache.core.cost import EXPLORE_EVERY
 from hicache.core.eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
+from hicache.core.span import Span
 
 RESERVED = -1
 """A lease item for a reserved slot that holds no page (its page was held already)."""
@@ -127,10 +129,19 @@ class HostBooks:
         return items
 
 
+class Objects(OrderedDict[int, int]):
+    """A store tier's objects by their last page: their units, least recently used first, and
+    `used`, the units of them all (one `Objects` may be shared by the engines of a cluster)."""
+
+    used = 0
+
+
 @dataclass
 class StoreSim:
-    """One store tier below the host: `capacity` objects of `group_pages` pages, least
-    recently used first, and the link's books of what it put or fetched there."""
+    """One store tier below the host: objects of `group_pages` pages (and shorter tails) in
+    `capacity` units, least recently used first, and the link's books of what it put or
+    fetched there. An object of k pages takes ``overhead + k * page_cost`` units (the defaults
+    count pages; a disk tier's planner counts bytes, a record's header the overhead)."""
 
     name: str
     capacity: int
@@ -138,7 +149,9 @@ class StoreSim:
     write: str = "behind"
     worth: bool = True
     """Whether a page reads faster than it computes (the cost model's verdict)."""
-    objects: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    overhead: int = 0
+    page_cost: int = 1
+    objects: Objects = field(default_factory=Objects)
     known: set[int] = field(default_factory=set)
     skipped: int = 0
     read_pages: int = 0
@@ -152,23 +165,26 @@ class StoreSim:
         self.skipped += 1
         return self.skipped % EXPLORE_EVERY == 0
 
-    def get(self, ends: Sequence[int]) -> None:
+    def get(self, ends: Sequence[int], pages: int) -> None:
+        """A get of the objects `ends`, `pages` pages in all."""
         for end in ends:
             self.objects.move_to_end(end)
         self.known.update(ends)
-        self.read_pages += len(ends) * self.group_pages
+        self.read_pages += pages
 
-    def put(self, ends: Sequence[int]) -> None:
+    def put(self, end: int, pages: int) -> None:
+        """A put of the object of `pages` pages that ends at page `end`."""
         objects = self.objects
-        for end in ends:
-            self.known.add(end)
-            self.written_pages += self.group_pages
-            if end in objects:
-                continue
-            while len(objects) >= self.capacity and objects:
-                objects.popitem(last=False)
-            if self.capacity > 0:
-                objects[end] = None
+        self.known.add(end)
+        self.written_pages += pages
+        if end in objects:
+            return
+        cost = self.overhead + pages * self.page_cost
+        while objects.used + cost > self.capacity and objects:
+            objects.used -= objects.popitem(last=False)[1]
+        if cost <= self.capacity:
+            objects[end] = cost
+            objects.used += cost
 
 
 @dataclass
@@ -237,24 +253,26 @@ class ChainSim:
         for i in range(after, len(self.stores)):
             tier = self.stores[i]
             G = tier.group_pages
-            first, last = reached // G, min(-(-cap // G), n // G)
-            if last <= first or not tier.asked():
+            span = Span.of(reached, cap, n, G)
+            if not span.objects or not tier.asked():
                 continue
             tier.fetches += 1
             part = Part(i, reached)
             walk.append(part)
-            ends = [pages[(g + 1) * G - 1] for g in range(first, last)]
+            ends = [pages[e] for e in span.ends()]
             run = 0
             while run < len(ends) and ends[run] in tier.objects:
                 run += 1
             if run:
-                got = self.host.reserve(run * G)
-                run = got // G
-                self.host.reserved -= got - run * G  # the partial group's slots: released
+                got = self.host.reserve(span.pages_of(run))
+                if got < span.pages_of(run):  # the whole groups that fit
+                    run = min(got // G, span.groups)
+                    self.host.reserved -= got - run * G  # the others' slots: released
             if run:
-                tier.get(ends[:run])
-                reads[i] += run * G
-                part.lo, part.hi = first * G, (first + run) * G
+                tier.get(ends[:run], span.pages_of(run))
+                reads[i] += span.pages_of(run)
+                part.lo = span.first_page
+                part.hi = part.lo + span.pages_of(run)
                 part.items = self.host.publish(pages[part.lo : part.hi])
                 for above in self.stores[:i]:
                     if above.write == "behind":
@@ -323,16 +341,14 @@ class ChainSim:
                 self._put(tier, pages)
 
     def _put(self, tier: StoreSim, pages: Sequence[int]) -> None:
-        """Put the full groups of `pages` the link has not put or fetched, whose pages the host
-        holds. The put pins their pages until it returns: released here at once, last first
-        (the replay settles every put before the next request)."""
+        """Put the full groups of `pages` and its tail that the link has not put or fetched,
+        whose pages the host holds. The put pins their pages until it returns: released here at
+        once, last first (the replay settles every put before the next request)."""
         G, held = tier.group_pages, self.host.published
-        ends: list[int] = []
         pinned: list[int] = []
-        for g in range(len(pages) // G):
+        for g in range(-(-len(pages) // G)):
             group = pages[g * G : (g + 1) * G]
             if group[-1] not in tier.known and all(p in held for p in group):
-                ends.append(group[-1])
+                tier.put(group[-1], len(group))
                 pinned += group
-        tier.put(ends)
         self.host.release(self.host.pin(pinned))

@@ -16,8 +16,9 @@ A router picks the engine of every request (`ROUTERS`):
 
 Each engine is `hicache.tools.trace.chainsim.ChainSim`, the tier chain as hicache runs it (the
 planner's, checked against the real cache): an LRU host tier, its own disk tier if any, then
-the store, each store tier in objects of `group_pages` pages written behind. The store's objects
-are one least-recently-used order shared by every engine; each engine's link keeps its own books
+the store, each store tier in objects of `group_pages` pages (and tails) written behind. The
+store's objects are one least-recently-used order shared by every engine; each engine's link
+keeps its own books
 of what it put or fetched there, so an engine puts a group that another one put already (the
 bytes travel; the store keeps one copy). A store of capacity None never evicts.
 
@@ -29,12 +30,12 @@ requests it sent each engine.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicache.tools.trace.chainsim import ChainSim, StoreSim
+from hicache.tools.trace.chainsim import ChainSim, Objects, StoreSim
 from hicache.tools.trace.workload import TraceRequest
 
 TIME_UNIT_S = 0.001
@@ -138,14 +139,14 @@ class _Published(set):
         return stored, removed
 
 
-def _engine(setup: ClusterSetup, shared: OrderedDict[int, None] | None) -> ChainSim:
+def _engine(setup: ClusterSetup, shared: Objects | None) -> ChainSim:
     """One engine's chain: its host tier, its disk tier if any, the store's objects `shared`."""
     G = setup.group_pages
     stores = []
     if setup.disk_pages:
-        stores.append(StoreSim("disk", setup.disk_pages // G, G))
+        stores.append(StoreSim("disk", setup.disk_pages, G))  # capacity in pages
     if shared is not None:
-        cap = setup.store_pages // G if setup.store_pages is not None else UNBOUNDED
+        cap = setup.store_pages if setup.store_pages is not None else UNBOUNDED
         stores.append(StoreSim("mooncake", cap, G, objects=shared))
     sim = ChainSim(setup.host_pages, setup.page_tokens, stores, "lru", setup.min_recompute_tokens)
     sim.host.published = _Published()
@@ -259,7 +260,7 @@ def simulate_cluster(
     """Replay `requests` (in order; `prompts[k]` the full pages of request k, as
     `hicache.tools.trace.workload.page_ids` names them) through the cluster of `setup`. `advance(k)`
     is called every few thousand requests with the count done since the last call."""
-    shared: OrderedDict[int, None] | None = None if setup.store_pages == 0 else OrderedDict()
+    shared = None if setup.store_pages == 0 else Objects()
     engines = [_engine(setup, shared) for _ in range(setup.instances)]
     res = ClusterResult(requests=[0] * setup.instances)
     router = ROUTERS[setup.router](setup, res.requests)

@@ -11,7 +11,6 @@ A policy the C file does not know runs in Python.
 from __future__ import annotations
 
 import ctypes
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
@@ -20,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from hicache.core import native
-from hicache.tools.trace.chainsim import ChainSim, StoreSim
+from hicache.tools.trace.chainsim import ChainSim, Objects, StoreSim
 from hicache.tools.trace.simulate import FarthestNextUse, PolicySim, SimResult
 from hicache.tools.trace.workload import Workload
 
@@ -173,8 +172,11 @@ def run_chain(
     if lib is not None:
         dense, n_ids = workload.dense
         spec = np.array(
-            [[s.capacity, s.group_pages, s.write == "behind", s.worth] for s in stores]
-            or [[0] * 4],
+            [
+                [s.capacity, s.group_pages, s.write == "behind", s.worth, s.overhead, s.page_cost]
+                for s in stores
+            ]
+            or [[0] * 6],
             np.int64,
         )
         out = np.zeros(2 + S, np.int64)
@@ -190,7 +192,7 @@ def run_chain(
             progress(n)
         return ChainRun(hit, tier_pages, reads, written, int(out[0]), int(out[1]), out[2:].tolist())
     mine = [
-        replace(s, objects=OrderedDict(), known=set(), skipped=0, fetches=0, read_pages=0,
+        replace(s, objects=Objects(), known=set(), skipped=0, fetches=0, read_pages=0,
                 written_pages=0)
         for s in stores
     ]  # fmt: skip

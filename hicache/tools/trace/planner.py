@@ -130,9 +130,13 @@ class TierPlan:
         has a header of its own; an encoded object takes 1/ratio of its bytes)."""
         if self.type == "host":
             return self.size // page_bytes
-        stored = math.ceil(self.group_pages * page_bytes / self.ratio)
-        record = stored + (DISK_RECORD_HEADER if self.type == "disk" else 0)
+        record = self.overhead + self.group_pages * math.ceil(page_bytes / self.ratio)
         return self.size // record * self.group_pages
+
+    @property
+    def overhead(self) -> int:
+        """Bytes an object takes beside its pages: a disk record's header."""
+        return DISK_RECORD_HEADER if self.type == "disk" else 0
 
 
 def chain_from_config(config: HiCacheConfig) -> list[TierPlan]:
@@ -190,10 +194,12 @@ def plan(
     stores = [
         StoreSim(
             t.label,
-            t.capacity_pages(page_bytes) // t.group_pages,
+            t.size,
             t.group_pages,
             t.write,
             worth=page_bytes * verdict_prefill_tokens_per_s < P * t.raw_read_gbps * 1e9,
+            overhead=t.overhead,
+            page_cost=math.ceil(page_bytes / t.ratio),
         )
         for t in below
     ]
