@@ -181,7 +181,8 @@ class StoreTierConfig(TierConfig):
     most for its writes (and write-backs) to finish, so that a clean shutdown loses nothing."""
 
     group_pages: int = Field(default=4, ge=1)
-    """G: consecutive pages written to the store as one object."""
+    """G: consecutive pages written to the store as one object; a stored prompt's pages past its
+    last whole group go as one shorter object, its tail (not for layouts with states)."""
     key_prefix: str = Field(default="hicache", min_length=1, max_length=64, pattern=r"^[\w.\-]+$")
     """First part of every object name (separates hicache from other users of the store)."""
     write_queue_depth: int = Field(default=256, ge=1)
