@@ -315,9 +315,10 @@ class Fetcher:
         # a read counts only where it returned the object's exact size: a tier that answers 0
         # (or a short count) for an object it did not fill must not make a hit
         page_size = self.layout.page_size
+        group_bytes, groups = self.G * page_size, span.groups
         ok = 0
         if codes is not None:
-            while ok < run and codes[ok] == (span.pages_of(ok + 1) - span.pages_of(ok)) * page_size:
+            while ok < run and codes[ok] == (group_bytes if ok < groups else span.tail * page_size):
                 ok += 1
             if ok < run and not (job.unprobed and codes[ok] == self.store.missing_code):
                 self.stats.get_failed += run - ok

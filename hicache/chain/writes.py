@@ -139,18 +139,15 @@ class WriteBehind:
                 if slot is not None:
                     state_ends.append(key)
                     state_pins.append(slot)
-        k = n_pages % G if tail and not self.layout.state_bytes else 0
-        if k and keys[n_pages - 1] not in held:
+        tail_pages = 0
+        if tail and n_pages % G and not self.layout.state_bytes and keys[n_pages - 1] not in held:
             rest = slice(n_groups * G, n_pages)
             found = slots[rest] if slots is not None else self.host.page_slots.lookup(keys[rest])
-            if None in found:  # a page evicted meanwhile
-                k = 0
-            else:
+            if None not in found:  # else a page was evicted meanwhile
                 ends.append(keys[n_pages - 1])
                 pins += found  # type: ignore[arg-type]
-        else:
-            k = 0
-        self._put(ends, pins, state_ends, state_pins, ready, k)
+                tail_pages = n_pages % G
+        self._put(ends, pins, state_ends, state_pins, ready, tail_pages)
 
     def _put(
         self,
