@@ -27,6 +27,7 @@ from hicache.chain.jobs import Job
 from hicache.config import Layout, Policy
 from hicache.core.cost import Rate, Verdict
 from hicache.core.keys import KeyChain
+from hicache.core.marks import mark
 from hicache.core.slots import Lease
 from hicache.core.span import Span
 from hicache.observability.events import EventSink, emit
@@ -327,6 +328,12 @@ class Fetcher:
             and codes is not None
             and codes[-1] == self.layout.state_bytes
         )
+        mark("store.get.keys", len(job.ends) + len(job.state_ends))
+        mark("store.get.keys-back", ok + state_ok)
+        if 0 < ok < run:
+            mark("store.get.partial")
+        if state_ok and ok < run:
+            mark("fetch.middle-lost-state-present")
         if fetch.state_lease is not None and not state_ok:
             ok = 0  # without its state the run can't be resumed from
         pages = span.pages_of(ok)

@@ -55,6 +55,7 @@ from hicache.backends.disk.config import DiskTierConfig, os_reason
 from hicache.backends.disk.lru import LruBook
 from hicache.backends.regions import Regions, check_keys, checked_tensor
 from hicache.config import Layout
+from hicache.core.marks import mark
 from hicache.registry import register_tier
 
 log = logging.getLogger(__name__)
@@ -177,6 +178,7 @@ class DiskTier(StoreTier):
 
     def _list(self) -> None:
         for leftover in self._tmp.iterdir():
+            mark("disk.leftover-removed")
             leftover.unlink(missing_ok=True)
         found = []
         for shard in self._objects.iterdir():
@@ -333,6 +335,7 @@ class DiskTier(StoreTier):
             os.close(fd)
         found = rec.parse_header(head) if got >= rec.HEADER else None
         if found is None or found[0] != key:
+            mark("disk.record-damaged")
             return MISSING
         kept = found[2]
         if found[1] > after or kept.nbytes != (inline.nbytes if inline is not None else 0):
@@ -340,6 +343,7 @@ class DiskTier(StoreTier):
         if inline is not None:
             inline[:] = kept
         if got != rec.HEADER + found[1]:  # shorter: a torn record
+            mark("disk.record-damaged")
             return MISSING
         return nbytes - after + found[1]
 
@@ -354,6 +358,8 @@ class DiskTier(StoreTier):
             return -errno.ENOSPC
         if victims is None:
             return 0
+        if victims:
+            mark("disk.evicted")
         self._remove(victims, "evicted")
         with self._count_lock:
             self._seq += 1
