@@ -60,8 +60,8 @@ def _publish_before_copy() -> Callable[[], None]:
 
     stored = TierChain.stored
 
-    def eager(self, keys, done, slots=None):  # type: ignore[no-untyped-def]
-        return stored(self, keys, DONE, slots)
+    def eager(self, keys, ready, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return stored(self, keys, DONE, *args, **kwargs)
 
     return _patch(TierChain, "stored", eager)
 

@@ -3,32 +3,47 @@
 Every call a tier's worker thread makes parks at the world's `Gate` until the simulation
 releases it, with the fault it draws (or none): so calls complete late, out of order, or only at
 close. Behind the gate is a real store: an in-memory object store shared by every instance that
-names the same `space` (a second instance, a reopened one), or the real disk tier in a directory
-(`disk`). Faults at a call: the store unreachable, an exception, code lists too short, too long
-or of the wrong type, per-key failures, wrong byte counts. Faults at rest (`Space`): objects
-lost, truncated or replaced, the store full, down and back, a restart that loses its contents.
+names the same `space` (other instances at the same time, a reopened one), or the real disk
+tier in a directory (`disk`, `KillableDisk`). Faults at a call: the store unreachable, an
+exception, code lists too short, too long or of the wrong type, per-key failures (of the first
+object and every other one, or of every other one from the second: a group in the middle of a
+run), wrong byte counts. Faults at rest (`Space.damage`, `damage_disk`: on the real disk tier's
+record files): objects lost, truncated, replaced, or one byte of their payload changed (their
+headers intact: only the payload's checksum can tell); the store full, down and back, a restart
+that loses its contents; the process of a disk tier killed at a point of a record's write.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
 
 from hicache.backends.base import Buffers, StoreTier, StoreUnavailable
+from hicache.backends.disk import records
+from hicache.backends.disk.tier import DiskTier
+from hicache.backends.envelope import HEADER
 from hicache.config import StoreTierConfig
+from hicache.core.marks import mark
 from hicache.registry import register_tier
 
 MISSING = -2
 
 CALL_FAULTS = (
-    "unavailable", "exception", "short", "long", "wrong_type", "per_key", "wrong_bytes",
+    "unavailable", "exception", "short", "long", "wrong_type", "per_key", "per_key_odd",
+    "wrong_bytes",
 )  # fmt: skip
 """What a released call may be made to do instead of answering (see `_faulty`)."""
+AT_REST = ("lost", "truncated", "replaced", "payload")
+"""What `Space.damage` and `damage_disk` do to an object at rest."""
+KILL_POINTS = ("writing", "written", "renamed")
+"""Where in a record's write a disk tier's process can die (see `KillableDisk`)."""
 
 
 @dataclass
@@ -86,6 +101,15 @@ class Gate:
             self._cond.notify_all()
             return chosen
 
+    def release_call(self, call: Call, fault: str | None) -> None:
+        """Release `call` (one of `sorted`'s, if still parked) and its twins, with `fault`."""
+        with self._cond:
+            for parked in list(self.parked):
+                if parked.order == call.order:
+                    parked.released, parked.fault = True, fault
+                    self.parked.remove(parked)
+            self._cond.notify_all()
+
     def open(self) -> None:
         """Let every call through from now on."""
         with self._cond:
@@ -101,11 +125,15 @@ class Space:
     objects: dict[str, bytes] = field(default_factory=dict)
     down: bool = False
     capacity: int = 1 << 30
-    on_put: Callable[[str, bytes, Sequence[tuple[int, int]]], None] | None = None
-    """The oracle's check of each object put (name, bytes, its pieces)."""
+    on_put: Callable[[str, bytes, Sequence[tuple[int, int]], int], None] | None = None
+    """The oracle's check of each object put (name, bytes, its pieces, the putting node)."""
     registered: int = 0
     """Host memory registrations not yet dropped by close (the leak check reads it)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    last_writer: int | None = None
+    """The node whose put reached the store last."""
+    writers: set[int] = field(default_factory=set)
+    """The nodes whose tiers on this store are open now."""
 
     def restart(self) -> None:
         """The store node restarts: its contents are lost."""
@@ -113,7 +141,7 @@ class Space:
             self.objects.clear()
 
     def damage(self, index: int, how: str) -> str | None:
-        """Lose, truncate or replace the object at `index` (mod their number, in name order)."""
+        """Do `how` (`AT_REST`) to the object at `index` (mod their number, in name order)."""
         with self.lock:
             names = sorted(self.objects)
             if not names:
@@ -124,9 +152,76 @@ class Space:
                 del self.objects[name]
             elif how == "truncated":
                 self.objects[name] = data[: len(data) // 2]
-            else:  # replaced by other bytes of the same length
+            elif how == "replaced":  # by other bytes of the same length
                 self.objects[name] = bytes(b ^ 0x5A for b in data)
+            elif len(data) > HEADER:  # one byte of the payload, the header intact
+                at = HEADER + index % (len(data) - HEADER)
+                self.objects[name] = data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1 :]
             return name
+
+
+def damage_disk(path: str, index: int, how: str) -> str | None:
+    """Do `how` (`AT_REST`) to the record file of the disk tier at `path` at `index` (mod their
+    number, in name order), under the running tier: lost (the file removed), truncated (to half
+    its length), replaced (every byte changed: its header no longer verifies) or payload (one
+    byte past the record's header block changed: the record verifies, its object does not)."""
+    files = sorted(Path(path, "objects").glob("*/*"))
+    if not files:
+        return None
+    file = files[index % len(files)]
+    data = file.read_bytes()
+    if how == "lost":
+        file.unlink()
+    elif how == "truncated":
+        os.truncate(file, len(data) // 2)
+    elif how == "replaced":
+        file.write_bytes(bytes(b ^ 0x5A for b in data))
+    elif len(data) > records.HEADER:
+        at = records.HEADER + index % (len(data) - records.HEADER)
+        with open(file, "r+b") as f:
+            f.seek(at)
+            f.write(bytes([data[at] ^ 0x01]))
+    return file.name
+
+
+class Killed(Exception):
+    """The simulated process of a disk tier died at a write point (`KillableDisk`)."""
+
+
+class KillableDisk(DiskTier):
+    """The real disk tier, whose process the simulation kills at a point of the next record it
+    writes once armed (`kill_at`, one of `KILL_POINTS`): while writing it (half the temporary
+    file written), once written (whole in ``tmp``, not renamed into place), or once in place
+    (the put never answers). The put raises `Killed`; the tier is dead from then on. One I/O
+    thread, so that which records of a call were written before the death does not depend on
+    how threads ran."""
+
+    kill_at: str | None = None
+
+    def _write(self, tmp: Path, key: str, views: Any, addresses: Any, nbytes: int) -> None:
+        super()._write(tmp, key, views, addresses, nbytes)
+        if self.kill_at == "writing":
+            os.truncate(tmp, (records.HEADER + nbytes) // 2)
+        if self.kill_at in ("writing", "written"):
+            raise Killed(self.kill_at)
+
+    def _put_one(self, key: str, obj: Any) -> int:
+        if self.kill_at == "dead":
+            raise Killed("dead")
+        held = records.file_name(key) in self.book
+        code = super()._put_one(key, obj)
+        if self.kill_at == "renamed" and code == 0 and not held:
+            raise Killed("renamed")
+        return code
+
+    def die(self) -> None:
+        """What the kernel does when the process dies: its lock goes (its file descriptor
+        closes), its threads stop taking work; its files stay as they are."""
+        self.kill_at = "dead"
+        self._closed = True
+        self._unlock()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
 
 SPACES: dict[str, Space] = {}
@@ -144,6 +239,8 @@ class SimTierConfig(StoreTierConfig):
     private: bool = False
     """In memory, declared neither shared nor persistent: it starts empty and only this
     instance writes it (the tier chain, and vLLM's scheduler, trust their own books of it)."""
+    node: int = 0
+    """The world's node (one cache) whose tier this is."""
 
 
 @register_tier("sim", SimTierConfig)
@@ -161,13 +258,14 @@ class SimTier(StoreTier):
         self.reads_prefix = config.codec != "none"  # the disk tier's always does
         self.space = SPACES[config.space]
         self.name = config.name or config.type
-        self.inner: StoreTier | None = None
+        self.inner: KillableDisk | None = None
+        self.dead = False
+        """Its disk tier's process was killed (`KillableDisk`): every call fails."""
         if config.disk is not None:
             from hicache.backends.disk.config import DiskTierConfig
-            from hicache.backends.disk.tier import DiskTier
 
-            cfg = DiskTierConfig(path=config.disk, size=config.disk_size, io_threads=2, sync=False)
-            self.inner = DiskTier(cfg)
+            cfg = DiskTierConfig(path=config.disk, size=config.disk_size, io_threads=1, sync=False)
+            self.inner = KillableDisk(cfg)
             self.shared, self.persistent = DiskTier.shared, DiskTier.persistent
             self.missing_code = DiskTier.missing_code
         elif config.private:
@@ -179,12 +277,19 @@ class SimTier(StoreTier):
         return self.config.private
 
     def start(self) -> None:
+        with self.space.lock:
+            self.space.writers.add(self.config.node)
         if self.inner is not None:
             self.inner.start()
 
+    def arm(self, point: str) -> None:
+        """Kill this tier's process at `point` of the next record its disk tier writes."""
+        if self.inner is not None and not self.dead:
+            self.inner.kill_at = point
+
     @property
     def available(self) -> bool:
-        if self.space.down:
+        if self.space.down or self.dead:
             return False
         return self.inner is None or self.inner.available
 
@@ -201,6 +306,7 @@ class SimTier(StoreTier):
         with self.space.lock:
             self.space.registered -= self._registered
             self._registered = 0
+            self.space.writers.discard(self.config.node)
         if self.inner is not None:
             self.inner.close()
 
@@ -217,7 +323,7 @@ class SimTier(StoreTier):
         at = tuple(tuple(map(self._where, p)) for p in buffers.ptrs) if buffers else ()
         order = (self.name, op, tuple(keys), at)
         fault = self.space.gate.enter(Call(op, self.name, tuple(keys), order))
-        if self.space.down or fault == "unavailable":
+        if self.space.down or self.dead or fault == "unavailable":
             raise StoreUnavailable(f"sim store {self.config.space!r} is down")
         if fault == "exception":
             raise RuntimeError("sim store: the client library raised")
@@ -258,14 +364,24 @@ class SimTier(StoreTier):
 
     def put_from(self, keys: Sequence[str], buffers: Buffers) -> list[int]:
         fault = self._enter("put", keys, buffers)
-        on_put = self.space.on_put
+        space, node = self.space, self.config.node
+        on_put = space.on_put
         if on_put is not None:  # what the put reads, checked by the oracle
             for i, key in enumerate(keys):
                 pieces = list(zip(buffers.ptrs[i], buffers.sizes[i], strict=True))
                 data = b"".join(ctypes.string_at(p, n) for p, n in pieces)
-                on_put(key, data, pieces)
+                on_put(key, data, pieces, node)
+        with space.lock:
+            if space.last_writer not in (None, node) and space.last_writer in space.writers:
+                mark("sim.two-writers")
+            space.last_writer = node
         if self.inner is not None:
-            out = self.inner.put_from(keys, buffers)
+            try:
+                out = self.inner.put_from(keys, buffers)
+            except Killed:
+                self.dead = True
+                self.inner.die()
+                raise StoreUnavailable("sim: the disk tier's process was killed") from None
         else:
             out = [self._put_one(k, buffers.ptrs[i], buffers.sizes[i]) for i, k in enumerate(keys)]
         return _faulty(out, fault, -28)
@@ -291,4 +407,6 @@ def _faulty(out: list[Any], fault: str | None, bad: Any) -> Any:
         return None if len(out) % 2 else tuple(str(v) for v in out)
     if fault == "per_key" and out:
         return [bad if i % 2 == 0 else v for i, v in enumerate(out)]
+    if fault == "per_key_odd" and out:  # a run's middle objects lost, its first not
+        return [bad if i % 2 == 1 else v for i, v in enumerate(out)]
     return out
