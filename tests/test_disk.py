@@ -270,6 +270,33 @@ def test_eviction_removes_the_least_recently_used_and_the_order_survives_a_resta
     assert tier.exists(list("def")) == [False, False, True]
 
 
+def test_entries_of_the_directory_that_are_not_records_are_skipped_and_counted(tmp_path, tiers):
+    """A file and a directory beside the shards in objects/, and a file and a directory in a
+    shard whose names are no record's (what an operator, a backup or fsck may leave): a restart
+    lists the records, skips those four entries (counted as `stray`), leaves them as they are,
+    and serves the records. Before, one such entry left the tier unavailable for good."""
+    path = tmp_path / "d"
+    tier = tiers(path)
+    mem = Memory(tier, MiB)
+    size = [[8 * KiB]]
+    assert tier.put_from(["a"], mem.fill(["a"], size)) == [0]
+    tier.close()
+    objects = path / "objects"
+    shard = (objects / file_name("a")).parent
+    stray = [objects / "NOTES.txt", objects / "lost+found", shard / "x.swp", shard / "sub"]
+    stray[0].write_text("kept by an operator")
+    stray[1].mkdir()
+    stray[2].write_bytes(b"an editor's")
+    stray[3].mkdir()
+    tier = tiers(path)
+    mem = Memory(tier, MiB)
+    assert tier.get_into(["a"], mem.buffers(size)) == [8 * KiB]
+    assert mem.wrong(["a"], size, [8 * KiB]) == []
+    stats = tier.stats()
+    assert (stats.records, stats.stray) == (1, 4)
+    assert all(p.exists() for p in stray)
+
+
 def test_a_put_that_cannot_fit_beside_a_write_in_progress_evicts_nothing(tmp_path, tiers):
     """A put that no eviction can make room for (the rest of the size is reserved by a put
     still writing) fails with ENOSPC and leaves every record held, in the book and on disk.

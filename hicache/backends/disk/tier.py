@@ -39,6 +39,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -60,6 +61,10 @@ from hicache.registry import register_tier
 log = logging.getLogger(__name__)
 
 MISSING = -errno.ENOENT
+_SHARDS = frozenset(f"{i:02x}" for i in range(256))
+"""The shard directories below objects/ (a record's name starts with its shard)."""
+_RECORD = re.compile("[0-9a-f]{64}")
+"""A record's file name in its shard (`records.file_name`)."""
 
 _Object = tuple[list[memoryview], list[int]]
 """An object's pieces as memoryviews, and their addresses."""
@@ -86,6 +91,8 @@ class DiskStats:
     failed_puts: int
     damaged: int
     evicted: int
+    stray: int
+    """Entries of the directory that are not records (skipped at start, left alone)."""
     direct_calls: int
     buffered_calls: int
 
@@ -130,6 +137,7 @@ class DiskTier(StoreTier):
                 "failed_puts",
                 "damaged",
                 "evicted",
+                "stray",
                 "direct_calls",
                 "buffered_calls",
             ),
@@ -150,8 +158,8 @@ class DiskTier(StoreTier):
             self.root.mkdir(exist_ok=True)
             self._objects.mkdir(exist_ok=True)
             self._tmp.mkdir(exist_ok=True)
-            for i in range(256):
-                (self._objects / f"{i:02x}").mkdir(exist_ok=True)
+            for shard in _SHARDS:
+                (self._objects / shard).mkdir(exist_ok=True)
         except OSError as err:
             raise DiskTierError(
                 f"{where}: cannot create its directories: {os_reason(err)}"
@@ -176,13 +184,26 @@ class DiskTier(StoreTier):
         self._ready.set()
 
     def _list(self) -> None:
+        """List the records; an entry that is not the tier's (not a shard directory below
+        objects/, not a record's file in a shard) is skipped, left alone and counted `stray`."""
         for leftover in self._tmp.iterdir():
             leftover.unlink(missing_ok=True)
-        found = []
-        for shard in self._objects.iterdir():
-            for entry in os.scandir(shard):
+        found, stray = [], 0
+        for shard in os.scandir(self._objects):
+            if shard.name not in _SHARDS or not shard.is_dir(follow_symlinks=False):
+                stray += 1
+                continue
+            for entry in os.scandir(shard.path):
+                if not (_RECORD.fullmatch(entry.name) and entry.is_file(follow_symlinks=False)):
+                    stray += 1
+                    continue
                 st = entry.stat()
                 found.append((st.st_mtime_ns, f"{shard.name}/{entry.name}", st.st_size))
+        if stray:
+            log.warning(
+                "hicache disk: %d entries in %s are not records: skipped", stray, self._objects
+            )
+            self._count("stray", stray)
         for stamp, name, nbytes in sorted(found):
             self.book.add(name, nbytes)
             self._clock = max(self._clock, stamp)
