@@ -5,6 +5,7 @@ completes as a miss and releases its slots, and the engine thread never sees an 
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Callable
 
@@ -83,3 +84,53 @@ def test_a_wrong_result_of_a_put_is_a_failed_put(bad):
         assert e.cache.stats()["objects_put_memory"] == 4
     finally:
         e.cache.close()
+
+
+def raise_once(e: FakeEngine, call: str) -> None:
+    """Make the engine's memory tier raise asyncio.CancelledError (a BaseException, not an
+    Exception) from its first `call`, and answer right from then on."""
+    store: MemoryTier = e.cache._chain.links[0].store
+    real = getattr(store, call)
+    raised: list[str] = []
+
+    def once(*args):
+        if not raised:
+            raised.append(call)
+            raise asyncio.CancelledError("a plugin's call was cancelled")
+        return real(*args)
+
+    setattr(store, call, once)
+
+
+@pytest.mark.parametrize("call", ["exists", "get_into", "put_from"])
+def test_a_call_that_raises_a_base_exception_fails_alone_and_the_worker_goes_on(call):
+    """A plugin's call raises CancelledError once. That call counts as failed (a fetch: a miss;
+    a put: its groups not stored), its slots are released, and the tier's worker takes the next
+    job: the second prompt is fetched (or put) as usual, no job is left in flight (so close
+    does not wait out its timeout) and nothing stays pinned."""
+    space = uuid.uuid4().hex
+    p, q = prompt(3), prompt(4)
+    writer = engine(space)
+    try:
+        if call == "put_from":
+            raise_once(writer, call)
+        writer.run("w1", p)
+        writer.run("w2", q)
+        settle(writer, timeout=60)
+        s = writer.cache.stats()
+        put = 4 if call == "put_from" else 8
+        assert (s["objects_put_memory"], s["host_pinned"]) == (put, 0)
+    finally:
+        writer.cache.close()
+    reader = engine(space)
+    try:
+        if call != "put_from":
+            raise_once(reader, call)
+        first = reader.run("r1", p).hit_tokens  # checks every loaded byte
+        assert (first, reader.run("r2", q).hit_tokens) == (0, 32)
+        settle(reader, timeout=60)
+        s = reader.cache.stats()
+        assert s["call_errors_memory"] == int(call != "put_from")
+        assert (s["host_pinned"], s["requests"], s["jobs_in_flight_memory"]) == (0, 0, 0)
+    finally:
+        reader.cache.close()

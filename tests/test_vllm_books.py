@@ -993,3 +993,27 @@ def test_probe_wait_ms_is_a_bounded_number_and_no_probe_without_a_tier_any_proce
     disk = {"type": "disk", "path": "/nonexistent", "size": "1MiB"}
     for tiers in ([host], [host, disk]):
         assert StoreProbe.for_config(load_config({"tiers": tiers}, env={}), 0.005) is None
+
+
+def test_a_probe_call_that_raises_a_base_exception_is_one_probe_not_answered():
+    """The store tier's exists raises CancelledError (a BaseException) once: that probe is not
+    answered (the workers would be asked), and the next probe is sent and answered: the failed
+    one does not stay "out" for ever."""
+    import asyncio
+
+    tier_config = MemoryConfig(space=uuid.uuid4().hex)
+    tier = MemoryTier(tier_config)
+    real = tier.exists
+    raised: list[bool] = []
+
+    def once(keys):
+        if not raised:
+            raised.append(True)
+            raise asyncio.CancelledError("cancelled")
+        return real(keys)
+
+    tier.exists = once
+    probe = StoreProbe(tier, tier_config, wait_s=30.0)
+    assert probe.exists(["a"]) is None
+    assert probe.exists(["a"]) == [False]
+    assert (probe.answered, probe.late) == (1, 1)

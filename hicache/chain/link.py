@@ -257,13 +257,16 @@ class StoreLink:
     # -- worker threads ---------------------------------------------------------------------------
 
     def _work(self, jobs: queue.SimpleQueue[Job | None]) -> None:
+        """A worker thread: run each job and post its outcome, whatever the store raises (a
+        plugin's `BaseException` too, such as asyncio.CancelledError): every job is answered,
+        so its slots are released and the next job runs."""
         while True:
             job = jobs.get()
             if job is None:
                 return
             try:
                 outcome: object = self._runner.run(job)
-            except Exception as err:  # reported to the engine thread as a failed job
+            except BaseException as err:  # reported to the engine thread as a failed job
                 if not isinstance(err, StoreUnavailable):
                     log.warning("hicache tier %s: %s failed: %r", self.name, job.kind, err)
                 outcome = err
@@ -277,7 +280,7 @@ class StoreLink:
             if self.wake is not None:
                 try:
                     self.wake()
-                except Exception as err:  # the engine's callback must not stop the worker
+                except BaseException as err:  # the engine's callback must not stop the worker
                     log.warning("hicache: the wake callback raised %r", err)
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -294,7 +297,7 @@ class StoreLink:
         try:
             for tensor in (*self.host.memory(), *self._runner.memory()):
                 self.store.register(tensor)
-        except Exception as err:  # the tier stays unused; the engine goes on without it
+        except BaseException as err:  # the tier stays unused; the engine goes on without it
             log.error("hicache tier %s: registering the host pools failed: %r", self.name, err)
             return
         self._registered.set()

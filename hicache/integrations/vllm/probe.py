@@ -95,8 +95,8 @@ class StoreProbe:
         def ask() -> None:
             try:
                 out.set_result(self._tier.exists(names))
-            except Exception as err:  # the tier's failure is a probe not answered
-                out.set_exception(err)
+            except BaseException as err:  # whatever the tier raises: a probe not answered
+                out.set_exception(RuntimeError(f"the tier raised {err!r}"))
 
         threading.Thread(target=ask, name="hicache-probe", daemon=True).start()
         try:
