@@ -134,3 +134,28 @@ def test_a_call_that_raises_a_base_exception_fails_alone_and_the_worker_goes_on(
         assert (s["host_pinned"], s["requests"], s["jobs_in_flight_memory"]) == (0, 0, 0)
     finally:
         reader.cache.close()
+
+
+def test_a_tier_whose_available_raises_is_taken_as_down(monkeypatch):
+    """A plugin's `available` raises: match and store (on the engine thread) do not; the tier
+    is passed over as one that is down (no fetch, no put, both counted), and the request is
+    served from the host tier. Once `available` answers again, the tier is used again."""
+    space = uuid.uuid4().hex
+    e = engine(space)
+    try:
+
+        def broken(self) -> bool:
+            raise RuntimeError("the plugin lost its client")
+
+        monkeypatch.setattr(MemoryTier, "available", property(broken))
+        assert e.run("w", prompt(5)).hit_tokens == 0
+        assert e.run("r", prompt(5)).hit_tokens == 32  # from the host tier
+        s = e.cache.stats()
+        assert (s["puts_skipped_memory"], s["objects_put_memory"]) == (8, 0)
+        assert s["available_memory"] == 0
+        monkeypatch.undo()
+        e.run("w2", prompt(6))
+        settle(e)
+        assert e.cache.stats()["objects_put_memory"] == 4
+    finally:
+        e.cache.close()

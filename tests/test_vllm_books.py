@@ -1017,3 +1017,17 @@ def test_a_probe_call_that_raises_a_base_exception_is_one_probe_not_answered():
     assert probe.exists(["a"]) is None
     assert probe.exists(["a"]) == [False]
     assert (probe.answered, probe.late) == (1, 1)
+
+
+def test_a_probe_of_a_tier_whose_available_raises_is_not_answered(monkeypatch):
+    """The scheduler's probe reads the tier's `available`; one that raises reads as down: the
+    probe is not answered (the workers are asked), and vLLM's scheduler sees no exception."""
+    tier_config = MemoryConfig(space=uuid.uuid4().hex)
+    probe = StoreProbe(MemoryTier(tier_config), tier_config, wait_s=30.0)
+
+    def broken(self) -> bool:
+        raise RuntimeError("the plugin lost its client")
+
+    monkeypatch.setattr(MemoryTier, "available", property(broken))
+    assert probe.exists(["a"]) is None
+    assert (probe.answered, probe.late) == (0, 1)

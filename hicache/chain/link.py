@@ -146,6 +146,7 @@ class StoreLink:
             settings.codec_threads,
         )
         self._registered = threading.Event()
+        self._available_raised = False  # the store's `available` has raised (logged once)
         self._results: deque[tuple[Job, object]] = deque()
         # SimpleQueue: putting never blocks, nor releases the GIL (queue.Queue's lock may). A
         # queue per fetch worker: a job goes to the least busy, the first of equals, so that
@@ -192,9 +193,20 @@ class StoreLink:
     def usable(self) -> bool:
         """Whether the tier can be used now: the host pools are registered, the store answers
         and the breaker lets calls through (an open one, one probe per `breaker_reprobe_s`)."""
-        if not (self._registered.is_set() and self.store.available):
+        if not (self._registered.is_set() and self._available()):
             return False
         return self.breaker.closed or (self._own_breaker and self.breaker.allow())
+
+    def _available(self) -> bool:
+        """The store's `available`, read on the engine thread; a store whose `available`
+        raises (a plugin with a bug) reads as down (logged once), never raises here."""
+        try:
+            return bool(self.store.available)
+        except Exception as err:
+            if not self._available_raised:
+                self._available_raised = True
+                log.warning("hicache tier %s: available raised %r; taken as down", self.name, err)
+            return False
 
     # -- engine thread: results -------------------------------------------------------------------
 
@@ -236,7 +248,7 @@ class StoreLink:
         write-back, and the read throughput the cost model uses now (MB/s)."""
         n = self.name
         return {
-            f"available_{n}": int(self.store.available and self.breaker.closed),
+            f"available_{n}": int(self._available() and self.breaker.closed),
             f"queue_depth_{n}": self.writer.out,
             f"jobs_in_flight_{n}": self.jobs_in_flight,
             f"fetch_reserve_{n}": len(self.fetcher.reserve.slots),
