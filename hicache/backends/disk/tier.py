@@ -118,6 +118,7 @@ class DiskTier(StoreTier):
         self.book = LruBook(config.size)
         self._memory: Regions[memoryview] = Regions()
         self._pool: ThreadPoolExecutor | None = None
+        self._listing: threading.Thread | None = None  # the start-up listing (see _load)
         self._lock_fd: int | None = None
         self._ready = threading.Event()
         self._closed = False
@@ -171,34 +172,43 @@ class DiskTier(StoreTier):
             self._unlock()
             raise
         self._pool = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="hicache-disk")
-        threading.Thread(target=self._load, name="hicache-disk-load", daemon=True).start()
+        self._listing = threading.Thread(target=self._load, name="hicache-disk-load", daemon=True)
+        self._listing.start()
 
     def _load(self) -> None:
         """Background: remove half-written records of an earlier process, list the records
-        (oldest use first) and trim them to the size."""
+        (oldest use first) and trim them to the size. Stops, changing nothing more, once the
+        tier is closed (`close` waits for it before it lets the directory go)."""
         try:
-            self._list()
+            listed = self._list()
         except OSError as err:  # stays unavailable: nothing is stored or served
             log.error("hicache disk: cannot list %s: %s", self._objects, os_reason(err))
             return
-        self._ready.set()
+        if listed:
+            self._ready.set()
 
-    def _list(self) -> None:
+    def _list(self) -> bool:
         """List the records; an entry that is not the tier's (not a shard directory below
-        objects/, not a record's file in a shard) is skipped, left alone and counted `stray`."""
+        objects/, not a record's file in a shard) is skipped, left alone and counted `stray`.
+        False where the tier was closed meanwhile (then nothing is trimmed)."""
         for leftover in self._tmp.iterdir():
             leftover.unlink(missing_ok=True)
         found, stray = [], 0
-        for shard in os.scandir(self._objects):
-            if shard.name not in _SHARDS or not shard.is_dir(follow_symlinks=False):
-                stray += 1
-                continue
-            for entry in os.scandir(shard.path):
-                if not (_RECORD.fullmatch(entry.name) and entry.is_file(follow_symlinks=False)):
+        with os.scandir(self._objects) as shards:
+            for shard in shards:
+                if self._closed:
+                    return False
+                if shard.name not in _SHARDS or not shard.is_dir(follow_symlinks=False):
                     stray += 1
                     continue
-                st = entry.stat()
-                found.append((st.st_mtime_ns, f"{shard.name}/{entry.name}", st.st_size))
+                with os.scandir(shard.path) as entries:
+                    for entry in entries:
+                        name = entry.name
+                        if not (_RECORD.fullmatch(name) and entry.is_file(follow_symlinks=False)):
+                            stray += 1
+                            continue
+                        st = entry.stat()
+                        found.append((st.st_mtime_ns, f"{shard.name}/{name}", st.st_size))
         if stray:
             log.warning(
                 "hicache disk: %d entries in %s are not records: skipped", stray, self._objects
@@ -207,8 +217,11 @@ class DiskTier(StoreTier):
         for stamp, name, nbytes in sorted(found):
             self.book.add(name, nbytes)
             self._clock = max(self._clock, stamp)
+        if self._closed:
+            return False
         self._remove(self.book.shrink())
         self._found_empty = not found
+        return True
 
     def empty_at_start(self) -> bool:
         """Its directory held no record when it was listed (one process a directory)."""
@@ -225,8 +238,9 @@ class DiskTier(StoreTier):
         return self.available
 
     def close(self, timeout_s: float = 30.0) -> bool:
-        """Finish the calls in flight, stop the I/O threads and let go of the directory. True if
-        the threads ended within `timeout_s` (they always end; the lock is released then)."""
+        """Finish the calls in flight, stop the I/O threads and the start-up listing (which
+        changes no file once it has stopped), and let go of the directory. True if the threads
+        ended within `timeout_s` (they always end; the lock is released then)."""
         if self._closed:
             return True
         self._closed = True
@@ -237,6 +251,8 @@ class DiskTier(StoreTier):
 
         def finish() -> None:
             pool.shutdown(wait=True)
+            if self._listing is not None:
+                self._listing.join()  # it stops at its next shard: no file changes after this
             self._unlock()
             done.set()
 
