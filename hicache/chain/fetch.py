@@ -327,8 +327,10 @@ class Fetcher:
             and codes is not None
             and codes[-1] == self.layout.state_bytes
         )
-        if fetch.state_lease is not None and not state_ok:
-            ok = 0  # without its state the run can't be resumed from
+        if fetch.state_lease is not None and not (state_ok and ok == run):
+            # the state is the whole run's end: without it, or with a group before it missing,
+            # the run can't be resumed from (and the state is no other boundary's)
+            ok = 0
         pages = span.pages_of(ok)
         if job.unprobed:  # the slots nothing was read into go back where they came from
             self._take_back(fetch.lease, pages)  # type: ignore[arg-type]
