@@ -28,6 +28,7 @@ job's slots stay pinned until its call has returned, however long the store take
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -40,7 +41,7 @@ from hicache.backends.base import StoreTier, StoreUnavailable
 from hicache.backends.breaker import CircuitBreaker
 from hicache.backends.codec import Codec
 from hicache.backends.host import HostTier
-from hicache.chain.fetch import Fetch, Fetcher, Held
+from hicache.chain.fetch import HELD_TRUST_S, Fetch, Fetcher, Held
 from hicache.chain.jobs import Job, JobRunner
 from hicache.chain.writes import WriteBehind
 from hicache.config import Layout, Policy
@@ -156,17 +157,21 @@ class StoreLink:
             queue.SimpleQueue() for _ in range(settings.fetch_workers)
         ]
         self._put_jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        held = Held(1 << 20)  # the groups the tier holds (or receives), by their object's key
+        # the groups and states the tier holds (or receives), by their object's key; taken at
+        # the link's word for HELD_TRUST_S, for ever where only this link writes the tier
+        trust = HELD_TRUST_S if store.shared or store.persistent else math.inf
+        held, states_held = Held(1 << 20, trust), Held(1 << 18, trust)
         self.fetcher = Fetcher(
             self.name, store, host, layout, policy, self.G,
             stats=self.stats, events=events, clock=clock, read=self.read, prefill=prefill,
-            held=held, jobs=self._fetch_jobs, depth=settings.fetch_depth,
-            reserve_pages=settings.reserve_pages, usable=self.usable, on_done=on_done,
+            held=held, states_held=states_held, jobs=self._fetch_jobs,
+            depth=settings.fetch_depth, reserve_pages=settings.reserve_pages,
+            usable=self.usable, on_done=on_done,
         )  # fmt: skip
         self.writer = WriteBehind(
             self.name, host, layout, self.G,
-            stats=self.stats, events=events, clock=clock, held=held, jobs=self._put_jobs,
-            depth=settings.queue_depth, usable=self.usable, fence=fence,
+            stats=self.stats, events=events, clock=clock, held=held, states_held=states_held,
+            jobs=self._put_jobs, depth=settings.queue_depth, usable=self.usable, fence=fence,
         )  # fmt: skip
         cpus = settings.worker_cpus
         store.start()
