@@ -993,3 +993,41 @@ def test_probe_wait_ms_is_a_bounded_number_and_no_probe_without_a_tier_any_proce
     disk = {"type": "disk", "path": "/nonexistent", "size": "1MiB"}
     for tiers in ([host], [host, disk]):
         assert StoreProbe.for_config(load_config({"tiers": tiers}, env={}), 0.005) is None
+
+
+def test_a_probe_call_that_raises_a_base_exception_is_one_probe_not_answered():
+    """The store tier's exists raises CancelledError (a BaseException) once: that probe is not
+    answered (the workers would be asked), and the next probe is sent and answered: the failed
+    one does not stay "out" for ever."""
+    import asyncio
+
+    tier_config = MemoryConfig(space=uuid.uuid4().hex)
+    tier = MemoryTier(tier_config)
+    real = tier.exists
+    raised: list[bool] = []
+
+    def once(keys):
+        if not raised:
+            raised.append(True)
+            raise asyncio.CancelledError("cancelled")
+        return real(keys)
+
+    tier.exists = once
+    probe = StoreProbe(tier, tier_config, wait_s=30.0)
+    assert probe.exists(["a"]) is None
+    assert probe.exists(["a"]) == [False]
+    assert (probe.answered, probe.late) == (1, 1)
+
+
+def test_a_probe_of_a_tier_whose_available_raises_is_not_answered(monkeypatch):
+    """The scheduler's probe reads the tier's `available`; one that raises reads as down: the
+    probe is not answered (the workers are asked), and vLLM's scheduler sees no exception."""
+    tier_config = MemoryConfig(space=uuid.uuid4().hex)
+    probe = StoreProbe(MemoryTier(tier_config), tier_config, wait_s=30.0)
+
+    def broken(self) -> bool:
+        raise RuntimeError("the plugin lost its client")
+
+    monkeypatch.setattr(MemoryTier, "available", property(broken))
+    assert probe.exists(["a"]) is None
+    assert (probe.answered, probe.late) == (0, 1)
