@@ -328,3 +328,34 @@ def test_an_odd_sized_state_under_the_codec_hits_byte_exact(tmp_path):
         assert reader.cache.stats()["corrupt_disk"] == 0
     finally:
         reader.cache.close()
+
+
+@pytest.mark.mooncake
+def test_instances_with_and_without_the_codec_on_one_mooncake_store_miss_nothing_for_ever(
+    mooncake_master, tmp_path
+):
+    """Mooncake reads an object only into its exact size unless the tier has a codec, so an
+    instance without one cannot read what one with a codec encoded. Each keeps its own objects:
+    a codec-less instance asked a prompt that only a codec instance stored misses cleanly (no
+    failed get), stores it, and really puts it: a second codec-less instance hits it from the
+    store; a codec instance still hits the encoded objects. Before, the codec-less instance's
+    gets failed on the encoded objects and its put of the same names did nothing (counted as
+    put), so codec-less instances missed that prompt for as long as the objects lived."""
+    lossless = codec_config("mooncake", tmp_path, master=mooncake_master)
+    host, tier = lossless["tiers"]
+    plain = {**lossless, "tiers": [host, {**tier, "codec": "none"}]}
+    p = prompt(8)
+    writer = Writer(lossless)
+    try:
+        assert len(writer.stored(p)) == 5
+    finally:
+        writer.engine.cache.close()
+    for cfg, hit in ((plain, 0), (plain, 40), (lossless, 40)):
+        e = FakeEngine(cfg)
+        try:
+            m = e.run("r", p)  # checks every loaded byte
+            settle(e)
+            s = e.cache.stats()
+            assert (m.hit_tokens, m.fetched_tokens, s["get_failed_mooncake"]) == (hit, hit, 0)
+        finally:
+            e.cache.close()

@@ -857,12 +857,12 @@ Tensors = dict[str, torch.Tensor]
 
 
 def mooncake_pair(
-    master, wait_s: float = 30.0, in_step: bool = True, group_pages: int = 1
+    master, wait_s: float = 30.0, in_step: bool = True, group_pages: int = 1, codec: str = "none"
 ) -> tuple[Engine, Engine, Tensors, Tensors, StoreProbe]:
     """Two instances on one Mooncake store node: `a` (view answers only) writes, `b` answers
     from its view and a probe of its own (waiting `wait_s`; generous by default: the machine
     may be busy), or with `in_step` false asks its worker every time."""
-    tier = {"type": "mooncake", **master.tier_config, "group_pages": group_pages}
+    tier = {"type": "mooncake", **master.tier_config, "group_pages": group_pages, "codec": codec}
     wa, kva = worker(blocks=64, tiers=(tier,))
     wb, kvb = worker(blocks=64, tiers=(tier,))
     for w in (wa, wb):
@@ -889,15 +889,18 @@ def drain(e: Engine) -> None:
 
 
 @pytest.mark.mooncake
-@pytest.mark.parametrize("group_pages", [1, 3])
+@pytest.mark.parametrize(("group_pages", "codec"), [(1, "none"), (3, "none"), (3, "lossless")])
 def test_a_store_tier_hit_is_answered_in_the_step_and_loads_the_exact_bytes(
-    mooncake_master, group_pages
+    mooncake_master, group_pages, codec
 ):
     """Instance a stores a prompt (its pages reach the store node: in groups of 3 pages, a
     group and a tail of one page); instance b, whose host tier holds nothing, is granted the
     four pages in the step it asks (its probe of the store tier, no question to its worker), and
-    its load fetches them and copies a's exact bytes."""
-    a, b, kva, kvb, probe = mooncake_pair(mooncake_master, group_pages=group_pages)
+    its load fetches them and copies a's exact bytes. With a codec the objects' names carry it:
+    the probe names them as the workers do."""
+    if codec != "none":
+        pytest.importorskip("zstandard")
+    a, b, kva, kvb, probe = mooncake_pair(mooncake_master, group_pages=group_pages, codec=codec)
     prompt = list(range(300 + group_pages, 317 + group_pages))
     stored = a.prefill(Req("a", prompt))
     drain(a)

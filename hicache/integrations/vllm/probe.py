@@ -39,7 +39,7 @@ class StoreProbe:
     def __init__(self, tier: StoreTier, config: StoreTierConfig, wait_s: float) -> None:
         self._tier = tier
         self.group_pages = config.group_pages
-        self._prefix = config.key_prefix
+        self._prefix = tier.object_prefix(config.key_prefix, config.codec)
         self._wait_s = wait_s
         self._out: Future[list[bool]] | None = None
         self._lock = threading.Lock()
