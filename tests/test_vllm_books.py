@@ -411,6 +411,27 @@ def test_a_request_sharing_a_failed_block_in_that_step_does_not_store_from_it():
     assert w.answers().by_rank[0][0].hit == 4
 
 
+def stored_through(w: WorkerCache, prompt: list[int]) -> None:
+    """The worker stores the prompt's first 12 tokens (blocks 0-2), and its store tiers take
+    them (waited for, at most a minute)."""
+    w.start_load(StepMeta())
+    w.save(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2])]))
+    deadline = time.monotonic() + 60
+    while not w.cache.tiers_idle and time.monotonic() < deadline:
+        w.cache.poll()
+        time.sleep(0.01)
+
+
+def answered_by(w: WorkerCache, lookup: Lookup) -> Answer:
+    """The worker's answer to `lookup`, asked in one step and waited for (at most a minute)."""
+    w.start_load(StepMeta(lookups=[lookup]))
+    deadline = time.monotonic() + 60
+    while not (got := (w.answers() or Answers()).by_rank) and time.monotonic() < deadline:
+        time.sleep(0.01)
+        w.start_load(StepMeta())
+    return got[w.rank][0]
+
+
 class LyingTier(MemoryTier):
     """A shared in-memory store whose reads return `code(n)` for an object of n bytes
     without filling it: 0 (a miss said as zero bytes) or a short count."""
@@ -439,21 +460,10 @@ def test_a_read_counts_only_where_it_returned_the_objects_exact_size(code, monke
     tier = {"type": "lying", "space": uuid.uuid4().hex, "group_pages": 1}
     first, _ = worker(tiers=(tier,))
     prompt = list(range(100, 113))
-    first.start_load(StepMeta())
-    first.save(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2])]))
-    deadline = time.monotonic() + 60
-    while not first.cache.tiers_idle and time.monotonic() < deadline:
-        first.cache.poll()
-        time.sleep(0.01)
+    stored_through(first, prompt)
     assert len(LyingTier.spaces[tier["space"]]) == 3
     second, _ = worker(tiers=(tier,))
-    second.start_load(StepMeta(lookups=[Lookup("b", prompt, 0)]))
-    got = second.answers().by_rank  # the first answers carry the rank's news: never None
-    while not got and time.monotonic() < deadline:
-        time.sleep(0.01)
-        second.start_load(StepMeta())
-        got = (second.answers() or Answers()).by_rank
-    assert got == {0: [Answer("b", 0, 0)]}
+    assert answered_by(second, Lookup("b", prompt, 0)) == Answer("b", 0, 0)
     stats = second.cache.stats()
     assert (stats["host_used"], stats["hit_tokens_host"]) == (0, 0)
     first.close()
@@ -1034,3 +1044,102 @@ def test_a_probe_of_a_tier_whose_available_raises_is_not_answered(monkeypatch):
     monkeypatch.setattr(MemoryTier, "available", property(broken))
     assert probe.exists(["a"]) is None
     assert (probe.answered, probe.late) == (0, 1)
+
+
+def tiny_model(root) -> str:
+    """A tiny Llama saved in `root` (vLLM loads its config; its weights are digested)."""
+    import subprocess
+    import sys
+
+    make = [sys.executable, "-m", "hicache.tools.vllm_run", "--model", str(root)]
+    subprocess.run([*make, "--make-model", "llama"], check=True, capture_output=True)
+    return str(root)
+
+
+def uint8_cache(block: int = P):
+    """vLLM's KVCacheConfig of one full-attention group whose blocks lie in uint8 tensors, as
+    every fp8 cache dtype has them."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=8, dtype=torch.uint8)
+    return KVCacheConfig(16, [], [KVCacheGroupSpec(["layer.0", "layer.1"], spec)])
+
+
+def test_each_fp8_format_keys_pages_of_its_own(tmp_path):
+    """vLLM keeps fp8, fp8_e4m3 and fp8_e5m2 caches all in uint8 tensors. Layouts made from
+    vLLM's own configs (its VllmConfig with the cache dtype as configured, its KVCacheConfig)
+    name the format: a worker with an fp8_e4m3 cache stores a prompt to a disk directory; one
+    with fp8_e5m2 (the same tensors' shape and dtype) misses it there, then one with fp8_e4m3
+    again hits it. Before, all three keyed pages alike and e5m2 loaded e4m3's bytes."""
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+
+    from hicache.integrations.vllm.worker import layout_fields
+
+    model = ModelConfig(model=tiny_model(tmp_path / "llama"), skip_tokenizer_init=True)
+    disk = {"type": "disk", "path": str(tmp_path / "d"), "size": "64MiB", "group_pages": 1}
+    config = load_config({"tiers": [{"type": "host", "size": "1MiB"}, disk]}, env={})
+    prompt = list(range(100, 113))
+
+    def fp8_worker(fmt: str) -> WorkerCache:
+        vllm_config = VllmConfig(model_config=model, cache_config=CacheConfig(cache_dtype=fmt))
+        w = WorkerCache(config, layout_fields(vllm_config, uint8_cache(), {}, 0, 1))
+        kv = {f"layer.{i}": torch.randint(0, 255, (2, 16, P, 8), dtype=torch.uint8) for i in (0, 1)}
+        w.register(kv, 16)
+        return w
+
+    layouts = []
+    for fmt, hit in (("fp8_e4m3", None), ("fp8_e5m2", 0), ("fp8", 0), ("fp8_e4m3", 12)):
+        w = fp8_worker(fmt)
+        try:
+            layouts.append(w.layout)
+            if hit is None:
+                stored_through(w, prompt)
+            else:
+                assert answered_by(w, Lookup("q", prompt, 0)).hit == hit, fmt
+        finally:
+            w.close()
+    assert len({layout.kv_dtype for layout in layouts}) == 1  # all uint8
+    assert len({layout.model for layout in layouts}) == 3
+
+
+def test_a_speculative_drafters_weights_are_in_the_page_keys(tmp_path):
+    """A drafter's attention layers (EAGLE, MTP, a draft model) keep their KV in the same
+    blocks as the target's, so hicache stores it with the pages. Layouts from vLLM's own
+    configs: the target alone, with a draft model, with another draft model of the same name,
+    size and config but other weights, and with n-gram drafting (no drafter KV): the two
+    drafters key pages apart from each other and from the target alone; n-gram keys them as
+    the target alone does. Before, a drafter was not in the keys at all."""
+    import shutil
+
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from hicache.integrations.vllm.worker import layout_fields
+
+    target = ModelConfig(model=tiny_model(tmp_path / "llama"), skip_tokenizer_init=True)
+    first = tiny_model(tmp_path / "draft")
+    second = tmp_path / "draft-retrained"
+    shutil.copytree(first, second)
+    weights = second / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 1
+    weights.write_bytes(bytes(data))
+    spec = FullAttentionSpec(block_size=P, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    kv = KVCacheConfig(16, [], [KVCacheGroupSpec(["layer.0", "layer.1"], spec)])
+
+    def model(**speculative) -> str:
+        parallel = ParallelConfig()
+        drafting = SpeculativeConfig(
+            **speculative, num_speculative_tokens=2, target_model_config=target,
+            target_parallel_config=parallel,
+        ) if speculative else None  # fmt: skip
+        config = VllmConfig(
+            model_config=target, parallel_config=parallel, speculative_config=drafting
+        )
+        return layout_fields(config, kv, {}, 0, 1)["model"]
+
+    alone = model()
+    drafted = model(method="draft_model", model=first)
+    retrained = model(method="draft_model", model=str(second))
+    assert len({alone, drafted, retrained}) == 3
+    assert model(method="ngram", prompt_lookup_max=3, prompt_lookup_min=1) == alone

@@ -32,6 +32,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 
 from hicache.config import ConfigError, HiCacheConfig, load_config
 from hicache.integrations.vllm.inputs import refuse_unsupported
@@ -181,8 +185,9 @@ class HiCacheConnector(KVConnectorBase_V1):
             probe = StoreProbe.for_config(config, wait) if in_step and wait else None
             self._books = SchedulerBooks(block, ranks, reprefillable, floor, in_step, probe)
         else:
-            fields = layout_fields(vllm_config, kv_cache_config, extra)
-            index = node_index(vllm_config, fields["tp_rank"], fields["tp_size"])
+            rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+            fields = layout_fields(vllm_config, kv_cache_config, extra, rank, size)
+            index = node_index(vllm_config, rank, size)
             self._worker = WorkerCache(for_rank(config, index), fields, share)
 
     @property

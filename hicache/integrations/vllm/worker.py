@@ -455,14 +455,14 @@ class PrefillClock:
                 self._report(tokens, seconds)
 
 
-def layout_fields(vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any]) -> dict:
+def layout_fields(
+    vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any], tp_rank: int, tp_size: int
+) -> dict:
     """hicache's layout from vLLM's configs, all but the segment sizes (those come from the
-    tensors vLLM registers): the model (`model_identity`, or the extra config's `model_id`),
-    the KV dtype, the block size and the TP rank. Refuses what hicache cannot key safely."""
-    from vllm.distributed.parallel_state import (
-        get_tensor_model_parallel_rank,
-        get_tensor_model_parallel_world_size,
-    )
+    tensors vLLM registers): the model (`model_identity`, or the extra config's `model_id`)
+    followed by what else of vLLM's config decides a block's bytes (`kv_format`), the KV
+    tensors' dtype, the block size and the TP rank (`tp_rank` of `tp_size`). Refuses what
+    hicache cannot key safely."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     groups = kv_cache_config.kv_cache_groups
@@ -472,14 +472,42 @@ def layout_fields(vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any])
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("hicache: pipeline parallelism is not supported")
     spec = groups[0].kv_cache_spec
+    dtype = str(spec.dtype).removeprefix("torch.")
+    name = extra.get("model_id") or model_identity(vllm_config.model_config)
     return {
-        "model": extra.get("model_id") or model_identity(vllm_config.model_config),
-        "kv_dtype": str(spec.dtype).removeprefix("torch."),
+        "model": f"{name}|{kv_format(vllm_config, dtype)}",
+        "kv_dtype": dtype,
         "page_tokens": spec.block_size,
-        "tp_rank": get_tensor_model_parallel_rank(),
-        "tp_size": get_tensor_model_parallel_world_size(),
+        "tp_rank": tp_rank,
+        "tp_size": tp_size,
         "kv_head_sharded": not isinstance(spec, MLAAttentionSpec),
     }
+
+
+def kv_format(vllm_config: Any, tensor_dtype: str) -> str:
+    """What of vLLM's config beyond the model (and beyond the KV tensors' dtype,
+    `tensor_dtype`) decides a block's bytes, for the page keys:
+
+    - the KV cache dtype as configured (`--kv-cache-dtype`; ``auto`` resolved as vLLM does, to
+      the checkpoint's KV quantization or else the tensors' dtype): fp8, fp8_e4m3 and fp8_e5m2
+      all lie in uint8 tensors;
+    - the layers it leaves unquantized (`--kv-cache-dtype-skip-layers`);
+    - a speculative drafter whose attention layers keep KV in the same blocks (EAGLE, MTP, a
+      draft model: `uses_draft_kv_cache`): its method and its `model_identity`.
+
+    KV scales are the checkpoint's in vLLM 0.32 (or 1.0): its quantization config and weights
+    are in `model_identity` already."""
+    from vllm.utils.torch_utils import resolve_kv_cache_dtype_string
+
+    cache = vllm_config.cache_config
+    fmt = resolve_kv_cache_dtype_string(cache.cache_dtype, vllm_config.model_config)
+    parts = [f"kv-cache={tensor_dtype if fmt == 'auto' else fmt}"]
+    if cache.kv_cache_dtype_skip_layers:
+        parts.append(f"unquantized={','.join(sorted(cache.kv_cache_dtype_skip_layers))}")
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.uses_draft_kv_cache():
+        parts.append(f"drafter={spec.method}:{model_identity(spec.draft_model_config)}")
+    return "|".join(parts)
 
 
 def model_identity(model_config: Any) -> str:
