@@ -388,7 +388,8 @@ class Fetcher:
             (self._states_held, state_ends, states_found),
         ):
             for key, here in zip(keys, flags):
-                if not here:
+                if not here and key in held:
+                    mark("store.forgot-missing")
                     held.discard(key)
 
     def _submit_fetch(self, job: Job) -> None:

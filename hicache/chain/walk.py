@@ -176,6 +176,7 @@ class TierChain:
             return False
         if self.clock() <= fetch.deadline:
             return True
+        mark("fetch.deadline-missed")
         for part in fetch.parts():
             if part.phase != "done" and not part.abandoned:
                 part.source.stats.timeouts += 1

@@ -20,6 +20,7 @@ MARKS: dict[str, str] = {
     "store.get.keys-back": "objects a get returned whole and verified",
     "store.get.partial": "a get returned a leading run of its objects, not all",
     "fetch.middle-lost-state-present": "a get lost a group inside its run while its state came",
+    "fetch.deadline-missed": "a request's walk down the store tiers outlived its deadline",
     "codec.decoded": "an object decoded by the codec",
     "codec.encoded-read-without-codec": "an encoded object read by an instance without a codec",
     "codec.raw-read-with-codec": "an object stored without a codec read by one with a codec",
@@ -29,7 +30,11 @@ MARKS: dict[str, str] = {
     "disk.leftover-removed": "the disk tier, reopened, removed a record an earlier process died "
     "writing",
     "disk.evicted": "the disk tier evicted records to make room",
+    "disk.stray-skipped": "the disk tier, listing its directory, skipped entries not its own",
     "sim.two-writers": "puts of two open instances reached one store one after the other",
+    "store.forgot-missing": "a link found missing an object it had put or read (the tier "
+    "dropped it): a later store puts it again",
+    "plugin.base-exception": "a store call raised a BaseException (not an Exception)",
     "host.evict.lru": "the host tier evicted by lru",
     "host.evict.arc": "the host tier evicted by arc",
     "host.evict.s3fifo": "the host tier evicted by s3fifo",

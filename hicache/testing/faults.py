@@ -5,7 +5,8 @@ releases it, with the fault it draws (or none): so calls complete late, out of o
 close. Behind the gate is a real store: an in-memory object store shared by every instance that
 names the same `space` (other instances at the same time, a reopened one), or the real disk
 tier in a directory (`disk`, `KillableDisk`). Faults at a call: the store unreachable, an
-exception, code lists too short, too long or of the wrong type, per-key failures (of the first
+exception, a BaseException (asyncio's CancelledError, as a plugin's asyncio code raises), code
+lists too short, too long or of the wrong type, per-key failures (of the first
 object and every other one, or of every other one from the second: a group in the middle of a
 run), wrong byte counts. Faults at rest (`Space.damage`, `damage_disk`: on the real disk tier's
 record files): objects lost, truncated, replaced, or one byte of their payload changed (their
@@ -15,6 +16,7 @@ that loses its contents; the process of a disk tier killed at a point of a recor
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import threading
@@ -32,15 +34,16 @@ from hicache.backends.envelope import HEADER
 from hicache.config import StoreTierConfig
 from hicache.core.marks import mark
 from hicache.registry import register_tier
+from hicache.testing.oracle import Violation
 
 MISSING = -2
 
 CALL_FAULTS = (
-    "unavailable", "exception", "short", "long", "wrong_type", "per_key", "per_key_odd",
-    "wrong_bytes",
+    "unavailable", "exception", "cancelled", "short", "long", "wrong_type", "per_key",
+    "per_key_odd", "wrong_bytes",
 )  # fmt: skip
 """What a released call may be made to do instead of answering (see `_faulty`)."""
-AT_REST = ("lost", "truncated", "replaced", "payload")
+AT_REST = ("lost", "truncated", "replaced", "payload", "stray")
 """What `Space.damage` and `damage_disk` do to an object at rest."""
 KILL_POINTS = ("writing", "written", "renamed")
 """Where in a record's write a disk tier's process can die (see `KillableDisk`)."""
@@ -134,6 +137,16 @@ class Space:
     """The node whose put reached the store last."""
     writers: set[int] = field(default_factory=set)
     """The nodes whose tiers on this store are open now."""
+    damaged: set[str] = field(default_factory=set)
+    """Objects damaged at rest since they were put."""
+    remote: list[str] = field(default_factory=list)
+    """Objects put to a real store behind this space's tiers (Mooncake), oldest first."""
+    raising: bool = False
+    """The store's `available` raises (a plugin with a bug)."""
+    clock: Callable[[], float] = lambda: 0.0
+    """The world's clock (when a tier said it lacks an object)."""
+    report: Callable[[Exception], None] = lambda err: None
+    """Records a violation found on a worker thread (the world raises it at its next check)."""
 
     def restart(self) -> None:
         """The store node restarts: its contents are lost."""
@@ -148,6 +161,7 @@ class Space:
                 return None
             name = names[index % len(names)]
             data = self.objects[name]
+            self.damaged.add(name)
             if how == "lost":
                 del self.objects[name]
             elif how == "truncated":
@@ -163,8 +177,9 @@ class Space:
 def damage_disk(path: str, index: int, how: str) -> str | None:
     """Do `how` (`AT_REST`) to the record file of the disk tier at `path` at `index` (mod their
     number, in name order), under the running tier: lost (the file removed), truncated (to half
-    its length), replaced (every byte changed: its header no longer verifies) or payload (one
-    byte past the record's header block changed: the record verifies, its object does not)."""
+    its length), replaced (every byte changed: its header no longer verifies), payload (one
+    byte past the record's header block changed: the record verifies, its object does not) or
+    stray (a file that is no record put beside the shards: the tier's next listing meets it)."""
     files = sorted(Path(path, "objects").glob("*/*"))
     if not files:
         return None
@@ -176,6 +191,8 @@ def damage_disk(path: str, index: int, how: str) -> str | None:
         os.truncate(file, len(data) // 2)
     elif how == "replaced":
         file.write_bytes(bytes(b ^ 0x5A for b in data))
+    elif how == "stray":  # an entry that is no record (a file beside the shards)
+        Path(path, "objects", f"stray.{index}").write_bytes(b"not a record")
     elif len(data) > records.HEADER:
         at = records.HEADER + index % (len(data) - records.HEADER)
         with open(file, "r+b") as f:
@@ -241,6 +258,13 @@ class SimTierConfig(StoreTierConfig):
     instance writes it (the tier chain, and vLLM's scheduler, trust their own books of it)."""
     node: int = 0
     """The world's node (one cache) whose tier this is."""
+    prefix: bool = False
+    """In memory: reads objects shorter than their buffers whatever its codec, as the disk tier
+    does (the codec stays out of the objects' names). Otherwise only with a codec, as Mooncake
+    does."""
+    mooncake: str | None = None
+    """A Mooncake master's address: the store behind the gate is a real Mooncake client of it
+    (`MooncakeStore`), not the space's objects."""
 
 
 @register_tier("sim", SimTierConfig)
@@ -258,7 +282,7 @@ class SimTier(StoreTier):
         self.reads_prefix = config.codec != "none"  # the disk tier's always does
         self.space = SPACES[config.space]
         self.name = config.name or config.type
-        self.inner: KillableDisk | None = None
+        self.inner: Any = None
         self.dead = False
         """Its disk tier's process was killed (`KillableDisk`): every call fails."""
         if config.disk is not None:
@@ -268,8 +292,16 @@ class SimTier(StoreTier):
             self.inner = KillableDisk(cfg)
             self.shared, self.persistent = DiskTier.shared, DiskTier.persistent
             self.missing_code = DiskTier.missing_code
+        elif config.mooncake is not None:
+            self.inner = _mooncake(config.mooncake, config.codec)
+            self.missing_code, self.reads_prefix = self.inner.missing_code, self.inner.reads_prefix
         elif config.private:
             self.shared = False
+        if config.prefix:
+            self.reads_prefix, self.prefix_with_codec = True, False
+        self.said_absent: dict[str, float] = {}
+        """Objects this tier said it lacks (an exists or a get that reached the engine thread
+        unfaulted), and when: the link's books must not keep them as held from before."""
         self._registered = 0
         self._regions: list[tuple[int, int]] = []  # (address, bytes) of each registered tensor
 
@@ -282,13 +314,25 @@ class SimTier(StoreTier):
         if self.inner is not None:
             self.inner.start()
 
+    def lose(self, index: int) -> str | None:
+        """Remove the object at `index` (mod their number, in the order they were put) from the
+        real store behind this tier (Mooncake)."""
+        with self.space.lock:
+            names = self.space.remote
+            name = names.pop(index % len(names)) if names else None
+        if name is not None and self.inner is not None:
+            self.inner.remove([name], force=True)
+        return name
+
     def arm(self, point: str) -> None:
         """Kill this tier's process at `point` of the next record its disk tier writes."""
-        if self.inner is not None and not self.dead:
+        if isinstance(self.inner, KillableDisk) and not self.dead:
             self.inner.kill_at = point
 
     @property
     def available(self) -> bool:
+        if self.space.raising:
+            raise RuntimeError("sim store: available raised")
         if self.space.down or self.dead:
             return False
         return self.inner is None or self.inner.available
@@ -327,6 +371,8 @@ class SimTier(StoreTier):
             raise StoreUnavailable(f"sim store {self.config.space!r} is down")
         if fault == "exception":
             raise RuntimeError("sim store: the client library raised")
+        if fault == "cancelled":  # a plugin's asyncio code, cancelled: not an Exception
+            raise asyncio.CancelledError("sim store: the client's task was cancelled")
         return fault
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
@@ -336,7 +382,14 @@ class SimTier(StoreTier):
         else:
             with self.space.lock:
                 out = [k in self.space.objects for k in keys]
+        self._absent(fault, keys, [not here for here in out])
         return _faulty(out, fault, False)  # type: ignore[return-value]
+
+    def _absent(self, fault: str | None, keys: Sequence[str], absent: list[bool]) -> None:
+        """Note the objects the tier lacks, where its answer reaches the link as it is."""
+        if fault is None:
+            now = self.space.clock()
+            self.said_absent.update((k, now) for k, gone in zip(keys, absent) if gone)
 
     def get_into(self, keys: Sequence[str], buffers: Buffers) -> list[int]:
         fault = self._enter("get", keys, buffers)
@@ -344,6 +397,7 @@ class SimTier(StoreTier):
             out = self.inner.get_into(keys, buffers)
         else:
             out = [self._get_one(k, buffers.ptrs[i], buffers.sizes[i]) for i, k in enumerate(keys)]
+        self._absent(fault, keys, [code == self.missing_code for code in out])
         if fault == "wrong_bytes" and out:
             out = [n - 1 if n > 0 else n for n in out]
         return _faulty(out, fault, -5)
@@ -353,7 +407,13 @@ class SimTier(StoreTier):
             data = self.space.objects.get(key)
         if data is None:
             return MISSING
-        if len(data) > sum(sizes) or (len(data) < sum(sizes) and not self.reads_prefix):
+        shorter = len(data) < sum(sizes)
+        if shorter and not self.reads_prefix and key not in self.space.damaged:
+            self.space.report(
+                Violation(f"a tier without a codec cannot read the encoded object {key[-16:]} "
+                          "another instance put under a name it reads")
+            )  # fmt: skip
+        if len(data) > sum(sizes) or (shorter and not self.reads_prefix):
             return -1
         at = 0
         for ptr, size in zip(ptrs, sizes, strict=True):
@@ -382,19 +442,39 @@ class SimTier(StoreTier):
                 self.dead = True
                 self.inner.die()
                 raise StoreUnavailable("sim: the disk tier's process was killed") from None
+            if self.config.mooncake is not None:
+                with space.lock:
+                    space.remote.extend(k for k, code in zip(keys, out) if code == 0)
         else:
             out = [self._put_one(k, buffers.ptrs[i], buffers.sizes[i]) for i, k in enumerate(keys)]
         return _faulty(out, fault, -28)
 
     def _put_one(self, key: str, ptrs: list[int], sizes: list[int]) -> int:
+        """Put an object unless the store holds one of that name already (as Mooncake does:
+        the put answers 0 and writes nothing)."""
         data = b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs, sizes, strict=True))
         with self.space.lock:
             objects = self.space.objects
-            held = sum(len(v) for v in objects.values())
-            if key not in objects and held + len(data) > self.space.capacity:
+            if key in objects:
+                return 0
+            if sum(len(v) for v in objects.values()) + len(data) > self.space.capacity:
                 return -28
             objects[key] = data
+            self.space.damaged.discard(key)
         return 0
+
+
+def _mooncake(address: str, codec: str) -> Any:
+    """A Mooncake client of the master at `address`, with no segment of its own (the store
+    node beside the master holds the objects), as an engine's."""
+    from hicache.backends.mooncake.config import MooncakeConfig
+    from hicache.backends.mooncake.tier import MooncakeStore
+
+    config = MooncakeConfig(
+        master_address=address, global_segment_size=0, local_buffer_size=16 << 20,
+        call_timeout_s=30.0, reconnect_backoff_s=0.2, codec=codec,
+    )  # fmt: skip
+    return MooncakeStore(config)
 
 
 def _faulty(out: list[Any], fault: str | None, bad: Any) -> Any:

@@ -66,12 +66,17 @@ def expand(digest: bytes, size: int, tag: bytes = b"", compressible: bool = Fals
     """`size` bytes drawn from `digest` by an extendable-output hash: each depends on the digest
     and on its offset, with no period (a byte moved anywhere else in the page reads wrong). Never
     all zeros, so a page never written shows. `compressible`: the odd bytes are narrowed to 4
-    values (`COMPRESSIBLE_HIGH`), still drawn from the digest and the offset."""
+    values (`COMPRESSIBLE_HIGH`), still drawn from the digest and the offset. Read-only."""
     out = np.frombuffer(hashlib.shake_128(tag + digest).digest(size), dtype=np.uint8)
     if compressible:
         out = out.copy()
         out[1::2] = COMPRESSIBLE_HIGH | (out[1::2] & 3)
+        out.flags.writeable = False
     return out
+
+
+MADE_PAGES = 4096
+"""Pages the oracle keeps once made (the oldest made goes first)."""
 
 
 class Oracle:
@@ -82,6 +87,7 @@ class Oracle:
     ) -> None:
         self.page_bytes, self.state_bytes, self.P = page_bytes, state_bytes, page_tokens
         self.compressible = compressible
+        self._made: dict[bytes, np.ndarray] = {}  # pages made lately, by digest (read-only)
         self.pages: dict[bytes, bytes] = {}  # page key -> digest of the page
         self.prev: dict[bytes, bytes] = {}  # page key -> the key of the page before it
         self.depth: dict[bytes, int] = {}  # page key -> its page index
@@ -93,7 +99,12 @@ class Oracle:
         return self._state(content.digest(end))
 
     def _page(self, digest: bytes) -> np.ndarray:
-        return expand(digest, self.page_bytes, b"", self.compressible)
+        page = self._made.get(digest)
+        if page is None:
+            if len(self._made) >= MADE_PAGES:
+                self._made.pop(next(iter(self._made)))
+            page = self._made[digest] = expand(digest, self.page_bytes, b"", self.compressible)
+        return page
 
     def _state(self, digest: bytes) -> np.ndarray:
         return expand(digest, self.state_bytes, b"state", self.compressible)

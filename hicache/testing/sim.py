@@ -9,6 +9,7 @@ figures, and exits 1 where a mark was never reached."""
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import logging
 import random
@@ -17,6 +18,7 @@ import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from hicache.core import marks
 from hicache.testing import canaries
@@ -91,9 +93,15 @@ def run_seed(
     canary: str | None = None,
     shrink_s: float = 60.0,
     skip: frozenset[str] = frozenset(),
+    mooncake: bool = False,
 ) -> Outcome:
-    """One seed, with `canary` (a defect reintroduced) if given; the failure shrunk."""
+    """One seed, with `canary` (a defect reintroduced) if given; the failure shrunk. With
+    `mooncake`, the shared store is a real Mooncake master and store node of this process's
+    (`mooncake_master`), not in memory."""
     logging.getLogger("hicache").setLevel(logging.CRITICAL)
+    from hicache.testing.world import MOONCAKE
+
+    MOONCAKE.address = mooncake_master() if mooncake else None
     if canary is not None:
         skip = skip - canaries.NEEDS.get(canary, set())
     with canaries.applied(canary):
@@ -109,11 +117,31 @@ def run_seed(
     return out
 
 
+_MASTER: list[Any] = []
+"""This process's Mooncake master (with a store node), once `mooncake_master` started it."""
+NODE_BYTES = 512 << 20
+"""The store node's segment: the objects of every world of the process (Mooncake evicts the
+oldest when it fills)."""
+
+
+def mooncake_master() -> str:
+    """The address of this process's Mooncake master, started (with a store node) at first
+    use and stopped when the process exits."""
+    if not _MASTER:
+        from hicache.tools.mooncake_local import LocalMaster
+
+        master = LocalMaster(segment_bytes=NODE_BYTES).start()
+        atexit.register(master.stop)
+        _MASTER.append(master)
+    return _MASTER[0].address
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hicache.testing.sim", description=__doc__)
     p.add_argument("--seeds", type=int, default=10, help="how many seeds (default 10)")
     p.add_argument("--ops", type=int, default=1000, help="operations per seed (default 1000)")
     p.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
+    p.add_argument("--seed-list", default="", help="these seeds (1,5,9) instead of a range")
     p.add_argument("--canary", choices=sorted(canaries.CANARIES), help="reintroduce a defect")
     p.add_argument("--jobs", type=int, default=1, help="processes running seeds at once")
     p.add_argument("--shrink-s", type=float, default=60.0, help="seconds to shrink a failure")
@@ -123,18 +151,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--coverage", action="store_true", help="print the coverage marks reached; fail on a zero"
     )
+    p.add_argument(
+        "--mooncake", action="store_true", help="the shared store: a real Mooncake master and node"
+    )
     args = p.parse_args(argv)
     if args.seeds < 1 or args.ops < 1 or args.jobs < 1:
         p.error("--seeds, --ops and --jobs must be at least 1")
+    try:
+        listed = [int(s) for s in args.seed_list.split(",") if s]
+    except ValueError:
+        p.error(f"--seed-list: not a list of seeds: {args.seed_list!r}")
     skip = frozenset(s for s in args.skip.split(",") if s)
     if skip - set(FEATURES):
         unknown = sorted(skip - set(FEATURES))[0]
         p.error(f"--skip: unknown {unknown!r} (known: {', '.join(FEATURES)})")
-    seeds = range(args.seed, args.seed + args.seeds)
+    seeds = listed or range(args.seed, args.seed + args.seeds)
     started = time.monotonic()
     total, failed, skipped = 0, 0, 0
     reached: dict[str, int] = {}
-    call = [(s, args.ops, args.canary, args.shrink_s, skip) for s in seeds]
+    call = [(s, args.ops, args.canary, args.shrink_s, skip, args.mooncake) for s in seeds]
     if args.jobs == 1:
         results = (run_seed(*c) for c in call)
     else:
@@ -155,12 +190,13 @@ def main(argv: list[str] | None = None) -> int:
             again = f"--seed {out.seed} --seeds 1 --ops {args.ops}"
             again += f" --canary {args.canary}" if args.canary else ""
             again += f" --skip {args.skip}" if skip else ""
+            again += " --mooncake" if args.mooncake else ""
             print(f"  reproduce: python -m hicache.testing.sim {again}")
             sys.stdout.flush()
     took = time.monotonic() - started
     missing = report_coverage(reached) if args.coverage else []
     print(
-        f"{args.seeds} seeds, {total} operations in {took:.1f} s ({total / took:.0f} ops/s), "
+        f"{len(seeds)} seeds, {total} operations in {took:.1f} s ({total / took:.0f} ops/s), "
         f"{failed} failed"
         + (f", {skipped} skipped (vLLM is not installed)" if skipped else "")
         + (f", canary {args.canary}" if args.canary else "")

@@ -19,6 +19,8 @@ from there.
 from __future__ import annotations
 
 import random
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -31,11 +33,11 @@ from vllm.v1.request import Request
 
 from hicache.core.keys import namespace
 from hicache.integrations.vllm.scheduler import SchedulerBooks
-from hicache.integrations.vllm.worker import WorkerCache
+from hicache.integrations.vllm.worker import WorkerCache, layout_fields
 from hicache.testing.device import SimDevice
 from hicache.testing.oracle import Content, Violation, expand
 from hicache.testing.workload import call_fault, content_of
-from hicache.testing.world import Node, World
+from hicache.testing.world import FETCH_MAX_WAIT_S, Node, World
 
 LORAS = (None, ("alpha", "/adapters/alpha"), ("beta", "/adapters/beta"))
 SALTS = (
@@ -83,12 +85,15 @@ class StoreWhileWaiting:
     the `call` operations draw theirs, from a generator of the world's own seed), else runs the
     device's next work, else lets time pass; a wait that serves nothing for `IDLE_WAITS` rounds
     is a fetch that never ends (a hang in the cache). A faulty answer fails the load after its
-    grant, which vLLM then recovers from (see the module docstring)."""
+    grant, which vLLM then recovers from (see the module docstring). Now and then
+    (`STALL_SHARE` of the waits) the store stalls instead: it answers nothing while the fetch's
+    deadline passes (on this rank: the ranks wait one after another)."""
 
     IDLE_WAITS = 100
     TIME_STEP_S = 60.0
     """Simulated seconds a wait with nothing to serve lets pass (the fetch deadline is the
     world's `fetch_max_wait_ms`, in simulated time)."""
+    STALL_SHARE = 0.05
 
     def __init__(self, world: VllmWorld, node: Node) -> None:
         self.world, self.node = world, node
@@ -98,7 +103,11 @@ class StoreWhileWaiting:
     def wait(self, _timeout: float) -> bool:
         world = self.world
         world.settle()
-        fault = call_fault(self.rng, world.setup)
+        if self.rng.random() < self.STALL_SHARE:
+            world.now += FETCH_MAX_WAIT_S
+            return True
+        calls = world.space.gate.sorted()
+        fault = call_fault(self.rng, world.setup, calls[0].op if calls else "")
         if world.space.gate.release(0, fault) is None and not self.node.device.advance(1):
             world.now += self.TIME_STEP_S
             self.idle += 1
@@ -116,6 +125,70 @@ class StoreWhileWaiting:
         pass
 
 
+class Agreement:
+    """vLLM's TP group for the workers' agreement on their loads (an all-reduce taking the
+    least of each value over the ranks, `hicache.integrations.vllm.ranks`), run as the
+    simulation runs everything: one thread at a time, in rank order. `start_loads` runs each
+    rank's `start_load` on a thread of its own, one after another, each up to the all-reduce
+    (or its end); then, the least taken, lets them go on, one after another."""
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+        self._given: list[list[int] | None] = [None] * ranks
+        self._least: list[int] = []
+        self._arrived = [threading.Event() for _ in range(ranks)]
+        self._go = [threading.Event() for _ in range(ranks)]
+
+    def agree(self, rank: int) -> Callable[[list[int]], list[int]]:
+        """Rank `rank`'s side of the all-reduce (blocks its thread until every rank gave)."""
+
+        def least(values: list[int]) -> list[int]:
+            self._given[rank] = list(values)
+            self._arrived[rank].set()
+            self._go[rank].wait()
+            return list(self._least)
+
+        return least
+
+    def start_loads(self, workers: list[Any], meta: Any) -> None:
+        """Every rank's `start_load(meta)`, as described above; raises what a rank raised."""
+        if len(workers) == 1:
+            workers[0].start_load(meta)
+            return
+        done = [threading.Event() for _ in workers]
+        errors: list[BaseException] = []
+
+        def run(r: int) -> None:
+            try:
+                workers[r].start_load(meta)
+            except BaseException as err:  # re-raised on the simulation's thread
+                errors.append(err)
+            finally:
+                done[r].set()
+
+        self._given = [None] * self.ranks
+        for e in (*self._arrived, *self._go):
+            e.clear()
+        threads = [
+            threading.Thread(target=run, args=(r,), name=f"sim-rank-{r}") for r in range(self.ranks)
+        ]
+        for r, t in enumerate(threads):
+            t.start()
+            while not (self._arrived[r].wait(0.001) or done[r].is_set()):
+                pass
+        given = [g for g in self._given if g is not None]
+        if given and not errors:
+            if len(given) != self.ranks:
+                errors.append(Violation("the TP ranks disagree on whether the step has loads"))
+            else:
+                self._least = [min(vs) for vs in zip(*given, strict=True)]
+        for r, t in enumerate(threads):
+            self._go[r].set()
+            t.join()
+        if errors:
+            raise errors[0]
+
+
 SERVED_SHARE = 0.7
 """The share of engine steps in which the store answers the fetches' calls parked (the others
 leave them to the `call` operations: late, out of order)."""
@@ -129,6 +202,7 @@ class Instance:
 
     index: int
     kv_format: str
+    agreement: Agreement
     books: Any = None  # SchedulerBooks
     ranks: list[Node] = field(default_factory=list)
     workers: list[Any] = field(default_factory=list)  # WorkerCache, one per rank
@@ -144,7 +218,7 @@ class VllmWorld(World):
         s = self.setup
         self.instances: list[Instance] = []
         for i, (codec, fmt) in enumerate(zip(s.codecs, s.kv_formats, strict=True)):
-            inst = Instance(i, fmt)
+            inst = Instance(i, fmt, Agreement(s.tp))
             for r in range(s.tp):
                 node = Node(self, len(self.nodes), f"{fmt}/rank{r}", codec)
                 self.nodes.append(node)
@@ -161,11 +235,9 @@ class VllmWorld(World):
         inst.workers = []
         for r, node in enumerate(inst.ranks):
             node.device = SimDevice()
-            kv_dtype = "float32" if inst.kv_format == "auto" else "uint8"
-            fields = dict(
-                model="sim-model", kv_dtype=kv_dtype, page_tokens=P, tp_rank=r, tp_size=s.tp
-            )
-            worker = WorkerCache(node.config, {**fields, "kv_head_sharded": True}, s.pin_share)
+            fields = _layout_fields(inst.kv_format, dtype, P, s.heads, r, s.tp)
+            agree = inst.agreement.agree(r) if s.tp > 1 else None
+            worker = WorkerCache(node.config, fields, s.pin_share, agree)
             kv = {f"layer.{i}": torch.zeros(2, s.blocks, P, s.heads, dtype=dtype) for i in range(2)}
             worker.register(kv, s.blocks)
             cache = worker.cache
@@ -277,7 +349,7 @@ class VllmWorld(World):
         inst = self.instances[index % len(self.instances)]
         P, books = self.setup.page_tokens, inst.books
         if self.rng.random() < SERVED_SHARE:  # the store answers while the step runs
-            self.serve_fetches()
+            self.serve()
         scheduled: dict[str, int] = {}
         for rid, vr in inst.vreqs.items():
             r = vr.request
@@ -309,7 +381,7 @@ class VllmWorld(World):
         meta = books.build(out)
         for w in inst.workers:
             w.bind_step(meta)
-            w.start_load(meta)
+        inst.agreement.start_loads(inst.workers, meta)
         failed: set[int] = set()
         for w in inst.workers:
             failed |= w.load_errors()
@@ -422,6 +494,25 @@ class VllmWorld(World):
 
     def reopen(self, i: int) -> None:
         self._open_instance(self.instances[i])
+
+
+def _layout_fields(
+    kv_format: str, dtype: torch.dtype, page_tokens: int, heads: int, rank: int, ranks: int
+) -> dict[str, Any]:
+    """The layout vLLM's connector makes (`layout_fields`, the real one) for rank `rank` of
+    `ranks` whose KV cache dtype is `kv_format` (``--kv-cache-dtype``) in tensors of `dtype`."""
+    from vllm.config import CacheConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    spec = FullAttentionSpec(page_tokens, num_kv_heads=1, head_size=heads, dtype=dtype)
+    vllm_config = SimpleNamespace(
+        cache_config=CacheConfig(cache_dtype=kv_format),
+        model_config=SimpleNamespace(hf_config=None),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+        speculative_config=None,
+    )
+    groups = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)])
+    return layout_fields(vllm_config, groups, {"model_id": "sim-model"}, rank, ranks)
 
 
 def _open_questions(books: Any) -> dict[str, int]:

@@ -19,17 +19,21 @@ from hicache.testing.oracle import Content
 Op = tuple
 """("ask", rid, spec, computed_pages, partial, instance) | ("load", rid, by_layer, skip) |
 ("store", rid, decode) | ("release", rid) | ("device", n, instance) | ("poll", instance) |
-("call", index, fault) | ("space", what, arg, target) | ("reopen", instance) |
+("call", index, fault) | ("space", what, arg, target) | ("reopen", instance, codec) |
 ("kill", instance, point); vLLM's side: ("step", instance), ("decode", rid, n),
 ("preempt", rid), ("grow", rid, pages) too."""
 
 SALTS = (None, "tenant-a", "tenant-b")
-STORE_FAULTS = ("down", "up", "restart", "lost", "truncated", "full", "payload")
+STORE_FAULTS = (
+    "down", "up", "restart", "lost", "truncated", "full", "payload", "stray", "raising",
+)  # fmt: skip
 GOOD_CODES = tuple(f for f in CALL_FAULTS if f not in ("short", "long", "wrong_type"))
 """Call faults whose answers have the right form (without `bad-codes`)."""
 FAULT_SHARE = 0.2
 """The share of released store calls that answer with a fault."""
-MAX_PROMPT = 140
+RECENT = 16
+"""A follow-up mostly goes on with one of the conversations stored last (these many)."""
+MAX_PROMPT = 120
 """Tokens past which a conversation has no next turn (the host tier holds a few prompts)."""
 POLICIES = ("lru", "arc", "s3fifo", "prefix")
 """The host tier's eviction policies (`hicache.core.eviction`), one drawn per world."""
@@ -81,6 +85,10 @@ class Setup:
     """vLLM: each instance's KV cache dtype (``auto``: the model's, float32 here)."""
     heads: int = 8
     """vLLM: floats of one token's K (or V) in one layer of a rank's shard."""
+    prefix_reads: bool = False
+    """The shared store reads objects shorter than their buffers whatever an instance's codec
+    (as a disk tier does: instances with and without a codec read each other's objects), not
+    only with one (as Mooncake does)."""
 
     @property
     def instances(self) -> int:
@@ -115,7 +123,8 @@ def draw_setup(rng: random.Random, skip: frozenset[str] = frozenset()) -> Setup:
     P = rng.choice((1, 4, 4, 8) if vllm else (1, 2, 4, 4, 4, 8))
     compressible = rng.random() < CODEC_SHARE
     instances = rng.choice((1, 1, 2) if vllm else (1, 1, 2, 2, 3))
-    codecs = tuple(compressible and rng.random() < 0.7 for _ in range(instances))
+    codecs = tuple(compressible and (i == 0 or rng.random() < 0.5) for i in range(instances))
+    prefix_reads = rng.random() < 0.5
     policy = rng.choice(POLICIES)
     stores = []
     for _ in range(rng.choice((0, 1, 1, 2, 2))):
@@ -126,7 +135,10 @@ def draw_setup(rng: random.Random, skip: frozenset[str] = frozenset()) -> Setup:
             write = "behind"
         G = rng.choice((4, 8) if compressible else (1, 2, 4, 8))
         stores.append((kind, write, G))
-    host_pages = max(4, rng.choice((96, 128, 192, 384)) // P)
+    if stores and all(write == "off" for _, write, _ in stores):  # some tier is written
+        stores[0] = (stores[0][0], "behind", stores[0][2])
+    widest = max((G for _, _, G in stores), default=1)
+    host_pages = max(4 * widest, rng.choice((128, 160, 192, 256)) // P)
     disk_groups = rng.choice((6, 16, 64))
     common = dict(
         page_tokens=P,
@@ -140,6 +152,7 @@ def draw_setup(rng: random.Random, skip: frozenset[str] = frozenset()) -> Setup:
         compressible=compressible,
         policy=policy,
         disk_groups=disk_groups,
+        prefix_reads=prefix_reads,
     )
     if vllm:
         fp8 = rng.random() < FP8_SHARE
@@ -174,6 +187,7 @@ def draw_setup(rng: random.Random, skip: frozenset[str] = frozenset()) -> Setup:
 
 @lru_cache(maxsize=1)
 def _has_vllm() -> bool:
+    """Whether vLLM can be imported here (its worlds run only then)."""
     import importlib.util
 
     return importlib.util.find_spec("vllm") is not None
@@ -204,7 +218,7 @@ def operations(rng: random.Random, setup: Setup, count: int) -> list[Op]:
     made = 0
     P = setup.page_tokens
     kinds = ("ask", "again", "load", "store", "release", "device", "call", "poll", "fault", "drain")
-    weights = (3, 1, 4, 2.5, 3.2, 4, 8, 3, 0.4, 3)
+    weights = (3, 0.5, 4, 2.5, 3.2, 4, 8, 3, 1, 3)
     last: dict[str, tuple] = {}  # each live request's prompt
     stage: dict[str, int] = {}  # each live request's progress: 0 asked, 1 loaded, 2 stored
     released: tuple | None = None  # the prompt of the request released last
@@ -212,11 +226,11 @@ def operations(rng: random.Random, setup: Setup, count: int) -> list[Op]:
     for _ in range(count):
         kind = rng.choices(kinds, weights)[0]
         if kind == "ask" or (kind in ("again", "load", "store", "release") and not live):
-            if specs and rng.random() < 0.75:
+            if specs and rng.random() < 0.85:
                 # a follow-up: often the next turn of the conversation that just ended (in the
                 # token buffer it leaves behind), or of an older one, mostly one stored
-                just_ended = released is not None and rng.random() < 0.3
-                older = stored if stored and rng.random() < 0.9 else specs
+                just_ended = released is not None and rng.random() < 0.15
+                older = stored[-RECENT:] if stored and rng.random() < 0.9 else specs
                 old = released if just_ended else rng.choice(older)
                 spec = _follow_up(rng, old)
             else:
@@ -270,7 +284,7 @@ def _follow_up(rng: random.Random, old: tuple) -> tuple:
     tail's generator goes on), or another question on the same text (the old prompt's text, or
     its base text's, then text of its own)."""
     salt, base, shared, tail_seed, n = old
-    if rng.random() < 0.7 and n < MAX_PROMPT:
+    if rng.random() < 0.8 and n < MAX_PROMPT:
         return (salt, base, shared, tail_seed, n + rng.randrange(1, 24))
     n = max(2, n + rng.randrange(-8, 24))
     shared = old[4] if rng.random() < 0.7 else shared
@@ -284,8 +298,11 @@ def _at(rng: random.Random, live: list[str], stage: dict[str, int], at: int) -> 
     return rng.choice(ready if ready and rng.random() < 0.85 else live)
 
 
-def call_fault(rng: random.Random, setup: Setup) -> str | None:
-    """The fault a released store call answers with, or None (`FAULT_SHARE` of them faulty)."""
+def call_fault(rng: random.Random, setup: Setup, op: str = "") -> str | None:
+    """The fault a released store call answers with, or None (`FAULT_SHARE` of them faulty);
+    a get's (`op`), where the simulation knows it, mostly loses objects of its run."""
+    if op == "get" and rng.random() < FAULT_SHARE / 2:
+        return rng.choice(("per_key", "per_key_odd", "per_key_odd"))
     faults = CALL_FAULTS if "bad-codes" in setup.features else GOOD_CODES
     return rng.choice(faults) if rng.random() < FAULT_SHARE else None
 
@@ -299,11 +316,12 @@ def _common(rng: random.Random, setup: Setup, kind: str) -> Op:
         return ("call", rng.randrange(4), call_fault(rng, setup))
     what = rng.random()
     if what < 0.1:
-        return ("reopen", inst)
-    if what < 0.2 and any(kind == "disk" for kind, _, _ in setup.stores):
+        return ("reopen", inst, rng.random() < 0.3)
+    if what < 0.25 and any(kind == "disk" for kind, _, _ in setup.stores):
         return ("kill", inst, rng.choice(KILL_POINTS))
     replaced = ("replaced",) if "replaced" in setup.features else ()
-    what = rng.choice(STORE_FAULTS + replaced)
+    faults = STORE_FAULTS + replaced
+    what = rng.choices(faults, [0.3 if f == "restart" else 1 for f in faults])[0]
     return ("space", what, rng.randrange(64) if what != "full" else 8, rng.randrange(8))
 
 
@@ -314,7 +332,7 @@ def vllm_operations(rng: random.Random, setup: Setup, count: int) -> list[Op]:
     live: list[str] = []
     specs: list[tuple] = []
     kinds = ("ask", "step", "decode", "preempt", "grow", "release", "device", "call", "fault")
-    weights = (2, 6, 1.5, 0.5, 2.5 if "cache-grows" in setup.features else 0, 1.5, 4, 4, 0.4)
+    weights = (2, 6, 1.5, 0.5, 2.5 if "cache-grows" in setup.features else 0, 1.5, 4, 4, 0.8)
     for i in range(count):
         kind = rng.choices(kinds, weights)[0]
         if kind == "ask" or (kind in ("decode", "preempt", "grow", "release") and not live):

@@ -31,7 +31,7 @@ from hicache.config import HiCacheConfig, Layout, tier_name
 from hicache.core.native.books import Lease
 from hicache.core.request import Match
 from hicache.testing.device import SimDevice
-from hicache.testing.faults import SPACES, SimTier, Space, damage_disk
+from hicache.testing.faults import SPACES, Gate, SimTier, Space, damage_disk
 from hicache.testing.oracle import Content, Oracle, Violation
 from hicache.testing.workload import Op, Setup, call_fault, content_of
 
@@ -51,6 +51,23 @@ GC_EVERY = 100
 """Operations between collections of cyclic garbage (a lease dropped in a cycle shows then)."""
 SETTLE_S = 120.0
 """How long a step waits for the worker threads to park or finish (a real deadlock fails)."""
+
+
+@dataclass
+class MooncakeMode:
+    """Where the shared space's objects live: in memory (None), or in the real Mooncake store
+    of the master at `address` (the long mode, `python -m hicache.testing.sim --mooncake`)."""
+
+    address: str | None = None
+
+
+MOONCAKE = MooncakeMode()
+FETCH_MAX_WAIT_S = 3600.0
+"""The policy's `fetch_max_wait_ms`, in simulated time: past it only where the simulation lets
+it pass (a store that stalls while vLLM's worker waits)."""
+READY_S = 30.0
+"""How long a cache's tiers may take to become available when it opens (a disk tier lists a
+few hundred records: well under a second)."""
 WAIT_STEPS = 8
 """Steps the direct engine waits for a pending match when it would load it (`World._wait`)."""
 
@@ -178,25 +195,45 @@ class Node:
         except AssertionError as err:
             raise Violation(f"host slot books: {err}") from None
         pending = self.device.pending_host("page")
-        host = cache.host.pages
+        host = np.concatenate([seg.numpy() for seg in cache.host.pages.segments], axis=1)
+        key_of = pages._books.key_of
         for slot in range(pages.capacity):
-            key = pages._books.key_of(slot)
+            key = key_of(slot)
             if key is None or slot in pending:
                 continue
             want = oracle.expected_page(key)
-            got = torch.cat([seg[slot] for seg in host.segments]).numpy()
-            if want is not None and not np.array_equal(got, want):
+            if want is not None and not np.array_equal(host[slot], want):
                 raise Violation(f"host slot {slot} holds other bytes than its key's page")
         if self.states is not None:
             self._check_states()
         stray = set(cache._requests) - live
         if stray:
             raise Violation(f"the cache keeps released requests: {sorted(stray)[:3]}")
+        for link in self.links:
+            self._check_held(link)
         quiet = self.device.idle and not cache._transfers.in_flight and cache.tiers_idle
         if not live and quiet and not self.world.space.gate.parked:
             reserve = sum(len(ln.fetcher.reserve.slots) for ln in self.links)
             if pages.pinned != reserve:
                 raise Violation(f"{pages.pinned - reserve} host pages pinned with no request")
+
+    @staticmethod
+    def _check_held(link: Any) -> None:
+        """Once a link has applied every answer of its tier, it takes as held no object that
+        the tier said it lacks after the link learned it (a group the tier dropped is put
+        again by a later store)."""
+        tier = link.store
+        if not isinstance(tier, SimTier) or link.jobs_in_flight or link._results:
+            return
+        books = link.fetcher
+        for name, said in tier.said_absent.items():
+            kind, key = name.rsplit("/", 2)[1:]
+            held = books._states_held if kind == "s" else books._held
+            learned = held.get(bytes.fromhex(key))
+            if learned is not None and learned < said:
+                raise Violation(f"tier {link.name} takes as held {key[:16]}, which the tier "
+                                "said it lacks")  # fmt: skip
+        tier.said_absent.clear()
 
     def _check_states(self) -> None:
         states = self._cache().host.state_slots
@@ -244,7 +281,7 @@ class Node:
 def _wait_ready(cache: HiCache) -> None:
     """The host pools allocated, registered with every store tier, and every disk listed
     (whether a store is down is the simulation's, not the wall clock's)."""
-    deadline = time.monotonic() + SETTLE_S
+    deadline = time.monotonic() + READY_S
     links = [] if cache._chain is None else cache._chain.links
     while not (
         cache.host.ready
@@ -252,7 +289,7 @@ def _wait_ready(cache: HiCache) -> None:
         and all(link.store.inner is None or link.store.inner.available for link in links)
     ):
         if time.monotonic() > deadline:
-            raise RuntimeError("the cache's tiers did not become ready")
+            raise Violation(f"the cache's tiers did not become available in {READY_S} s")
         time.sleep(0.001)
 
 
@@ -266,11 +303,11 @@ class World:
         self.setup = setup
         self.name = name
         self.dir = tempfile.mkdtemp(prefix="hicache-sim-")
-        self.space = SPACES[name] = Space()
-        self.space.on_put = self._on_put
+        self.space = SPACES[name] = self._space()
         self.now = 0.0
         self.up_at = -1  # the operation at which the shared store comes back up
         self.roomy_at = -1  # the operation at which the shared store is no longer full
+        self.sound_at = -1  # the operation at which its `available` no longer raises
         self.rng = random.Random(f"{name}/engine")  # the faults of calls served while waiting
         self.log: list[str] = []
         self.failure: Violation | None = None  # one found on another thread, raised by `check`
@@ -309,8 +346,12 @@ class World:
             if kind == "private":  # its own objects, behind the same gate
                 private = f"{self.name}-private{i}n{n}"
                 if private not in SPACES:
-                    SPACES[private] = Space(self.space.gate, on_put=self._on_put)
+                    SPACES[private] = self._space(self.space.gate)
                 tier.update(private=True, space=private)
+            if kind == "memory":
+                tier["prefix"] = s.prefix_reads
+                if MOONCAKE.address is not None:  # a real Mooncake store, this world's objects
+                    tier.update(mooncake=MOONCAKE.address, key_prefix=self.name)
             if kind == "disk":
                 tier["disk"] = os.path.join(self.dir, f"disk{i}n{n}")
                 tier["disk_size"] = s.disk_groups * G * (s.page_bytes + 4096)
@@ -318,7 +359,7 @@ class World:
                 tier.update(codec="lossless", codec_threads=1)
             tiers.append(tier)
         policy = {
-            "fetch_max_wait_ms": 3.6e6, "prefix_memo": s.memo,
+            "fetch_max_wait_ms": FETCH_MAX_WAIT_S * 1e3, "prefix_memo": s.memo,
             "state_boundaries": s.state_boundaries,
         }  # fmt: skip
         layout = {
@@ -351,6 +392,16 @@ class World:
 
     def clock(self) -> float:
         return self.now
+
+    def _space(self, gate: Gate | None = None) -> Space:
+        """A store of this world (behind `gate`, else a gate of its own)."""
+        space = Space(gate or Gate(), on_put=self._on_put, clock=self.clock)
+        space.report = self._report
+        return space
+
+    def _report(self, err: Exception) -> None:
+        """A violation found on a worker thread: raised by the next `check`."""
+        self.failure = self.failure or err  # type: ignore[assignment]
 
     def instrument(self, node: Node, cache: HiCache) -> None:
         """Learn the keys the cache gives each page it hashed for a match, and each stored page
@@ -403,6 +454,8 @@ class World:
             self.space.down = False
         if len(self.log) == self.roomy_at:
             self.space.capacity = Space.capacity
+        if len(self.log) == self.sound_at:
+            self.space.raising = False
         if len(self.log) % GC_EVERY == 0:  # the garbage collector runs here only (see `sim`)
             gc.collect()
         getattr(self, "op_" + op[0])(*op[1:])
@@ -522,7 +575,7 @@ class World:
             fetch = cache._requests[rid].fetch
             if fetch is None or not fetch.busy:
                 break
-            self.serve_fetches()
+            self.serve()
             cache.poll()
         req.match = cache.match(
             rid, req.tokens[:n], salt=req.content.salt, computed_tokens=req.computed,
@@ -530,14 +583,13 @@ class World:
         )  # fmt: skip
         return not req.match.pending
 
-    def serve_fetches(self) -> None:
-        """The store answers every fetch call (exists, get) parked now, in the gate's order,
-        each with a fault drawn from the world's generator."""
+    def serve(self) -> None:
+        """The store answers every call parked now, in the gate's order, each with a fault
+        drawn from the world's generator."""
         gate = self.space.gate
         for call in gate.sorted():
-            if call.op != "put":
-                gate.release_call(call, call_fault(self.rng, self.setup))
-                self.settle()
+            gate.release_call(call, call_fault(self.rng, self.setup, call.op))
+            self.settle()
 
     def _check_loaded(self, node: Node, rid: str, req: Req, lo: int, hi: int, m: Match) -> None:
         """A kernel that reads the loaded pages (and state) and checks them."""
@@ -622,9 +674,14 @@ class World:
             space.down = False
         elif what == "restart":
             space.restart()
+            for _ in range(len(space.remote)):  # a Mooncake store's objects
+                self._lose(0)
         elif what == "full":  # for a few operations
             space.capacity = arg * self.setup.page_bytes
             self.roomy_at = len(self.log) + arg % 16 + 1
+        elif what == "raising":  # its `available` raises, for a few operations
+            space.raising = True
+            self.sound_at = len(self.log) + arg % 4 + 1
         else:
             self._damage(what, arg, target)
 
@@ -635,27 +692,45 @@ class World:
             places.append(self.space)
         for node in self.nodes:
             for tier in node.sim_tiers():
-                if tier.inner is not None and not tier.dead:
-                    places.append(tier.config.disk)  # type: ignore[arg-type]
+                if tier.config.disk is not None and not tier.dead:
+                    places.append(tier.config.disk)
                 elif tier.config.private:
                     places.append(tier.space)
         if not places:
             return
         place = places[target % len(places)]
-        if isinstance(place, Space):
+        if place is self.space and MOONCAKE.address is not None:
+            if how == "lost":
+                self._lose(index)
+        elif isinstance(place, Space):
             place.damage(index, how)
         else:
             damage_disk(place, index, how)
 
-    def op_reopen(self, index: int = 0) -> None:
-        """The process of node `index` (of all its instance's ranks) restarts cleanly."""
-        self.restart(index // self.setup.tp % len(self.processes()))
+    def _lose(self, index: int) -> None:
+        """Remove an object from the Mooncake store behind the shared space (through a tier of
+        an open node)."""
+        for node in self.nodes:
+            for tier in node.sim_tiers():
+                if tier.config.mooncake is not None:
+                    tier.lose(index)
+                    return
+
+    def op_reopen(self, index: int = 0, codec: bool = False) -> None:
+        """The process of node `index` (of all its instance's ranks) restarts cleanly; with
+        `codec`, its stores' codec turned on or off (in a world whose bytes compress)."""
+        i = index // self.setup.tp % len(self.processes())
+        if codec and self.setup.compressible:
+            for node in self.processes()[i]:
+                node.codec = not node.codec
+                node.config = self.node_config(node)
+        self.restart(i)
 
     def op_kill(self, inst: int, point: str) -> None:
         """The process of instance `inst` is to die at `point` of its disk tier's next record
         write (see `faults.KillableDisk`); it restarts on the same directory after."""
         for tier in self._node(inst).sim_tiers():
-            if tier.inner is not None:
+            if tier.config.disk is not None:
                 tier.arm(point)
 
     def _restart_killed(self) -> None:

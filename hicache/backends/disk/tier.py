@@ -212,6 +212,7 @@ class DiskTier(StoreTier):
                         st = entry.stat()
                         found.append((st.st_mtime_ns, f"{shard.name}/{name}", st.st_size))
         if stray:
+            mark("disk.stray-skipped")
             log.warning(
                 "hicache disk: %d entries in %s are not records: skipped", stray, self._objects
             )
