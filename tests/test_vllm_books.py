@@ -5,6 +5,7 @@ connector reads), and the worker's HiCache over CPU tensors shaped as vLLM's, by
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from types import SimpleNamespace
@@ -174,14 +175,19 @@ PAGE_BYTES = 2 * 2 * P * 8 * 4  # a block of both layers
 
 
 def worker(
-    blocks: int = 16, host_pages: int = 2048, tiers: tuple[dict, ...] = (), pin_share: float = 0.5
+    blocks: int = 16,
+    host_pages: int = 2048,
+    tiers: tuple[dict, ...] = (),
+    pin_share: float = 0.5,
+    page: int = P,
 ) -> tuple[WorkerCache, dict[str, torch.Tensor]]:
-    """A WorkerCache over two layers shaped as vLLM's CPU caches: (2, blocks, P, 8) float32."""
+    """A WorkerCache over two layers shaped as vLLM's CPU caches: (2, blocks, page, 8) float32
+    (`page` tokens a block)."""
     host = {"type": "host", "size": host_pages * PAGE_BYTES}
     config = load_config({"tiers": [host, *tiers]}, env={})
-    fields = dict(model="tiny", kv_dtype="float32", page_tokens=P, tp_rank=0, tp_size=1)
+    fields = dict(model="tiny", kv_dtype="float32", page_tokens=page, tp_rank=0, tp_size=1)
     w = WorkerCache(config, {**fields, "kv_head_sharded": True}, pin_share)
-    kv = {f"layer.{i}": torch.zeros(2, blocks, P, 8) for i in range(2)}
+    kv = {f"layer.{i}": torch.zeros(2, blocks, page, 8) for i in range(2)}
     w.register(kv, blocks)
     return w, kv
 
@@ -271,6 +277,7 @@ class Engine:
 
     def __init__(self, w: WorkerCache, books: SchedulerBooks | None = None) -> None:
         self.books, self.w = books or SchedulerBooks(P, ranks=1, in_step=False), w
+        self.page = w.layout.page_tokens
         self.next_block = 0
 
     def step(self, scheduled=None, tables=None, spec=None) -> StepMeta:
@@ -295,7 +302,7 @@ class Engine:
             self.step()
             self.books.matched_tokens(r, 0)
         self.books.allocated(r, 0)
-        table = list(range(self.next_block, self.next_block + r.num_tokens // P + 1))
+        table = list(range(self.next_block, self.next_block + r.num_tokens // self.page + 1))
         self.next_block += len(table)
         self.step({r.request_id: r.num_tokens}, {r.request_id: table})
         return table
@@ -423,12 +430,14 @@ def stored_through(w: WorkerCache, prompt: list[int]) -> None:
 
 
 def answered_by(w: WorkerCache, lookup: Lookup) -> Answer:
-    """The worker's answer to `lookup`, asked in one step and waited for (at most a minute)."""
+    """The worker's answer to `lookup`, asked in one step and waited for (at most a minute);
+    the question is then closed unused (its pins go)."""
     w.start_load(StepMeta(lookups=[lookup]))
     deadline = time.monotonic() + 60
     while not (got := (w.answers() or Answers()).by_rank) and time.monotonic() < deadline:
         time.sleep(0.01)
         w.start_load(StepMeta())
+    w.start_load(StepMeta(unused=[lookup.request_id]))
     return got[w.rank][0]
 
 
@@ -1143,3 +1152,147 @@ def test_a_speculative_drafters_weights_are_in_the_page_keys(tmp_path):
     retrained = model(method="draft_model", model=str(second))
     assert len({alone, drafted, retrained}) == 3
     assert model(method="ngram", prompt_lookup_max=3, prompt_lookup_min=1) == alone
+
+
+# -- tensor parallelism: a load that failed on one rank ---------------------------------------
+
+
+def tp_groups(n: int) -> list:
+    """`n` real gloo process groups of one TP group in this process (one a rank, made on
+    threads: each waits for the others to join), as vLLM's TP group's CPU group is."""
+    import torch.distributed as dist
+
+    store, groups = dist.HashStore(), [None] * n
+
+    def join(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, n)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(g is not None for g in groups)
+    return groups
+
+
+def tp_worker(rank: int, tier: dict, agree=None, wait_ms: float = 60_000) -> WorkerCache:
+    """The worker of TP rank `rank` of 2 (its own shard: the rank is in its keys) over a host
+    tier and `tier`; `agree` as vLLM's connector gives it; fetches wait `wait_ms` at most."""
+    host = {"type": "host", "size": 2048 * PAGE_BYTES}
+    config = load_config({"tiers": [host, tier], "policy": {"fetch_max_wait_ms": wait_ms}}, env={})
+    fields = dict(model="tiny", kv_dtype="float32", page_tokens=P, tp_rank=rank, tp_size=2)
+    w = WorkerCache(config, {**fields, "kv_head_sharded": True}, agree=agree)
+    w.register({f"layer.{i}": torch.randn(2, 64, P, 8) for i in range(2)}, 64)
+    return w
+
+
+class TPEngine:
+    """The scheduler half and a worker per TP rank, as vLLM's multiprocess executor runs them:
+    each step's metadata goes to every rank, the ranks run the step at the same time (each on a
+    thread of its own, as each in its own process), and their answers are aggregated."""
+
+    def __init__(self, books: SchedulerBooks, workers: list[WorkerCache]) -> None:
+        self.books, self.workers = books, workers
+
+    def step(self, scheduled=None, tables=None, before_last=None) -> StepMeta:
+        """One step; `before_last`, if given, runs once the first rank has started it and
+        before the others do."""
+        meta = self.books.build(sched(scheduled, tables))
+        errors: list[BaseException] = []
+
+        def run(w: WorkerCache) -> None:
+            try:
+                w.bind_step(meta)
+                w.start_load(meta)
+                w.save(meta)
+            except BaseException as err:
+                errors.append(err)
+
+        threads = [threading.Thread(target=run, args=(w,)) for w in self.workers]
+        threads[0].start()
+        if before_last is not None:
+            before_last()
+        for t in threads[1:]:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors and not any(t.is_alive() for t in threads), errors
+        out = Answers()
+        for w in self.workers:
+            got = w.answers()
+            out = out.aggregate(got) if got is not None else out
+        self.books.answered(SimpleNamespace(kv_connector_worker_meta=out))
+        return meta
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("why", ["object gone", "fetch deadline missed"])
+def test_a_load_that_failed_on_one_tp_rank_is_stored_by_no_rank(start_mooncake_master, why):
+    """TP=2. Instance a stores a prompt's 4 pages (each rank its own shard) to Mooncake.
+    Instance b is granted them for a request of 29 tokens (its scheduler's probe); its step
+    loads pages 0-3 and computes pages 4-6. On rank 1 alone the load fails: its objects of
+    pages 2-3 are gone (every page fails from page 2 on), or its fetch misses
+    `fetch_max_wait_ms` (rank 0's came in time; every page fails). Attention all-reduces
+    across the ranks, so what every rank computed from that page on is wrong: both ranks report
+    the same failed blocks, and neither stores a page from there (rank 0's host tier and the
+    store hold none of pages 4-6: rank 0 answers the pages it fetched, no more). Before, rank
+    0 stored pages 4-6 and answered 28 tokens."""
+    from hicache.integrations.vllm.ranks import least_over
+
+    master = start_mooncake_master()
+    tier = {"type": "mooncake", **master.tier_config, "group_pages": 1}
+    prompt = list(range(500, 516))
+    for rank in (0, 1):
+        a = master.track(tp_worker(rank, tier))
+        a.start_load(StepMeta())
+        a.save(StepMeta(stores=[Store("a", 0, prompt, 16, [0, 1, 2, 3])]))
+        drain(Engine(a))
+        a.close()
+    groups = tp_groups(2)
+    entered = threading.Event()
+    agree0 = least_over(groups[0])
+
+    def agree_first(values: list[int]) -> list[int]:
+        entered.set()
+        return agree0(values)
+
+    late = why == "fetch deadline missed"
+    b0 = master.track(tp_worker(0, tier, agree_first))
+    b1 = master.track(tp_worker(1, tier, least_over(groups[1]), wait_ms=300 if late else 60_000))
+    config = load_config({"tiers": [{"type": "host", "size": "1MiB"}, tier]}, env={})
+    probe = master.track(StoreProbe.for_config(config, wait_s=30.0))
+    assert probe._tier.wait_ready(60)
+    e = TPEngine(SchedulerBooks(P, ranks=2, probe=probe), [b0, b1])
+    e.step()  # both ranks report (empty host tiers, a shared store tier)
+    r = Req("r", [*prompt, *range(900, 913)])  # 29 tokens: 7 whole pages before the last
+    assert e.books.matched_tokens(r, 0) == (16, False)
+    e.books.allocated(r, 16)
+    if not late:
+        [_, (fp, chain, _)] = e.books.view.host_runs(r.all_token_ids, None, 0, 4)
+        _, gone = probe.objects(fp, chain, 2, 4)  # rank 1's objects of pages 2-3
+        assert probe._tier.remove(gone, force=True) == [0, 0]
+
+    def pause_once_rank_0_has_loaded() -> None:
+        if late:
+            assert entered.wait(120)  # rank 0's fetch came and it loaded: it waits for rank 1
+            master.pause()
+
+    r.num_computed_tokens = 16
+    table = list(range(40, 48))
+    try:
+        meta = e.step({"r": 13}, {"r": table}, before_last=pause_once_rank_0_has_loaded)
+    finally:
+        master.resume()
+    assert [s.upto for s in meta.stores] == [28]
+    failed = set(table[0 if late else 2 : 4])
+    assert b0.load_errors() == b1.load_errors() == failed
+    for w in (b0, b1):
+        drain(Engine(w))
+    assert answered_by(b0, Lookup("q", r.all_token_ids, 0)).hit == 16  # the fetched pages
+    [(fp, chain, _), _] = e.books.view.host_runs(r.all_token_ids, None, 0, 7)
+    _, computed = probe.objects(fp, chain, 4, 7)  # rank 0's objects of pages 4-6
+    assert probe.exists(computed) == [False, False, False]
+    for w in (b0, b1):
+        drain(Engine(w))
+        assert_no_pins(w)

@@ -41,6 +41,7 @@ from hicache.config import ConfigError, HiCacheConfig, load_config
 from hicache.integrations.vllm.inputs import refuse_unsupported
 from hicache.integrations.vllm.meta import HiCacheStats, StepMeta
 from hicache.integrations.vllm.probe import StoreProbe
+from hicache.integrations.vllm.ranks import tp_agreement
 from hicache.integrations.vllm.scheduler import SchedulerBooks
 from hicache.integrations.vllm.worker import WorkerCache, layout_fields
 
@@ -188,7 +189,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
             fields = layout_fields(vllm_config, kv_cache_config, extra, rank, size)
             index = node_index(vllm_config, rank, size)
-            self._worker = WorkerCache(for_rank(config, index), fields, share)
+            self._worker = WorkerCache(for_rank(config, index), fields, share, tp_agreement())
 
     @property
     def requires_kv_delivery(self) -> bool:
