@@ -21,6 +21,7 @@ MARKS: dict[str, str] = {
     "store.get.partial": "a get returned a leading run of its objects, not all",
     "fetch.middle-lost-state-present": "a get lost a group inside its run while its state came",
     "fetch.deadline-missed": "a request's walk down the store tiers outlived its deadline",
+    "tp.load-failed-on-another-rank": "a TP rank's load fell short because another rank's did",
     "codec.decoded": "an object decoded by the codec",
     "codec.encoded-read-without-codec": "an encoded object read by an instance without a codec",
     "codec.raw-read-with-codec": "an object stored without a codec read by one with a codec",

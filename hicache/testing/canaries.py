@@ -59,7 +59,8 @@ def _pin_not_released() -> Callable[[], None]:
 
 @canary(
     "publish-before-copy",
-    r"put read host slot\(s\) of \w+ before their copy|has wrong bytes \(read before its copy",
+    r"put read host slot\(s\) of \w+ before their copy|has wrong bytes \(read before its copy"
+    r"|put of \w+: its header's checksum or length is wrong",  # its bytes changed under it
 )
 def _publish_before_copy() -> Callable[[], None]:
     """Write-behind puts do not wait for the GPU -> host copy of their pages."""
@@ -200,6 +201,23 @@ def _fp8_formats_share_keys() -> Callable[[], None]:
     return _patch(worker, "kv_format", lambda vllm_config, dtype: f"kv-cache={dtype}")
 
 
+@canary(
+    "stored-over-another-ranks-failed-load",
+    r"host slot \d+ holds other bytes than its key|put of group \w+: page \d+ of \d+ has wrong",
+)
+def _stored_over_another_ranks_failed_load() -> Callable[[], None]:
+    """A TP rank stores the pages it computed over another rank's failed load: each rank knows
+    only its own failures (#48.1)."""
+    from hicache.integrations.vllm.worker import WorkerCache
+
+    init = WorkerCache.__init__
+
+    def alone(self, config, layout, pin_share=0.5, agree=None):  # type: ignore[no-untyped-def]
+        init(self, config, layout, pin_share, None)
+
+    return _patch(WorkerCache, "__init__", alone)
+
+
 @canary("state-of-a-shorter-run", r"host state slot \d+ holds other bytes|wrong state at \d+")
 def _state_of_a_shorter_run() -> Callable[[], None]:
     """A get that lost a group inside its run but brought the state at the run's end keeps the
@@ -313,6 +331,6 @@ NEEDS = {
 
 VLLM = {
     "lora-not-in-key", "raw-salt-namespace", "failed-load-stored", "drop-superseded-question",
-    "fp8-formats-share-keys",
+    "fp8-formats-share-keys", "stored-over-another-ranks-failed-load",
 }  # fmt: skip
 """Canaries of vLLM's side: only seeds whose engine is vLLM's can catch them."""

@@ -154,7 +154,8 @@ class Space:
             self.objects.clear()
 
     def damage(self, index: int, how: str) -> str | None:
-        """Do `how` (`AT_REST`) to the object at `index` (mod their number, in name order)."""
+        """Do `how` (`AT_REST`; a stray entry is a disk's only) to the object at `index` (mod
+        their number, in name order)."""
         with self.lock:
             names = sorted(self.objects)
             if not names:
@@ -168,7 +169,7 @@ class Space:
                 self.objects[name] = data[: len(data) // 2]
             elif how == "replaced":  # by other bytes of the same length
                 self.objects[name] = bytes(b ^ 0x5A for b in data)
-            elif len(data) > HEADER:  # one byte of the payload, the header intact
+            elif how == "payload" and len(data) > HEADER:  # one byte, the header intact
                 at = HEADER + index % (len(data) - HEADER)
                 self.objects[name] = data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1 :]
             return name
@@ -180,6 +181,10 @@ def damage_disk(path: str, index: int, how: str) -> str | None:
     its length), replaced (every byte changed: its header no longer verifies), payload (one
     byte past the record's header block changed: the record verifies, its object does not) or
     stray (a file that is no record put beside the shards: the tier's next listing meets it)."""
+    if how == "stray":  # an entry that is no record (a file beside the shards)
+        stray = Path(path, "objects", f"stray.{index}")
+        stray.write_bytes(b"not a record")
+        return stray.name
     files = sorted(Path(path, "objects").glob("*/*"))
     if not files:
         return None
@@ -191,9 +196,7 @@ def damage_disk(path: str, index: int, how: str) -> str | None:
         os.truncate(file, len(data) // 2)
     elif how == "replaced":
         file.write_bytes(bytes(b ^ 0x5A for b in data))
-    elif how == "stray":  # an entry that is no record (a file beside the shards)
-        Path(path, "objects", f"stray.{index}").write_bytes(b"not a record")
-    elif len(data) > records.HEADER:
+    elif how == "payload" and len(data) > records.HEADER:
         at = records.HEADER + index % (len(data) - records.HEADER)
         with open(file, "r+b") as f:
             f.seek(at)

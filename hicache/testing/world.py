@@ -686,19 +686,21 @@ class World:
             self._damage(what, arg, target)
 
     def _damage(self, how: str, index: int, target: int) -> None:
-        """Damage an object at rest where `target` says (mod the places the world has)."""
-        places: list[Space | str] = []
+        """Damage an object at rest where `target` says (mod the places the world has). A
+        stray entry in a disk tier's directory matters when the tier lists it: its process
+        restarts then."""
+        places: list[tuple[Space | str, int]] = []  # where, and the process it belongs to
         if any(kind == "memory" for kind, _, _ in self.setup.stores):
-            places.append(self.space)
-        for node in self.nodes:
-            for tier in node.sim_tiers():
+            places.append((self.space, -1))
+        for i, nodes in enumerate(self.processes()):
+            for tier in (tier for node in nodes for tier in node.sim_tiers()):
                 if tier.config.disk is not None and not tier.dead:
-                    places.append(tier.config.disk)
+                    places.append((tier.config.disk, i))
                 elif tier.config.private:
-                    places.append(tier.space)
+                    places.append((tier.space, i))
         if not places:
             return
-        place = places[target % len(places)]
+        place, process = places[target % len(places)]
         if place is self.space and MOONCAKE.address is not None:
             if how == "lost":
                 self._lose(index)
@@ -706,6 +708,8 @@ class World:
             place.damage(index, how)
         else:
             damage_disk(place, index, how)
+            if how == "stray":
+                self.restart(process)
 
     def _lose(self, index: int) -> None:
         """Remove an object from the Mooncake store behind the shared space (through a tier of
@@ -779,6 +783,7 @@ class World:
             blocked |= node.device.waiting
         for node in self.nodes:
             for link in node.links:
+                self._check_workers(link)
                 queues = [(f"fetch-{i}", q) for i, q in enumerate(link._fetch_jobs)]
                 queues.append(("put", link._put_jobs))
                 held = 0
@@ -789,7 +794,6 @@ class World:
                     elif jobs.qsize():
                         return False
                 if link.jobs_in_flight != len(link._results) + held:
-                    self._check_workers(link)
                     return False
         return True
 
@@ -798,7 +802,7 @@ class World:
         """A link with jobs in flight has every worker thread alive (one that died leaves its
         jobs unanswered for good)."""
         dead = [t.name for t in link._threads if not t.is_alive()]
-        if dead:
+        if dead and link.jobs_in_flight:
             raise Violation(f"worker thread {dead[0]} died with jobs in flight")
 
     def check(self) -> None:
