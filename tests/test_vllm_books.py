@@ -276,8 +276,8 @@ class Engine:
     """The scheduler half and one worker wired as vLLM wires them, one `step` at a time."""
 
     def __init__(self, w: WorkerCache, books: SchedulerBooks | None = None) -> None:
-        self.books, self.w = books or SchedulerBooks(P, ranks=1, in_step=False), w
         self.page = w.layout.page_tokens
+        self.books, self.w = books or SchedulerBooks(self.page, ranks=1, in_step=False), w
         self.next_block = 0
 
     def step(self, scheduled=None, tables=None, spec=None) -> StepMeta:
@@ -327,15 +327,16 @@ def test_two_lora_adapters_never_share_pages_and_an_adapter_is_its_name_and_path
 
 
 def test_two_images_behind_the_same_placeholder_ids_share_only_the_pages_before_them():
-    """Tokens 4..11 are an image's placeholders (the same ids for every image): the first page
-    is text alone and shared; from the image's first page on, only the same image hits."""
-    e = Engine(worker(blocks=32)[0])
-    prompt = [7] * 4 + [99] * 8 + list(range(5))  # 17 tokens, 4 pages before the last token
-    e.prefill(Req("a", prompt, images=(("cat", 4, 8),)))
-    assert e.ask(Req("b", prompt, images=(("dog", 4, 8),))) == 4
-    assert e.ask(Req("c", prompt)) == 4  # the placeholder ids as text
-    assert e.ask(Req("d", prompt, images=(("cat", 4, 8),))) == 16
-    assert e.ask(Req("e", prompt, images=(("cat", 8, 4),))) == 4  # the same image, elsewhere
+    """Pages of 8 tokens; tokens 8..23 are an image's placeholders (the same ids for every
+    image): the first page is text alone and shared; from the image's first page on, only the
+    same image hits."""
+    e = Engine(worker(blocks=32, page=8)[0])
+    prompt = [7] * 8 + [99] * 16 + list(range(9))  # 33 tokens, 4 pages before the last token
+    e.prefill(Req("a", prompt, images=(("cat", 8, 16),)))
+    assert e.ask(Req("b", prompt, images=(("dog", 8, 16),))) == 8
+    assert e.ask(Req("c", prompt)) == 8  # the placeholder ids as text
+    assert e.ask(Req("d", prompt, images=(("cat", 8, 16),))) == 32
+    assert e.ask(Req("e", prompt, images=(("cat", 16, 8),))) == 8  # the same image, elsewhere
 
 
 def test_no_cache_salt_names_a_lora_adapters_namespace():
@@ -354,12 +355,27 @@ def test_no_cache_salt_names_a_lora_adapters_namespace():
 def test_an_image_is_keyed_by_its_whole_hash_where_one_placeholder_lies_on_a_page():
     """img-8548 and img-19451 agree in 31 bits of a SHA-256 of their identifiers (a birthday
     search over img-0, img-1, ... finds the pair at 19,452): behind one placeholder at the end
-    of a page, the page is still the image's alone."""
-    e = Engine(worker(blocks=32)[0])
-    prompt = [7, 7, 7, 99, 5, 6, 7, 8, 9]  # the image's one placeholder ends page 0
-    e.prefill(Req("a", prompt, images=(("img-8548", 3, 1),)))
-    assert e.ask(Req("b", prompt, images=(("img-19451", 3, 1),))) == 0
-    assert e.ask(Req("c", prompt, images=(("img-8548", 3, 1),))) == 8
+    of a page of 8 tokens, the page is still the image's alone."""
+    e = Engine(worker(blocks=32, page=8)[0])
+    prompt = [7] * 7 + [99] + list(range(5, 14))  # the image's one placeholder ends page 0
+    e.prefill(Req("a", prompt, images=(("img-8548", 7, 1),)))
+    assert e.ask(Req("b", prompt, images=(("img-19451", 7, 1),))) == 0
+    assert e.ask(Req("c", prompt, images=(("img-8548", 7, 1),))) == 16
+
+
+def test_an_image_is_keyed_by_its_whole_hash_on_pages_of_one_token():
+    """A page of one token is one word, 31 bits: img-2574 and img-41150 give the image's page
+    the same word (a birthday search over img-0, img-1, ... finds the pair at 41,150). Where
+    pages are too short to carry 128 bits of an image's hash, every page of a request with
+    images is keyed in a namespace of its images' whole hashes and positions: b misses, c (the
+    same image where a had it) hits the 8 pages before its last token. Before, b was served
+    a's pages, the image's page included."""
+    e = Engine(worker(blocks=32, page=1)[0])
+    prompt = [7, 7, 7, 99, 5, 6, 7, 8, 9]  # the image's one placeholder is page 3
+    e.prefill(Req("a", prompt, images=(("img-2574", 3, 1),)))
+    assert e.ask(Req("b", prompt, images=(("img-41150", 3, 1),))) == 0
+    assert e.ask(Req("c", prompt, images=(("img-2574", 3, 1),))) == 8
+    assert e.ask(Req("d", prompt, images=(("img-2574", 4, 1),))) == 0  # elsewhere
 
 
 def test_prompt_embeddings_are_refused_at_start_in_one_line():
