@@ -791,20 +791,31 @@ def test_a_superseded_question_lets_its_pins_go_and_the_request_loads_and_stores
     assert stats["pages_stored"] - stored == 2  # pages 4 and 5 of q
 
 
-def test_the_model_identity_changes_with_anything_that_changes_the_kv(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    """A tiny Llama saved once for the module (vLLM loads its config; its weights are
+    digested); tests that change it work on a copy."""
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("models") / "llama"
+    make = [sys.executable, "-m", "hicache.tools.vllm_run", "--model", str(root)]
+    subprocess.run([*make, "--make-model", "llama"], check=True, capture_output=True)
+    return str(root)
+
+
+def test_the_model_identity_changes_with_anything_that_changes_the_kv(tiny_llama, tmp_path):
     """vLLM's ModelConfig of one saved model, loaded as is, in another dtype, with RoPE
     scaling or a sliding window overridden, and after its weights are re-saved in place (same
     name, size and config): five names, so none of them shares pages with another."""
-    import subprocess
-    import sys
+    import shutil
 
     from vllm.config import ModelConfig
 
     from hicache.integrations.vllm.worker import model_identity
 
     folder = tmp_path / "llama"
-    make = [sys.executable, "-m", "hicache.tools.vllm_run", "--model", str(folder)]
-    subprocess.run([*make, "--make-model", "llama"], check=True, capture_output=True)
+    shutil.copytree(tiny_llama, folder)
 
     def identity(**kw) -> str:
         config = ModelConfig(model=str(folder), skip_tokenizer_init=True, **kw)
@@ -1071,16 +1082,6 @@ def test_a_probe_of_a_tier_whose_available_raises_is_not_answered(monkeypatch):
     assert (probe.answered, probe.late) == (0, 1)
 
 
-def tiny_model(root) -> str:
-    """A tiny Llama saved in `root` (vLLM loads its config; its weights are digested)."""
-    import subprocess
-    import sys
-
-    make = [sys.executable, "-m", "hicache.tools.vllm_run", "--model", str(root)]
-    subprocess.run([*make, "--make-model", "llama"], check=True, capture_output=True)
-    return str(root)
-
-
 def uint8_cache(block: int = P):
     """vLLM's KVCacheConfig of one full-attention group whose blocks lie in uint8 tensors, as
     every fp8 cache dtype has them."""
@@ -1090,7 +1091,7 @@ def uint8_cache(block: int = P):
     return KVCacheConfig(16, [], [KVCacheGroupSpec(["layer.0", "layer.1"], spec)])
 
 
-def test_each_fp8_format_keys_pages_of_its_own(tmp_path):
+def test_each_fp8_format_keys_pages_of_its_own(tiny_llama, tmp_path):
     """vLLM keeps fp8, fp8_e4m3 and fp8_e5m2 caches all in uint8 tensors. Layouts made from
     vLLM's own configs (its VllmConfig with the cache dtype as configured, its KVCacheConfig)
     name the format: a worker with an fp8_e4m3 cache stores a prompt to a disk directory; one
@@ -1100,7 +1101,7 @@ def test_each_fp8_format_keys_pages_of_its_own(tmp_path):
 
     from hicache.integrations.vllm.worker import layout_fields
 
-    model = ModelConfig(model=tiny_model(tmp_path / "llama"), skip_tokenizer_init=True)
+    model = ModelConfig(model=tiny_llama, skip_tokenizer_init=True)
     disk = {"type": "disk", "path": str(tmp_path / "d"), "size": "64MiB", "group_pages": 1}
     config = load_config({"tiers": [{"type": "host", "size": "1MiB"}, disk]}, env={})
     prompt = list(range(100, 113))
@@ -1127,7 +1128,7 @@ def test_each_fp8_format_keys_pages_of_its_own(tmp_path):
     assert len({layout.model for layout in layouts}) == 3
 
 
-def test_a_speculative_drafters_weights_are_in_the_page_keys(tmp_path):
+def test_a_speculative_drafters_weights_are_in_the_page_keys(tiny_llama, tmp_path):
     """A drafter's attention layers (EAGLE, MTP, a draft model) keep their KV in the same
     blocks as the target's, so hicache stores it with the pages. Layouts from vLLM's own
     configs: the target alone, with a draft model, with another draft model of the same name,
@@ -1141,10 +1142,10 @@ def test_a_speculative_drafters_weights_are_in_the_page_keys(tmp_path):
 
     from hicache.integrations.vllm.worker import layout_fields
 
-    target = ModelConfig(model=tiny_model(tmp_path / "llama"), skip_tokenizer_init=True)
-    first = tiny_model(tmp_path / "draft")
-    second = tmp_path / "draft-retrained"
-    shutil.copytree(first, second)
+    target = ModelConfig(model=tiny_llama, skip_tokenizer_init=True)
+    first, second = tmp_path / "draft", tmp_path / "draft-retrained"
+    shutil.copytree(tiny_llama, first)
+    shutil.copytree(tiny_llama, second)
     weights = second / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 1
@@ -1164,7 +1165,7 @@ def test_a_speculative_drafters_weights_are_in_the_page_keys(tmp_path):
         return layout_fields(config, kv, {}, 0, 1)["model"]
 
     alone = model()
-    drafted = model(method="draft_model", model=first)
+    drafted = model(method="draft_model", model=str(first))
     retrained = model(method="draft_model", model=str(second))
     assert len({alone, drafted, retrained}) == 3
     assert model(method="ngram", prompt_lookup_max=3, prompt_lookup_min=1) == alone
