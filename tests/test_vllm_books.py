@@ -276,8 +276,8 @@ class Engine:
     """The scheduler half and one worker wired as vLLM wires them, one `step` at a time."""
 
     def __init__(self, w: WorkerCache, books: SchedulerBooks | None = None) -> None:
-        self.books, self.w = books or SchedulerBooks(P, ranks=1, in_step=False), w
         self.page = w.layout.page_tokens
+        self.books, self.w = books or SchedulerBooks(self.page, ranks=1, in_step=False), w
         self.next_block = 0
 
     def step(self, scheduled=None, tables=None, spec=None) -> StepMeta:
@@ -327,15 +327,16 @@ def test_two_lora_adapters_never_share_pages_and_an_adapter_is_its_name_and_path
 
 
 def test_two_images_behind_the_same_placeholder_ids_share_only_the_pages_before_them():
-    """Tokens 4..11 are an image's placeholders (the same ids for every image): the first page
-    is text alone and shared; from the image's first page on, only the same image hits."""
-    e = Engine(worker(blocks=32)[0])
-    prompt = [7] * 4 + [99] * 8 + list(range(5))  # 17 tokens, 4 pages before the last token
-    e.prefill(Req("a", prompt, images=(("cat", 4, 8),)))
-    assert e.ask(Req("b", prompt, images=(("dog", 4, 8),))) == 4
-    assert e.ask(Req("c", prompt)) == 4  # the placeholder ids as text
-    assert e.ask(Req("d", prompt, images=(("cat", 4, 8),))) == 16
-    assert e.ask(Req("e", prompt, images=(("cat", 8, 4),))) == 4  # the same image, elsewhere
+    """Pages of 8 tokens; tokens 8..23 are an image's placeholders (the same ids for every
+    image): the first page is text alone and shared; from the image's first page on, only the
+    same image hits."""
+    e = Engine(worker(blocks=32, page=8)[0])
+    prompt = [7] * 8 + [99] * 16 + list(range(9))  # 33 tokens, 4 pages before the last token
+    e.prefill(Req("a", prompt, images=(("cat", 8, 16),)))
+    assert e.ask(Req("b", prompt, images=(("dog", 8, 16),))) == 8
+    assert e.ask(Req("c", prompt)) == 8  # the placeholder ids as text
+    assert e.ask(Req("d", prompt, images=(("cat", 8, 16),))) == 32
+    assert e.ask(Req("e", prompt, images=(("cat", 16, 8),))) == 8  # the same image, elsewhere
 
 
 def test_no_cache_salt_names_a_lora_adapters_namespace():
@@ -354,12 +355,27 @@ def test_no_cache_salt_names_a_lora_adapters_namespace():
 def test_an_image_is_keyed_by_its_whole_hash_where_one_placeholder_lies_on_a_page():
     """img-8548 and img-19451 agree in 31 bits of a SHA-256 of their identifiers (a birthday
     search over img-0, img-1, ... finds the pair at 19,452): behind one placeholder at the end
-    of a page, the page is still the image's alone."""
-    e = Engine(worker(blocks=32)[0])
-    prompt = [7, 7, 7, 99, 5, 6, 7, 8, 9]  # the image's one placeholder ends page 0
-    e.prefill(Req("a", prompt, images=(("img-8548", 3, 1),)))
-    assert e.ask(Req("b", prompt, images=(("img-19451", 3, 1),))) == 0
-    assert e.ask(Req("c", prompt, images=(("img-8548", 3, 1),))) == 8
+    of a page of 8 tokens, the page is still the image's alone."""
+    e = Engine(worker(blocks=32, page=8)[0])
+    prompt = [7] * 7 + [99] + list(range(5, 14))  # the image's one placeholder ends page 0
+    e.prefill(Req("a", prompt, images=(("img-8548", 7, 1),)))
+    assert e.ask(Req("b", prompt, images=(("img-19451", 7, 1),))) == 0
+    assert e.ask(Req("c", prompt, images=(("img-8548", 7, 1),))) == 16
+
+
+def test_an_image_is_keyed_by_its_whole_hash_on_pages_of_one_token():
+    """A page of one token is one word, 31 bits: img-2574 and img-41150 give the image's page
+    the same word (a birthday search over img-0, img-1, ... finds the pair at 41,150). Where
+    pages are too short to carry 128 bits of an image's hash, every page of a request with
+    images is keyed in a namespace of its images' whole hashes and positions: b misses, c (the
+    same image where a had it) hits the 8 pages before its last token. Before, b was served
+    a's pages, the image's page included."""
+    e = Engine(worker(blocks=32, page=1)[0])
+    prompt = [7, 7, 7, 99, 5, 6, 7, 8, 9]  # the image's one placeholder is page 3
+    e.prefill(Req("a", prompt, images=(("img-2574", 3, 1),)))
+    assert e.ask(Req("b", prompt, images=(("img-41150", 3, 1),))) == 0
+    assert e.ask(Req("c", prompt, images=(("img-2574", 3, 1),))) == 8
+    assert e.ask(Req("d", prompt, images=(("img-2574", 4, 1),))) == 0  # elsewhere
 
 
 def test_prompt_embeddings_are_refused_at_start_in_one_line():
@@ -775,20 +791,31 @@ def test_a_superseded_question_lets_its_pins_go_and_the_request_loads_and_stores
     assert stats["pages_stored"] - stored == 2  # pages 4 and 5 of q
 
 
-def test_the_model_identity_changes_with_anything_that_changes_the_kv(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    """A tiny Llama saved once for the module (vLLM loads its config; its weights are
+    digested); tests that change it work on a copy."""
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("models") / "llama"
+    make = [sys.executable, "-m", "hicache.tools.vllm_run", "--model", str(root)]
+    subprocess.run([*make, "--make-model", "llama"], check=True, capture_output=True)
+    return str(root)
+
+
+def test_the_model_identity_changes_with_anything_that_changes_the_kv(tiny_llama, tmp_path):
     """vLLM's ModelConfig of one saved model, loaded as is, in another dtype, with RoPE
     scaling or a sliding window overridden, and after its weights are re-saved in place (same
     name, size and config): five names, so none of them shares pages with another."""
-    import subprocess
-    import sys
+    import shutil
 
     from vllm.config import ModelConfig
 
     from hicache.integrations.vllm.worker import model_identity
 
     folder = tmp_path / "llama"
-    make = [sys.executable, "-m", "hicache.tools.vllm_run", "--model", str(folder)]
-    subprocess.run([*make, "--make-model", "llama"], check=True, capture_output=True)
+    shutil.copytree(tiny_llama, folder)
 
     def identity(**kw) -> str:
         config = ModelConfig(model=str(folder), skip_tokenizer_init=True, **kw)
@@ -1055,16 +1082,6 @@ def test_a_probe_of_a_tier_whose_available_raises_is_not_answered(monkeypatch):
     assert (probe.answered, probe.late) == (0, 1)
 
 
-def tiny_model(root) -> str:
-    """A tiny Llama saved in `root` (vLLM loads its config; its weights are digested)."""
-    import subprocess
-    import sys
-
-    make = [sys.executable, "-m", "hicache.tools.vllm_run", "--model", str(root)]
-    subprocess.run([*make, "--make-model", "llama"], check=True, capture_output=True)
-    return str(root)
-
-
 def uint8_cache(block: int = P):
     """vLLM's KVCacheConfig of one full-attention group whose blocks lie in uint8 tensors, as
     every fp8 cache dtype has them."""
@@ -1074,7 +1091,7 @@ def uint8_cache(block: int = P):
     return KVCacheConfig(16, [], [KVCacheGroupSpec(["layer.0", "layer.1"], spec)])
 
 
-def test_each_fp8_format_keys_pages_of_its_own(tmp_path):
+def test_each_fp8_format_keys_pages_of_its_own(tiny_llama, tmp_path):
     """vLLM keeps fp8, fp8_e4m3 and fp8_e5m2 caches all in uint8 tensors. Layouts made from
     vLLM's own configs (its VllmConfig with the cache dtype as configured, its KVCacheConfig)
     name the format: a worker with an fp8_e4m3 cache stores a prompt to a disk directory; one
@@ -1084,7 +1101,7 @@ def test_each_fp8_format_keys_pages_of_its_own(tmp_path):
 
     from hicache.integrations.vllm.worker import layout_fields
 
-    model = ModelConfig(model=tiny_model(tmp_path / "llama"), skip_tokenizer_init=True)
+    model = ModelConfig(model=tiny_llama, skip_tokenizer_init=True)
     disk = {"type": "disk", "path": str(tmp_path / "d"), "size": "64MiB", "group_pages": 1}
     config = load_config({"tiers": [{"type": "host", "size": "1MiB"}, disk]}, env={})
     prompt = list(range(100, 113))
@@ -1111,7 +1128,7 @@ def test_each_fp8_format_keys_pages_of_its_own(tmp_path):
     assert len({layout.model for layout in layouts}) == 3
 
 
-def test_a_speculative_drafters_weights_are_in_the_page_keys(tmp_path):
+def test_a_speculative_drafters_weights_are_in_the_page_keys(tiny_llama, tmp_path):
     """A drafter's attention layers (EAGLE, MTP, a draft model) keep their KV in the same
     blocks as the target's, so hicache stores it with the pages. Layouts from vLLM's own
     configs: the target alone, with a draft model, with another draft model of the same name,
@@ -1125,10 +1142,10 @@ def test_a_speculative_drafters_weights_are_in_the_page_keys(tmp_path):
 
     from hicache.integrations.vllm.worker import layout_fields
 
-    target = ModelConfig(model=tiny_model(tmp_path / "llama"), skip_tokenizer_init=True)
-    first = tiny_model(tmp_path / "draft")
-    second = tmp_path / "draft-retrained"
-    shutil.copytree(first, second)
+    target = ModelConfig(model=tiny_llama, skip_tokenizer_init=True)
+    first, second = tmp_path / "draft", tmp_path / "draft-retrained"
+    shutil.copytree(tiny_llama, first)
+    shutil.copytree(tiny_llama, second)
     weights = second / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 1
@@ -1148,7 +1165,7 @@ def test_a_speculative_drafters_weights_are_in_the_page_keys(tmp_path):
         return layout_fields(config, kv, {}, 0, 1)["model"]
 
     alone = model()
-    drafted = model(method="draft_model", model=first)
+    drafted = model(method="draft_model", model=str(first))
     retrained = model(method="draft_model", model=str(second))
     assert len({alone, drafted, retrained}) == 3
     assert model(method="ngram", prompt_lookup_max=3, prompt_lookup_min=1) == alone
