@@ -22,6 +22,7 @@ MARKS: dict[str, str] = {
     "fetch.middle-lost-state-present": "a get lost a group inside its run while its state came",
     "fetch.deadline-missed": "a request's walk down the store tiers outlived its deadline",
     "tp.load-failed-on-another-rank": "a TP rank's load fell short because another rank's did",
+    "keys.images-on-one-token-pages": "a request with images keyed on pages of one token",
     "codec.decoded": "an object decoded by the codec",
     "codec.encoded-read-without-codec": "an encoded object read by an instance without a codec",
     "codec.raw-read-with-codec": "an object stored without a codec read by one with a codec",

@@ -218,6 +218,15 @@ def _stored_over_another_ranks_failed_load() -> Callable[[], None]:
     return _patch(WorkerCache, "__init__", alone)
 
 
+@canary("images-fold-31-bits", r"got key \w+, which names another page")
+def _images_fold_31_bits() -> Callable[[], None]:
+    """On pages of one token, an image's page carries 31 bits of its hash (its folded word):
+    two images whose words agree share pages (#48.4)."""
+    from hicache.integrations.vllm import inputs
+
+    return _patch(inputs, "features_salt", lambda salt, page_tokens, features: salt)
+
+
 @canary("state-of-a-shorter-run", r"host state slot \d+ holds other bytes|wrong state at \d+")
 def _state_of_a_shorter_run() -> Callable[[], None]:
     """A get that lost a group inside its run but brought the state at the run's end keeps the
@@ -331,6 +340,6 @@ NEEDS = {
 
 VLLM = {
     "lora-not-in-key", "raw-salt-namespace", "failed-load-stored", "drop-superseded-question",
-    "fp8-formats-share-keys", "stored-over-another-ranks-failed-load",
+    "fp8-formats-share-keys", "stored-over-another-ranks-failed-load", "images-fold-31-bits",
 }  # fmt: skip
 """Canaries of vLLM's side: only seeds whose engine is vLLM's can catch them."""

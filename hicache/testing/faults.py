@@ -45,6 +45,9 @@ CALL_FAULTS = (
 """What a released call may be made to do instead of answering (see `_faulty`)."""
 AT_REST = ("lost", "truncated", "replaced", "payload", "stray")
 """What `Space.damage` and `damage_disk` do to an object at rest."""
+DAMAGED_AMONG = 8
+"""Damage at rest lands on one of the objects put (or used) last: those a request is likely to
+read again soon."""
 KILL_POINTS = ("writing", "written", "renamed")
 """Where in a record's write a disk tier's process can die (see `KillableDisk`)."""
 
@@ -154,10 +157,10 @@ class Space:
             self.objects.clear()
 
     def damage(self, index: int, how: str) -> str | None:
-        """Do `how` (`AT_REST`; a stray entry is a disk's only) to the object at `index` (mod
-        their number, in name order)."""
+        """Do `how` (`AT_REST`; a stray entry is a disk's only) to the object at `index` among
+        the `DAMAGED_AMONG` put last (mod their number, newest first)."""
         with self.lock:
-            names = sorted(self.objects)
+            names = list(self.objects)[::-1][:DAMAGED_AMONG]
             if not names:
                 return None
             name = names[index % len(names)]
@@ -176,8 +179,9 @@ class Space:
 
 
 def damage_disk(path: str, index: int, how: str) -> str | None:
-    """Do `how` (`AT_REST`) to the record file of the disk tier at `path` at `index` (mod their
-    number, in name order), under the running tier: lost (the file removed), truncated (to half
+    """Do `how` (`AT_REST`) to the record file of the disk tier at `path` at `index` among the
+    `DAMAGED_AMONG` written (or read) last, newest first (mod their number), under the running
+    tier: lost (the file removed), truncated (to half
     its length), replaced (every byte changed: its header no longer verifies), payload (one
     byte past the record's header block changed: the record verifies, its object does not) or
     stray (a file that is no record put beside the shards: the tier's next listing meets it)."""
@@ -185,7 +189,8 @@ def damage_disk(path: str, index: int, how: str) -> str | None:
         stray = Path(path, "objects", f"stray.{index}")
         stray.write_bytes(b"not a record")
         return stray.name
-    files = sorted(Path(path, "objects").glob("*/*"))
+    files = sorted(Path(path, "objects").glob("*/*"), key=lambda f: (-f.stat().st_mtime_ns, f.name))
+    files = files[:DAMAGED_AMONG]
     if not files:
         return None
     file = files[index % len(files)]

@@ -45,9 +45,11 @@ SALTS = (
     "tenant-a",
     namespace(lora=LORAS[1][0], lora_path=LORAS[1][1]).decode(),  # an adapter's, as a salt
 )
-IMAGES = (("cat", 5), ("dog", 3))
+IMAGES = (("cat", 5), ("dog", 3), ("sim-img-19993", 1), ("sim-img-47081", 1))
 """Each image's content hash and its number of placeholder tokens (an image that does not fit
-in the prompt is left out)."""
+in the prompt is left out). The last two give a page of one token that holds the one
+placeholder of either the same 31-bit word when folded (`hicache.core.keys.fold_features`):
+only the rest of their hashes tells them apart."""
 PLACEHOLDER = 0
 """The token id of every image placeholder (the image's content hash tells images apart)."""
 
@@ -93,7 +95,7 @@ class StoreWhileWaiting:
     TIME_STEP_S = 60.0
     """Simulated seconds a wait with nothing to serve lets pass (the fetch deadline is the
     world's `fetch_max_wait_ms`, in simulated time)."""
-    STALL_SHARE = 0.05
+    STALL_SHARE = 0.2
 
     def __init__(self, world: VllmWorld, node: Node) -> None:
         self.world, self.node = world, node

@@ -38,6 +38,8 @@ MAX_PROMPT = 120
 POLICIES = ("lru", "arc", "s3fifo", "prefix")
 """The host tier's eviction policies (`hicache.core.eviction`), one drawn per world."""
 FP8_FORMATS = ("fp8", "fp8_e4m3", "fp8_e5m2")
+IMAGE_COUNT = 4
+"""vLLM: the images a request may hold (`vllm_world.IMAGES`)."""
 """vLLM's fp8 KV cache formats (`--kv-cache-dtype`): one byte a value, different bytes."""
 
 
@@ -341,11 +343,13 @@ def vllm_operations(rng: random.Random, setup: Setup, count: int) -> list[Op]:
                 spec = (*_follow_up(rng, old[:5]), *old[5:])
                 if rng.random() < 0.3:  # the same text under another namespace
                     spec = (*spec[:5], rng.randrange(3), rng.randrange(3), spec[7])
+                elif spec[7] is not None and rng.random() < 0.3:  # another image, same place
+                    spec = (*spec[:7], (rng.randrange(IMAGE_COUNT), *spec[7][1:]))
             else:
                 n = rng.randrange(2, 100)
                 image = None
                 if rng.random() < 0.3:
-                    image = (rng.randrange(2), rng.randrange(n), rng.randrange(1, 12))
+                    image = (rng.randrange(IMAGE_COUNT), rng.randrange(n), rng.randrange(1, 12))
                 spec = (0, rng.randrange(4), rng.randrange(0, n + 1), rng.randrange(99), n,
                         rng.randrange(3), rng.randrange(3), image)  # fmt: skip
             specs.append(spec)
