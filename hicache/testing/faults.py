@@ -46,8 +46,8 @@ CALL_FAULTS = (
 AT_REST = ("lost", "truncated", "replaced", "payload", "stray")
 """What `Space.damage` and `damage_disk` do to an object at rest."""
 DAMAGED_AMONG = 8
-"""Damage at rest lands on one of the objects put (or used) last: those a request is likely to
-read again soon."""
+"""Damage at rest lands on one of the objects put (or, on a disk, used) last: those a request
+is likely to read soon."""
 KILL_POINTS = ("writing", "written", "renamed")
 """Where in a record's write a disk tier's process can die (see `KillableDisk`)."""
 
@@ -178,10 +178,13 @@ class Space:
             return name
 
 
-def damage_disk(path: str, index: int, how: str) -> str | None:
-    """Do `how` (`AT_REST`) to the record file of the disk tier at `path` at `index` among the
-    `DAMAGED_AMONG` written (or read) last, newest first (mod their number), under the running
-    tier: lost (the file removed), truncated (to half
+def damage_disk(
+    path: str, index: int, how: str, read: Callable[[str], bool] = lambda name: True
+) -> str | None:
+    """Do `how` (`AT_REST`) to the record file of the disk tier at `path` at `index` (mod their
+    number) among the `DAMAGED_AMONG` used last of those whose object `read` says a request may
+    read from it (its instance's host tier lacks the object's pages), under the running tier:
+    lost (the file removed), truncated (to half
     its length), replaced (every byte changed: its header no longer verifies), payload (one
     byte past the record's header block changed: the record verifies, its object does not) or
     stray (a file that is no record put beside the shards: the tier's next listing meets it)."""
@@ -189,7 +192,8 @@ def damage_disk(path: str, index: int, how: str) -> str | None:
         stray = Path(path, "objects", f"stray.{index}")
         stray.write_bytes(b"not a record")
         return stray.name
-    files = sorted(Path(path, "objects").glob("*/*"), key=lambda f: (-f.stat().st_mtime_ns, f.name))
+    files = [f for f in sorted(Path(path, "objects").glob("*/*")) if read(_record_key(f))]
+    files.sort(key=lambda f: -f.stat().st_mtime_ns)  # the tier stamps each use, in order
     files = files[:DAMAGED_AMONG]
     if not files:
         return None
@@ -207,6 +211,15 @@ def damage_disk(path: str, index: int, how: str) -> str | None:
             f.seek(at)
             f.write(bytes([data[at] ^ 0x01]))
     return file.name
+
+
+def _record_key(file: Path) -> str:
+    """The name of the object a disk tier's record file holds ('' where it does not say)."""
+    with open(file, "rb") as f:
+        found = records.parse_header(
+            memoryview(bytearray(f.read(records.HEADER)).ljust(records.HEADER, b"\0"))
+        )
+    return "" if found is None else found[0]
 
 
 class Killed(Exception):
@@ -228,7 +241,7 @@ class KillableDisk(DiskTier):
         if self.kill_at == "writing":
             os.truncate(tmp, (records.HEADER + nbytes) // 2)
         if self.kill_at in ("writing", "written"):
-            raise Killed(self.kill_at)
+            self._killed()
 
     def _put_one(self, key: str, obj: Any) -> int:
         if self.kill_at == "dead":
@@ -236,8 +249,13 @@ class KillableDisk(DiskTier):
         held = records.file_name(key) in self.book
         code = super()._put_one(key, obj)
         if self.kill_at == "renamed" and code == 0 and not held:
-            raise Killed("renamed")
+            self._killed()
         return code
+
+    def _killed(self) -> None:
+        """Die here: nothing after this point runs (the call's later objects neither)."""
+        point, self.kill_at = self.kill_at, "dead"
+        raise Killed(point)
 
     def die(self) -> None:
         """What the kernel does when the process dies: its lock goes (its file descriptor

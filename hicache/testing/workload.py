@@ -79,7 +79,7 @@ class Setup:
     an encoded object is smaller than a raw one."""
     policy: str = "lru"
     """The host tier's eviction policy."""
-    disk_groups: int = 64
+    disk_objects: int = 128
     """A disk tier's size, in objects of its group size (small: it evicts what the link put)."""
     tp: int = 1
     """vLLM: tensor-parallel ranks of each instance (each its own cache over its shard)."""
@@ -141,7 +141,7 @@ def draw_setup(rng: random.Random, skip: frozenset[str] = frozenset()) -> Setup:
         stores[0] = (stores[0][0], "behind", stores[0][2])
     widest = max((G for _, _, G in stores), default=1)
     host_pages = max(4 * widest, rng.choice((128, 160, 192, 256)) // P)
-    disk_groups = rng.choice((6, 16, 64))
+    disk_objects = rng.choice((32, 128, 512))
     common = dict(
         page_tokens=P,
         host_pages=host_pages,
@@ -153,7 +153,7 @@ def draw_setup(rng: random.Random, skip: frozenset[str] = frozenset()) -> Setup:
         codecs=codecs,
         compressible=compressible,
         policy=policy,
-        disk_groups=disk_groups,
+        disk_objects=disk_objects,
         prefix_reads=prefix_reads,
     )
     if vllm:

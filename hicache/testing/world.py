@@ -68,6 +68,9 @@ it pass (a store that stalls while vLLM's worker waits)."""
 READY_S = 30.0
 """How long a cache's tiers may take to become available when it opens (a disk tier lists a
 few hundred records: well under a second)."""
+STALL_SHARE = 0.05
+"""The share of the direct engine's waits for a pending match in which the store stalls past
+the fetch's deadline instead of answering."""
 WAIT_STEPS = 8
 """Steps the direct engine waits for a pending match when it would load it (`World._wait`)."""
 
@@ -156,6 +159,12 @@ class Node:
     def links(self) -> list[Any]:
         cache = self.cache
         return [] if cache is None or cache._chain is None else cache._chain.links
+
+    def lacks(self, name: str) -> bool:
+        """Whether this node's host tier lacks the last page of object `name` (a request may
+        read the object from a store tier)."""
+        key = bytes.fromhex(name.rsplit("/", 1)[-1])
+        return self.cache is None or len(key) != 16 or key not in self.cache.host.page_slots
 
     def sim_tiers(self) -> list[SimTier]:
         return [link.store for link in self.links if isinstance(link.store, SimTier)]
@@ -354,7 +363,7 @@ class World:
                     tier.update(mooncake=MOONCAKE.address, key_prefix=self.name)
             if kind == "disk":
                 tier["disk"] = os.path.join(self.dir, f"disk{i}n{n}")
-                tier["disk_size"] = s.disk_groups * G * (s.page_bytes + 4096)
+                tier["disk_size"] = s.disk_objects * (G * s.page_bytes + 2 * 4096)
             if node.codec:  # decoded on the worker thread: the sim schedules no codec threads
                 tier.update(codec="lossless", codec_threads=1)
             tiers.append(tier)
@@ -568,12 +577,16 @@ class World:
 
     def _wait(self, node: Node, rid: str, req: Req) -> bool:
         """The engine waits a few steps for a pending match: the store answers the fetches'
-        calls parked meanwhile (each with a fault drawn from the world's own generator), and it
-        asks again. Whether the answer came."""
+        calls parked meanwhile (each with a fault drawn from the world's own generator), or
+        now and then stalls past the fetch's deadline, and it asks again. Whether the answer
+        came."""
         cache, n = node._cache(), len(req.content.tokens)
         for _ in range(WAIT_STEPS):
             fetch = cache._requests[rid].fetch
             if fetch is None or not fetch.busy:
+                break
+            if self.rng.random() < STALL_SHARE:  # the store stalls past the fetch's deadline
+                self.now += FETCH_MAX_WAIT_S
                 break
             self.serve()
             cache.poll()
@@ -689,25 +702,25 @@ class World:
         """Damage an object at rest where `target` says (mod the places the world has). A
         stray entry in a disk tier's directory matters when the tier lists it: its process
         restarts then."""
-        places: list[tuple[Space | str, int]] = []  # where, and the process it belongs to
+        places: list[tuple[Space | str, int, Node | None]] = []  # where; whose
         if any(kind == "memory" for kind, _, _ in self.setup.stores):
-            places.append((self.space, -1))
+            places.append((self.space, -1, None))
         for i, nodes in enumerate(self.processes()):
-            for tier in (tier for node in nodes for tier in node.sim_tiers()):
+            for node, tier in ((n, tier) for n in nodes for tier in n.sim_tiers()):
                 if tier.config.disk is not None and not tier.dead:
-                    places.append((tier.config.disk, i))
+                    places.append((tier.config.disk, i, node))
                 elif tier.config.private:
-                    places.append((tier.space, i))
+                    places.append((tier.space, i, node))
         if not places:
             return
-        place, process = places[target % len(places)]
+        place, process, owner = places[target % len(places)]
         if place is self.space and MOONCAKE.address is not None:
             if how == "lost":
                 self._lose(index)
         elif isinstance(place, Space):
             place.damage(index, how)
         else:
-            damage_disk(place, index, how)
+            damage_disk(place, index, how, owner.lacks if owner is not None else lambda n: True)
             if how == "stray":
                 self.restart(process)
 
