@@ -6,12 +6,13 @@ close. Behind the gate is a real store: an in-memory object store shared by ever
 names the same `space` (other instances at the same time, a reopened one), or the real disk
 tier in a directory (`disk`, `KillableDisk`). Faults at a call: the store unreachable, an
 exception, a BaseException (asyncio's CancelledError, as a plugin's asyncio code raises), code
-lists too short, too long or of the wrong type, per-key failures (of the first
-object and every other one, or of every other one from the second: a group in the middle of a
-run), wrong byte counts. Faults at rest (`Space.damage`, `damage_disk`: on the real disk tier's
-record files): objects lost, truncated, replaced, or one byte of their payload changed (their
-headers intact: only the payload's checksum can tell); the store full, down and back, a restart
-that loses its contents; the process of a disk tier killed at a point of a record's write.
+lists too short, too long or of the wrong type, per-key failures (of the first object and every
+other one, or of every other one between the first and the last: groups in the middle of a
+run, the state at its end kept), wrong byte counts. Faults at rest (`Space.damage`,
+`damage_disk`: on the real disk tier's record files): objects lost, truncated, replaced, or one
+byte of their payload changed (their headers intact: only the payload's checksum can tell); the
+store full, down and back, a restart that loses its contents; the process of a disk tier killed
+at a point of a record's write.
 """
 
 from __future__ import annotations
@@ -513,6 +514,6 @@ def _faulty(out: list[Any], fault: str | None, bad: Any) -> Any:
         return None if len(out) % 2 else tuple(str(v) for v in out)
     if fault == "per_key" and out:
         return [bad if i % 2 == 0 else v for i, v in enumerate(out)]
-    if fault == "per_key_odd" and out:  # a run's middle objects lost, its first not
-        return [bad if i % 2 == 1 else v for i, v in enumerate(out)]
+    if fault == "per_key_odd" and out:  # a run's middle objects lost, its first and last not
+        return [bad if i % 2 == 1 and i < len(out) - 1 else v for i, v in enumerate(out)]
     return out

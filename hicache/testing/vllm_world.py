@@ -45,11 +45,12 @@ SALTS = (
     "tenant-a",
     namespace(lora=LORAS[1][0], lora_path=LORAS[1][1]).decode(),  # an adapter's, as a salt
 )
-IMAGES = (("cat", 5), ("dog", 3), ("sim-img-19993", 1), ("sim-img-47081", 1))
+IMAGES = (("cat", 5), ("dog", 3), ("sim-img-49257", 1), ("sim-img-78664", 1))
 """Each image's content hash and its number of placeholder tokens (an image that does not fit
 in the prompt is left out). The last two give a page of one token that holds the one
-placeholder of either the same 31-bit word when folded (`hicache.core.keys.fold_features`):
-only the rest of their hashes tells them apart."""
+placeholder of either the same 31-bit word when folded (`hicache.core.keys.fold_features`, as
+the connector names an image: ``image:<hash>``): only the rest of their hashes tells them
+apart."""
 PLACEHOLDER = 0
 """The token id of every image placeholder (the image's content hash tells images apart)."""
 

@@ -39,7 +39,7 @@ POLICIES = ("lru", "arc", "s3fifo", "prefix")
 """The host tier's eviction policies (`hicache.core.eviction`), one drawn per world."""
 FP8_FORMATS = ("fp8", "fp8_e4m3", "fp8_e5m2")
 IMAGE_COUNT = 4
-"""vLLM: the images a request may hold (`vllm_world.IMAGES`)."""
+"""vLLM: the images a request may hold (`vllm_world.IMAGES`), in pairs (0 and 1, 2 and 3)."""
 """vLLM's fp8 KV cache formats (`--kv-cache-dtype`): one byte a value, different bytes."""
 
 
@@ -141,7 +141,7 @@ def draw_setup(rng: random.Random, skip: frozenset[str] = frozenset()) -> Setup:
         stores[0] = (stores[0][0], "behind", stores[0][2])
     widest = max((G for _, _, G in stores), default=1)
     host_pages = max(4 * widest, rng.choice((128, 160, 192, 256)) // P)
-    disk_objects = rng.choice((32, 128, 512))
+    disk_objects = rng.choice((8, 128, 512))
     common = dict(
         page_tokens=P,
         host_pages=host_pages,
@@ -303,7 +303,7 @@ def _at(rng: random.Random, live: list[str], stage: dict[str, int], at: int) -> 
 def call_fault(rng: random.Random, setup: Setup, op: str = "") -> str | None:
     """The fault a released store call answers with, or None (`FAULT_SHARE` of them faulty);
     a get's (`op`), where the simulation knows it, mostly loses objects of its run."""
-    if op == "get" and rng.random() < FAULT_SHARE / 2:
+    if op == "get" and rng.random() < FAULT_SHARE:
         return rng.choice(("per_key", "per_key_odd", "per_key_odd"))
     faults = CALL_FAULTS if "bad-codes" in setup.features else GOOD_CODES
     return rng.choice(faults) if rng.random() < FAULT_SHARE else None
@@ -343,8 +343,8 @@ def vllm_operations(rng: random.Random, setup: Setup, count: int) -> list[Op]:
                 spec = (*_follow_up(rng, old[:5]), *old[5:])
                 if rng.random() < 0.3:  # the same text under another namespace
                     spec = (*spec[:5], rng.randrange(3), rng.randrange(3), spec[7])
-                elif spec[7] is not None and rng.random() < 0.3:  # another image, same place
-                    spec = (*spec[:7], (rng.randrange(IMAGE_COUNT), *spec[7][1:]))
+                elif spec[7] is not None and rng.random() < 0.3:  # the other of its pair, there
+                    spec = (*spec[:7], (spec[7][0] ^ 1, *spec[7][1:]))
             else:
                 n = rng.randrange(2, 100)
                 image = None
@@ -357,6 +357,11 @@ def vllm_operations(rng: random.Random, setup: Setup, count: int) -> list[Op]:
             live.append(rid)
             inst = rng.randrange(setup.instances)
             ops.append(("ask", rid, spec, rng.choice((0, 0, 0, 1, 2)), False, inst))
+            if spec[7] is not None and rng.random() < 0.3:  # the same text, the other image
+                twin = (*spec[:7], (spec[7][0] ^ 1, *spec[7][1:]))
+                specs.append(twin)
+                live.append(f"{rid}b")
+                ops.append(("ask", f"{rid}b", twin, 0, False, inst))
         elif kind == "step":
             ops.append(("step", rng.randrange(setup.instances)))
         elif kind == "decode":
