@@ -131,7 +131,9 @@ def _salt_patch(salt: Callable[..., str | None]) -> Callable[[], None]:
 @canary("lora-not-in-key", r"got key \w+, which names another page")
 def _lora_not_in_key() -> Callable[[], None]:
     """The LoRA adapter is left out of the namespace: two adapters share pages."""
-    return _salt_patch(lambda request: request.cache_salt)
+    from hicache.core.keys import namespace
+
+    return _salt_patch(lambda request: namespace(salt=request.cache_salt))
 
 
 @canary("raw-salt-namespace", r"got key \w+, which names another page")
@@ -152,7 +154,8 @@ def _raw_salt_namespace() -> Callable[[], None]:
 
 @canary(
     "failed-load-stored",
-    r"host slot \d+ holds other bytes than its key|put of group \w+: page \d+ of \d+ has wrong",
+    r"host slot \d+ holds other bytes than its key|put of group \w+: page \d+ of \d+ has wrong"
+    r"|page \d+ loaded wrong bytes",
 )
 def _failed_load_stored() -> Callable[[], None]:
     """The vLLM worker stores blocks whose load failed (what they held before)."""
@@ -203,7 +206,8 @@ def _fp8_formats_share_keys() -> Callable[[], None]:
 
 @canary(
     "stored-over-another-ranks-failed-load",
-    r"host slot \d+ holds other bytes than its key|put of group \w+: page \d+ of \d+ has wrong",
+    r"host slot \d+ holds other bytes than its key|put of group \w+: page \d+ of \d+ has wrong"
+    r"|page \d+ loaded wrong bytes",
 )
 def _stored_over_another_ranks_failed_load() -> Callable[[], None]:
     """A TP rank stores the pages it computed over another rank's failed load: each rank knows

@@ -61,8 +61,8 @@ class Call:
     tier: str
     names: tuple[str, ...]
     order: tuple[Any, ...]
-    """Sorts the parked calls the same way in every run (names, then where the buffers lie in
-    the registered memory)."""
+    """Sorts the parked calls the same way in every run (names, then, for a get, where its
+    buffers lie in the registered memory)."""
     released: bool = False
     fault: str | None = None
     thread: str = field(default_factory=lambda: threading.current_thread().name)
@@ -391,7 +391,9 @@ class SimTier(StoreTier):
         return -1, 0
 
     def _enter(self, op: str, keys: Sequence[str], buffers: Buffers | None) -> str | None:
-        at = tuple(tuple(map(self._where, p)) for p in buffers.ptrs) if buffers else ()
+        # a put's objects are its names (an encoded one lies in staging memory that the tier
+        # chain aligns within its allocation: where depends on the allocation's address)
+        at = tuple(tuple(map(self._where, p)) for p in buffers.ptrs) if op == "get" else ()
         order = (self.name, op, tuple(keys), at)
         fault = self.space.gate.enter(Call(op, self.name, tuple(keys), order))
         if self.space.down or self.dead or fault == "unavailable":

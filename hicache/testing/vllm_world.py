@@ -247,6 +247,7 @@ class VllmWorld(World):
             assert cache is not None
             node.layout, node.gpu, node.states = cache.layout, cache.gpu._pages, None
             node.closer = worker.close
+            worker._clock = None  # the prefill speed it measures is the wall clock's, not a seed's
             node.attach(cache)
             worker._woken = StoreWhileWaiting(self, node)  # type: ignore[assignment]
             inst.workers.append(worker)

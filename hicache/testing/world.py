@@ -837,17 +837,19 @@ class World:
     def close(self, final: bool = True) -> None:
         """Finish the devices' work, let every call through, close the caches and check that
         they left no thread, registration or open file behind."""
-        for i, nodes in enumerate(self.processes()):
-            self.release_all(i)
-            for node in nodes:
-                node.close_cache()
-        self._check_leaks()
-        if final:
-            gc.collect()  # a lease dropped in a cycle of this world's garbage shows now
-            World.active = None
-            for name in [n for n in SPACES if n == self.name or n.startswith(self.name + "-")]:
-                del SPACES[name]
-            shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            for i, nodes in enumerate(self.processes()):
+                self.release_all(i)
+                for node in nodes:
+                    node.close_cache()
+            self._check_leaks()
+        finally:  # whatever went wrong, the next world of this name starts afresh
+            if final:
+                gc.collect()  # a lease dropped in a cycle of this world's garbage shows now
+                World.active = None
+                for name in [n for n in SPACES if n == self.name or n.startswith(self.name + "-")]:
+                    del SPACES[name]
+                shutil.rmtree(self.dir, ignore_errors=True)
 
     def _check_leaks(self) -> None:
         """No thread of a closed cache alive, no host memory still registered with a store, no
