@@ -23,6 +23,8 @@ MARKS: dict[str, str] = {
     "fetch.deadline-missed": "a request's walk down the store tiers outlived its deadline",
     "tp.load-failed-on-another-rank": "a TP rank's load fell short because another rank's did",
     "keys.images-on-one-token-pages": "a request with images keyed on pages of one token",
+    "vllm.store-hit-granted-in-step": "vLLM's scheduler granted a store tier's pages from its "
+    "own probe, in the step",
     "codec.decoded": "an object decoded by the codec",
     "codec.encoded-read-without-codec": "an encoded object read by an instance without a codec",
     "codec.raw-read-with-codec": "an object stored without a codec read by one with a codec",

@@ -32,9 +32,11 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.request import Request
 
 from hicache.core.keys import namespace
+from hicache.integrations.vllm.probe import StoreProbe
 from hicache.integrations.vllm.scheduler import SchedulerBooks
 from hicache.integrations.vllm.worker import WorkerCache, layout_fields
 from hicache.testing.device import SimDevice
+from hicache.testing.faults import SimTier
 from hicache.testing.oracle import Content, Violation, expand
 from hicache.testing.workload import call_fault, content_of
 from hicache.testing.world import FETCH_MAX_WAIT_S, Node, World
@@ -192,9 +194,14 @@ class Agreement:
             raise errors[0]
 
 
-SERVED_SHARE = 0.7
-"""The share of engine steps in which the store answers the fetches' calls parked (the others
-leave them to the `call` operations: late, out of order)."""
+PROBE_WAIT_S = 60.0
+"""How long the scheduler waits for its store probe (which answers at once here: never a
+deadline the machine's speed decides)."""
+SERVED_SHARE = 0.95
+"""The share of engine steps in which the store answers the calls parked (the others leave
+them to the `call` operations: late, out of order)."""
+SERVED_ROUNDS = 3
+"""Round trips to the store in a step that it answers (the workers poll between them)."""
 
 
 @dataclass
@@ -251,9 +258,19 @@ class VllmWorld(World):
             node.attach(cache)
             worker._woken = StoreWhileWaiting(self, node)  # type: ignore[assignment]
             inst.workers.append(worker)
-        inst.books = SchedulerBooks(P, ranks=s.tp, in_step=s.in_step)
+        inst.books = SchedulerBooks(P, ranks=s.tp, in_step=s.in_step, probe=self._probe(inst))
         inst.vreqs = {}
         inst.free_blocks = list(range(s.blocks - 1, -1, -1))
+
+    def _probe(self, inst: Instance) -> StoreProbe | None:
+        """The scheduler's own client of the store (as it keeps one of Mooncake's), where the
+        instance's one store tier is the shared one: it answers at once, past the gate (the
+        scheduler's probe is not a worker's call), with no fault."""
+        tiers = inst.ranks[0].config.tiers[1:]
+        if len(tiers) != 1 or tiers[0].space != self.name or tiers[0].mooncake is not None:
+            return None
+        probe = SimTier(tiers[0].model_copy(update={"probe": True, "node": -1}))
+        return StoreProbe(probe, tiers[0], PROBE_WAIT_S)
 
     def content_of_store(self, node: Node, rid: str, tokens: Any) -> Content:
         vr = self._vreq(rid)
@@ -352,8 +369,12 @@ class VllmWorld(World):
         reduces over the ranks), so the pages computed after it are wrong on all of them."""
         inst = self.instances[index % len(self.instances)]
         P, books = self.setup.page_tokens, inst.books
-        if self.rng.random() < SERVED_SHARE:  # the store answers while the step runs
-            self.serve()
+        if self.rng.random() < SERVED_SHARE:  # the store answers while the step runs, round
+            for _ in range(SERVED_ROUNDS):  # trips much shorter than a step
+                self.serve()
+                for node in inst.ranks:
+                    node._cache().poll()
+                self.settle()
         scheduled: dict[str, int] = {}
         for rid, vr in inst.vreqs.items():
             r = vr.request

@@ -29,7 +29,7 @@ STORE_FAULTS = (
 )  # fmt: skip
 GOOD_CODES = tuple(f for f in CALL_FAULTS if f not in ("short", "long", "wrong_type"))
 """Call faults whose answers have the right form (without `bad-codes`)."""
-FAULT_SHARE = 0.2
+FAULT_SHARE = 0.12
 """The share of released store calls that answer with a fault."""
 RECENT = 16
 """A follow-up mostly goes on with one of the conversations stored last (these many)."""
@@ -160,8 +160,11 @@ def draw_setup(rng: random.Random, skip: frozenset[str] = frozenset()) -> Setup:
         fp8 = rng.random() < FP8_SHARE
         formats = tuple(rng.choice(FP8_FORMATS) if fp8 else "auto" for _ in range(instances))
         tp = rng.choice((1, 1, 2, 4) if instances == 1 else (1, 2))
-        if stores and rng.random() < 0.7:  # tiers vLLM's scheduler knows: it answers in step
+        one = rng.random()  # one tier whose contents the scheduler knows, or can ask itself
+        if stores and one < 0.35:  # its own books (`TierView`) answer
             stores = [("private", "behind", G) for _, _, G in stores[:1]]
+        elif stores and one < 0.7:  # it asks the store (`StoreProbe`), as with Mooncake
+            stores = [("memory", "behind", G) for _, _, G in stores[:1]]
         width = 1 if fp8 else 4  # bytes a value
         heads = max(8, 2048 // (P * width)) if compressible else 32 // width  # rows of 16n B
         return Setup(
@@ -220,11 +223,12 @@ def operations(rng: random.Random, setup: Setup, count: int) -> list[Op]:
     made = 0
     P = setup.page_tokens
     kinds = ("ask", "again", "load", "store", "release", "device", "call", "poll", "fault", "drain")
-    weights = (3, 0.5, 4, 2.5, 3.2, 4, 8, 3, 1, 3)
+    weights = (3, 0.3, 4, 2.5, 3.2, 4, 8, 3, 1, 3)
     last: dict[str, tuple] = {}  # each live request's prompt
     stage: dict[str, int] = {}  # each live request's progress: 0 asked, 1 loaded, 2 stored
     released: tuple | None = None  # the prompt of the request released last
     stored: list[tuple] = []  # the prompts of requests that were loaded, then stored
+    ran_on: dict[tuple, int] = {}  # the instance each prompt was asked of
     for _ in range(count):
         kind = rng.choices(kinds, weights)[0]
         if kind == "ask" or (kind in ("again", "load", "store", "release") and not live):
@@ -236,6 +240,7 @@ def operations(rng: random.Random, setup: Setup, count: int) -> list[Op]:
                 old = released if just_ended else rng.choice(older)
                 spec = _follow_up(rng, old)
             else:
+                old = None
                 n = rng.randrange(2, 100)
                 shared = rng.randrange(0, n + 1)
                 spec = (rng.randrange(len(SALTS)), rng.randrange(4), shared, rng.randrange(99), n)
@@ -245,6 +250,9 @@ def operations(rng: random.Random, setup: Setup, count: int) -> list[Op]:
             live.append(rid)
             computed = rng.choice((0, 0, 0, 1, 2))
             inst = rng.randrange(setup.instances)
+            if old in ran_on and setup.instances > 1 and rng.random() < 0.6:
+                inst = (ran_on[old] + 1 + inst % (setup.instances - 1)) % setup.instances
+            ran_on[spec] = inst  # a conversation goes on elsewhere: another instance's store
             ops.append(("ask", rid, spec, computed, rng.random() < 0.3, inst))
             last[rid], stage[rid] = spec, 0
         elif kind == "again":

@@ -588,6 +588,8 @@ class World:
             if self.rng.random() < STALL_SHARE:  # the store stalls past the fetch's deadline
                 self.now += FETCH_MAX_WAIT_S
                 break
+            node.device.advance(2)  # the device goes on meanwhile
+            self.settle()
             self.serve()
             cache.poll()
         req.match = cache.match(
