@@ -1,6 +1,7 @@
 """What makes a token's bits depend on how its prompt was chunked, and what the exact mode costs.
 
-    python bench/exact.py --json bench/results/exact_h100.json
+    python bench/exact.py --parts kernel_cost,gemm_rows,cost --contexts 2048,32768 \
+        --json bench/results/exact_h100.json
 
 On a GPU, Llama-3-8B's shapes in bfloat16 (random weights):
 
