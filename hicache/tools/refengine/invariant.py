@@ -23,7 +23,6 @@ same code gives the same bits on every GPU it compiles for; no per-device thresh
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
@@ -270,8 +269,3 @@ def attention(
             yc.stride(0), yc.stride(1), D=D, BM=bm, num_warps=4,
         )  # fmt: skip
     return y
-
-
-def available(device: torch.device) -> bool:
-    """Whether these kernels run on `device` (a CUDA GPU Triton compiles for)."""
-    return device.type == "cuda" and math.isfinite(1.0)
