@@ -88,6 +88,7 @@ class HiCacheBackend(HiCacheStorage):
             tp_size=cfg.tp_size,
             kv_head_sharded=not cfg.is_mla_model,
         )
+        self.settings.config.check_machine()  # a directory that cannot serve, named
         config = for_rank(self.settings.config, process_index(cfg))
         if cfg.is_mla_model and cfg.tp_size > 1:
             for i, tier in enumerate(config.tiers):
