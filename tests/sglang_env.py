@@ -3,36 +3,26 @@ its cache controller with its threads, its hashing and its failure injector, rea
 scheduler does around them (allocate host pages, hand a prefetch its pages, read the acks)
 done here as SGLang's scheduler does it.
 
-SGLang is installed beside vLLM without its pins (scripts/test.sh). On a CPU one module of its
-import path cannot load: PyPI's torchvision links a CUDA torch (and is uninstalled for vLLM's
-sake), but SGLang's model configs import ``torchvision.transforms`` when they are imported.
-`stand_ins` puts a stand-in there while SGLang is imported, and takes it away after: every
-attribute of it is an object that raises when called (nothing on the storage path calls it).
-transformers is asked first whether torchvision is here (it caches the answer: no), so that it
-never takes the stand-in for the real one. triton (vLLM's) imports as it is; sgl_kernel is
-imported only where CUDA is visible.
+SGLang is installed beside vLLM without its pins (scripts/test.sh); the one module of its
+import path that cannot load here has a stand-in while SGLang is imported
+(tests/sglang_standins.py).
 
 Skipped without SGLang; failed instead under ``HICACHE_REQUIRE_SGLANG=1`` (CI).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import importlib.abc
-import importlib.machinery
 import os
-import sys
 import threading
 import time
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from sglang_standins import stand_ins
 
 REQUIRE_ENV = "HICACHE_REQUIRE_SGLANG"
-STAND_INS = ("torchvision",)
 MODULES = (
     "sglang.srt.managers.cache_controller",
     "sglang.srt.mem_cache.memory_pool",
@@ -49,59 +39,6 @@ MODULES = (
 """What the tests use, SGLang's lazy imports on the storage path included."""
 WAIT_S = 60.0
 """How long a test waits for an ack of SGLang's threads (generous: a busy machine)."""
-
-
-class _Unusable:
-    """A stand-in module's attribute: any attribute of it is another; calling it raises."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __getattr__(self, name: str) -> _Unusable:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Unusable(f"{self._name}.{name}")
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"{self._name} is a test stand-in (tests/sglang_env.py)")
-
-
-class _StandInModule(types.ModuleType):
-    def __getattr__(self, name: str) -> _Unusable:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Unusable(f"{self.__name__}.{name}")
-
-
-class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname.split(".")[0] in STAND_INS:
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        module = _StandInModule(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def stand_ins() -> Iterator[None]:
-    """The stand-ins importable inside the block (and forgotten after it)."""
-    from transformers.utils import import_utils
-
-    import_utils.is_torchvision_available()  # cached: transformers never sees the stand-in
-    finder = _StandIns()
-    sys.meta_path.insert(0, finder)
-    try:
-        yield
-    finally:
-        sys.meta_path.remove(finder)
-        for name in [m for m in sys.modules if m.split(".")[0] in STAND_INS]:
-            del sys.modules[name]
 
 
 def load() -> types.SimpleNamespace:
@@ -257,4 +194,3 @@ def fill(host: Any, seed: int) -> None:
     raw = host.kv_buffer.view(torch.uint8)
     g = torch.Generator().manual_seed(seed)
     raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
-

@@ -332,6 +332,7 @@ def test_the_driver_sees_a_backend_that_serves_wrong_bytes():
     tiers = StoreTiers(cfg.tiers, pages, layout)
     assert tiers.wait_ready()
     try:
+
         def lazy_get(keys, host_indices):
             return [True] * len(keys)
 

@@ -69,9 +69,7 @@ class EnginePages:
         P = self.page_tokens
         idx = host_indices.reshape(-1).to("cpu", torch.int64)
         if idx.numel() != pages * P:
-            raise ValueError(
-                f"hicache: {idx.numel()} host slots for {pages} pages of {P} tokens"
-            )
+            raise ValueError(f"hicache: {idx.numel()} host slots for {pages} pages of {P} tokens")
         if not pages:
             return []
         rows = idx.view(pages, P)
