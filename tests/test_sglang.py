@@ -344,3 +344,30 @@ def test_the_driver_sees_a_backend_that_serves_wrong_bytes():
             assert any("other bytes" in p or "never put" in p for p in tally.problems), get
     finally:
         tiers.close()
+
+
+def test_the_bench_runs_and_records_its_run(tmp_path, monkeypatch):
+    """bench/sglang.py (the GPU machine's measurement) runs here at a small size: every
+    backend's sets and gets come back byte for byte, and its result names its commit, machine
+    and command."""
+    import importlib.util
+    import json
+    import sys
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "sglang.py"
+    spec = importlib.util.spec_from_file_location("bench_sglang", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    argv = [str(path), "--machine", "ci", "--dir", str(tmp_path), "--layers", "1",
+            "--kv-heads", "1", "--head-dim", "32", "--page", "4", "--pages", "8",
+            "--prefetch-pages", "8", "--rounds", "1", "--out", str(out)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    bench.main()
+    result = json.loads(out.read_text())
+    assert {"commit", "machine", "command"} <= set(result)
+    assert result["command"].startswith("python bench/sglang.py --machine ci")
+    ops = {(r["backend"], r["op"], r["batch"]) for r in result["rows"]}
+    assert ops == {(b, o, n) for b in bench.BACKENDS for o in ("set", "get") for n in (64, 128)}
+    assert [p["pages"] for p in result["prefetch"]] == [8, 8, 8]
+    assert "hicache_vs_file_get_128" in result["summary"]
