@@ -67,6 +67,9 @@ class Tier:
     own_breaker: bool
     stats: TierStats = field(default_factory=TierStats)
     registered: threading.Event = field(default_factory=threading.Event)
+    putting: threading.Lock = field(default_factory=threading.Lock)
+    """Held by a put: one at a time (the runner encodes a put's objects into one staging
+    memory, and SGLang's backup thread puts while its prefetch thread promotes)."""
 
     def usable(self) -> bool:
         """Registered, answering, and the breaker lets a call through."""
@@ -251,7 +254,8 @@ class StoreTiers:
             self._count(tier, puts_skipped=len(ends))
             return [False] * len(ends)
         job = Job("put", ends=ends, page_slots=slots)
-        codes = self._call(tier, job, "hicache_tier_put_seconds")
+        with tier.putting:
+            codes = self._call(tier, job, "hicache_tier_put_seconds")
         if codes is None:
             self._count(tier, put_failed=len(ends))
             return [False] * len(ends)
