@@ -3,7 +3,7 @@ storage threads) backs a prompt's pages up through hicache's tiers, and a second
 second SGLang instance, prefetches them back, byte for byte. A check of a configuration before
 a server is launched with it (docs/sglang.md; run as written by tests/test_sglang_docs.py).
 
-    python examples/sglang_cpu.py configs/sglang.yaml
+    python examples/sglang_cpu.py configs/sglang/disk.yaml
 
 SGLang's pools here are small and shaped as a model's would be (bf16 KV, 2 KV heads of 64,
 4 layers, pages of 16 tokens); the controller is made as SGLang's scheduler makes it, its TP
@@ -59,7 +59,7 @@ def page_bytes(host: MHATokenToKVPoolHost, slots: torch.Tensor, i: int) -> torch
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("config", help="a hicache YAML of store tiers (configs/sglang.yaml)")
+    parser.add_argument("config", help="a hicache YAML of store tiers (configs/sglang/disk.yaml)")
     args = parser.parse_args()
     tokens = list(range(1000, 1000 + PAGES * PAGE))
 

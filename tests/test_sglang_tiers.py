@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -20,6 +21,7 @@ from hicache.integrations.sglang.tiers import StoreTiers
 from hicache.registry import register_tier
 
 P = 4
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class GateConfig(MemoryConfig):
@@ -118,3 +120,12 @@ def test_input_sglang_should_never_give_is_refused_in_one_line():
             tiers.get(["00"], torch.arange(16 * P, 17 * P))  # past the pool
     finally:
         tiers.close()
+
+
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "configs" / "sglang").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_the_shipped_sglang_configurations_are_valid(path):
+    """configs/sglang/ holds configurations of SGLang's backend (store tiers only, no host
+    tier): each loads as the backend loads it."""
+    assert settings({"interface_v1": 1, "config": str(path)}).config.tiers

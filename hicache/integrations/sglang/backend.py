@@ -4,7 +4,7 @@
         --enable-hierarchical-cache --hicache-storage-backend dynamic \\
         --hicache-storage-backend-extra-config '{"backend_name": "hicache",
           "module_path": "hicache.integrations.sglang", "class_name": "HiCacheBackend",
-          "interface_v1": 1, "config": "configs/sglang.yaml"}'
+          "interface_v1": 1, "config": "configs/sglang/disk.yaml"}'
 
 SGLang builds it as ``HiCacheBackend(storage_config, kwargs)``, hands it the host pool
 (`register_mem_pool_host`) and calls it from its cache controller's threads: `batch_exists`
