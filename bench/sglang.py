@@ -252,23 +252,8 @@ def main() -> None:
     kv = synthetic_kv(page, min(n, DISTINCT))  # uint16 rows of bf16 KV
     for i in range(n):
         page_bytes(host, P, i).copy_(kv[i % len(kv)].view(torch.uint8))
-    rows, dropped_all = [], True
-    for r in range(args.rounds):
-        for batch in BATCHES:
-            for name in BACKENDS:
-                set_row, get_row, dropped = phase(
-                    sg, args, host, name, batch, f"{name}-{batch}-{r}"
-                )
-                dropped_all &= dropped
-                for row in (set_row, get_row):
-                    row.update(round=r, pages_per_s=round(row["pages"] / row["seconds"], 1))
-                    row["gbps"] = round(row["pages"] * page / row["seconds"] / 1e9, 3)
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-    prefetches = [prefetch(sg, args, host, name) for name in BACKENDS]
-    for p in prefetches:
-        print(json.dumps(p), flush=True)
-    result = {
+    out = Path(args.out or ROOT / "bench" / "results" / f"sglang_{args.machine}.json")
+    result: dict[str, Any] = {
         "commit": commit(),
         "machine": f"{args.machine}: {cpu_model()}, {os.cpu_count()} CPUs",
         "command": command(),
@@ -277,15 +262,36 @@ def main() -> None:
         "page": {"tokens": P, "bytes": page, "layout": "page_first", "layers": args.layers,
                  "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "bfloat16"},
         "kv": "synthetic: normal(0, 0.5) with 0.1% outliers x20, bf16 (bench/codec.py)",
-        "page_cache": "dropped whole (drop_caches)" if dropped_all else (
-            "the phase's files advised away (posix_fadvise DONTNEED after os.sync): not root"
-        ),
-        "rows": rows,
-        "summary": summary(rows),
-        "prefetch": prefetches,
+        "page_cache": "dropped whole (drop_caches)",
+        "rows": [],
+        "prefetch": [],
     }  # fmt: skip
-    out = Path(args.out or ROOT / "bench" / "results" / f"sglang_{args.machine}.json")
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    rows, prefetches = result["rows"], result["prefetch"]
+
+    def save() -> None:  # after every phase: a run cut short keeps what it measured
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
+    for r in range(args.rounds):
+        for batch in BATCHES:
+            for name in BACKENDS:
+                tag = f"{name}-{batch}-{r}"
+                set_row, get_row, dropped = phase(sg, args, host, name, batch, tag)
+                if not dropped:
+                    result["page_cache"] = (
+                        "the phase's files advised away (posix_fadvise DONTNEED after os.sync): "
+                        "not root"
+                    )
+                for row in (set_row, get_row):
+                    row.update(round=r, pages_per_s=round(row["pages"] / row["seconds"], 1))
+                    row["gbps"] = round(row["pages"] * page / row["seconds"] / 1e9, 3)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                save()
+    result["summary"] = summary(rows)
+    for name in BACKENDS:
+        prefetches.append(prefetch(sg, args, host, name))
+        print(json.dumps(prefetches[-1]), flush=True)
+        save()
     print(json.dumps(result["summary"], indent=1))
     print(f"wrote {out}")
 
