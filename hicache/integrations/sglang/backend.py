@@ -168,6 +168,12 @@ class HiCacheBackend(HiCacheStorage):
     ) -> bool:  # fmt: skip
         raise NotImplementedError(_V1)
 
+    def clear(self) -> None:
+        """SGLang's "clear the storage" asks every store tier to drop what it holds: hicache's
+        tiers have no such call (a disk tier's directory is removed while SGLang is stopped; a
+        Mooncake Store's objects are the store's), so nothing is dropped, and it says so."""
+        log.warning("hicache: clear is not supported: the store tiers keep their objects")
+
     # -- stats and the end ------------------------------------------------------------------------
 
     def get_stats(self) -> Any:
