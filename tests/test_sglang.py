@@ -127,6 +127,9 @@ def test_only_pages_of_the_same_bytes_are_shared(devices):
     host1, reader = run(mla, "page_first", 1, 2, "mla")
     try:
         env.backup(reader, host1, TOKENS)  # SGLang skips a non-writer's backup
+        keys = sg.utils.get_hash_str(TOKENS, page_size=P)
+        direct = env.backend(reader).batch_set_v1(keys, torch.arange(len(TOKENS)))
+        assert direct == [True] * PAGES  # and so does the backend: the writer stores them
         assert MemoryTier.spaces["mla"] == {}
         indices, _ = env.backup(writer, host0, TOKENS)
         at, got, _ = env.prefetch(reader, host1, TOKENS)
