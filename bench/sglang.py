@@ -39,6 +39,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -153,24 +154,40 @@ def page_bytes(host: Any, P: int, page: int) -> torch.Tensor:
     return host.get_data_page(page * P).view(torch.uint8)
 
 
-def phase(
-    sg: SimpleNamespace, args: argparse.Namespace, host: Any, name: str, batch: int, tag: str
-) -> tuple[dict, dict, bool]:
-    """Set `args.pages` pages in batches of `batch`, drop the cache, get them back, check."""
-    P, n = args.page, args.pages
+@contextlib.contextmanager
+def opened(
+    sg: SimpleNamespace, args: argparse.Namespace, host: Any, name: str, tag: str, n: int
+) -> Iterator[tuple[Path, Any, Any, Any]]:
+    """Backend `name` on a fresh directory for `n` pages: the directory, the backend, and its
+    set (keys, host slots) and get (keys, host slots: pages arrived) as SGLang's controller
+    makes them. The backend is closed and the directory removed after."""
+    P = args.page
     path = Path(args.dir) / f"sglang-bench-{tag}"
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     size = 2 * n * host.get_size_per_token() * P + (64 << 20)
     backend, put, get = make_backend(sg, name, path, size)
-    backend.register_mem_pool_host(host)
-    me = SimpleNamespace(storage_backend=backend, storage_host_pool=host, page_size=P)
-    op = SimpleNamespace(request_id=tag, is_terminated=lambda: False)
-    names = keys(tag, n)
     try:
+        backend.register_mem_pool_host(host)
+        me = SimpleNamespace(storage_backend=backend, storage_host_pool=host, page_size=P)
+        op = SimpleNamespace(request_id=tag, is_terminated=lambda: False)
+        yield path, backend, (lambda k, at: put(me, k, at)), (lambda k, at: get(me, op, k, at))
+    finally:
+        if hasattr(backend, "close"):
+            backend.close()
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def phase(
+    sg: SimpleNamespace, args: argparse.Namespace, host: Any, name: str, batch: int, tag: str
+) -> tuple[dict, dict, bool]:
+    """Set `args.pages` pages in batches of `batch`, drop the cache, get them back, check."""
+    P, n = args.page, args.pages
+    names = keys(tag, n)
+    with opened(sg, args, host, name, tag, n) as (path, _, put, get):
         start = time.perf_counter()
         for at in range(0, n, batch):
-            ok = put(me, names[at : at + batch], slots(P, at, min(batch, n - at)))
+            ok = put(names[at : at + batch], slots(P, at, min(batch, n - at)))
             assert ok, f"{name}: a set failed"
         set_s = time.perf_counter() - start
         dropped = drop_cache(path)
@@ -178,15 +195,12 @@ def phase(
         start = time.perf_counter()
         for at in range(0, n, batch):
             k = min(batch, n - at)
-            got = get(me, op, names[at : at + k], slots(P, n + at, k))
+            got = get(names[at : at + k], slots(P, n + at, k))
             assert got == k, f"{name}: a get brought {got} of {k} pages"
         get_s = time.perf_counter() - start
         for i in range(n):
             assert torch.equal(page_bytes(host, P, n + i), page_bytes(host, P, i)), name
         stored = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    finally:
-        backend.close() if hasattr(backend, "close") else None
-        shutil.rmtree(path, ignore_errors=True)
     page = host.get_size_per_token() * P
     row = {"backend": name, "batch": batch, "pages": n, "page_bytes": page}
     return (
@@ -202,18 +216,10 @@ def prefetch(
     """Store `args.prefetch_pages` pages, drop the cache, then prefetch them as SGLang's threads
     do: the hit query in batches of 128, then the gets in batches of 128."""
     P, n = args.page, args.prefetch_pages
-    path = Path(args.dir) / f"sglang-bench-prefetch-{name}"
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
-    size = 2 * n * host.get_size_per_token() * P + (64 << 20)
-    backend, put, get = make_backend(sg, name, path, size)
-    backend.register_mem_pool_host(host)
-    me = SimpleNamespace(storage_backend=backend, storage_host_pool=host, page_size=P)
-    op = SimpleNamespace(request_id=name, is_terminated=lambda: False)
     names = keys(f"prefetch-{name}", n)
-    try:
+    with opened(sg, args, host, name, f"prefetch-{name}", n) as (path, backend, put, get):
         for at in range(0, n, STORAGE_BATCH):
-            assert put(me, names[at : at + STORAGE_BATCH], slots(P, at, min(STORAGE_BATCH, n - at)))
+            assert put(names[at : at + STORAGE_BATCH], slots(P, at, min(STORAGE_BATCH, n - at)))
         drop_cache(path)
         start = time.perf_counter()
         found = 0
@@ -223,12 +229,9 @@ def prefetch(
         got = 0
         for at in range(0, found, STORAGE_BATCH):
             k = min(STORAGE_BATCH, found - at)
-            got += get(me, op, names[at : at + k], slots(P, n + at, k))
+            got += get(names[at : at + k], slots(P, n + at, k))
         total_s = time.perf_counter() - start
         assert got == n, f"{name}: the prefetch brought {got} of {n} pages"
-    finally:
-        backend.close() if hasattr(backend, "close") else None
-        shutil.rmtree(path, ignore_errors=True)
     return {"backend": name, "pages": n, "query_s": query_s, "seconds": total_s}
 
 

@@ -21,7 +21,6 @@ from sglang_env import MHA_LAYOUTS, MLA_LAYOUTS, P, sg
 
 from hicache.config import ConfigError
 from hicache.integrations.sglang.drive import Drive
-from hicache.integrations.sglang.tiers import StoreTiers
 
 pytestmark = pytest.mark.sglang
 
@@ -318,35 +317,6 @@ def test_random_calls_as_the_controller_makes_them_with_faults(devices, tmp_path
         assert rough.tally.pages_got > 0
     finally:
         backend.close()
-
-
-def test_the_driver_sees_a_backend_that_serves_wrong_bytes():
-    """The driver is not blind: a backend whose get reports pages it never read, or reads
-    another key's page, is caught."""
-    from hicache.config import Layout
-    from hicache.integrations.sglang.drive import PlainPool
-    from hicache.integrations.sglang.pool import EnginePages
-    from hicache.integrations.sglang.settings import settings
-
-    pool = PlainPool(128, P, 512)
-    pages = EnginePages(pool)
-    layout = Layout(model="m", kv_dtype="uint8", page_tokens=P, segments=pages.pages.seg_bytes)
-    cfg = settings({"interface_v1": 1, "hicache": memory("blind")}).config
-    tiers = StoreTiers(cfg.tiers, pages, layout)
-    assert tiers.wait_ready()
-    try:
-
-        def lazy_get(keys, host_indices):
-            return [True] * len(keys)
-
-        def swapped_get(keys, host_indices):
-            return tiers.get(list(reversed(keys)), host_indices)
-
-        for get in (lazy_get, swapped_get):
-            tally = Drive(tiers.put, tiers.exists, get, pool, seed=3).run(40)
-            assert any("other bytes" in p or "never put" in p for p in tally.problems), get
-    finally:
-        tiers.close()
 
 
 def test_the_bench_runs_and_records_its_run(tmp_path, monkeypatch):
