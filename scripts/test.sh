@@ -22,6 +22,11 @@ pip install -q torch==2.13.0 -e ".[test,mooncake,plot]"   # the CPU torch where 
 pip install torch==2.13.0
 pip install -e '.[vllm]'
 pip uninstall -y torchvision torchaudio torchcodec
+# SGLang for its storage backend's tests, as docs/sglang.md gives it (tests/test_sglang_docs.py
+# checks): its storage path beside this torch, without its pins (torch 2.14.1 among them), and
+# the few modules it imports that vLLM's install lacks.
+pip install --no-deps sglang==0.5.23
+pip install orjson ipython gguf
 
-export HICACHE_REQUIRE_MOONCAKE=1 HICACHE_REQUIRE_VLLM=1   # never skip these tests here
+export HICACHE_REQUIRE_MOONCAKE=1 HICACHE_REQUIRE_VLLM=1 HICACHE_REQUIRE_SGLANG=1   # never skip these tests here
 ruff check . && python -m pytest -q

@@ -23,9 +23,7 @@ section: the layout comes from vLLM.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -34,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from hicache.config import ConfigError, HiCacheConfig, load_config
+from hicache.integrations.common import config_source, for_rank, in_one_line
 from hicache.integrations.vllm.inputs import refuse_unsupported
 from hicache.integrations.vllm.meta import HiCacheStats, StepMeta
 from hicache.integrations.vllm.probe import StoreProbe
@@ -51,35 +50,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("hicache.vllm")
-T = TypeVar("T")
-
-RANK = "{rank}"
-"""In a store tier's `path`: replaced by the worker's index on its node (`node_index`; else
-each worker gets a subdirectory)."""
-
-
-def in_one_line(what: str, start: Callable[[], T]) -> T:
-    """Run a step of the connector's start; a configuration or machine error in it reaches the
-    operator as one line: logged at error level (before vLLM's traceback), and raised as a
-    ConfigError with that line as its message (the cause chained)."""
-    try:
-        return start()
-    except (ValueError, RuntimeError, OSError) as err:
-        text = str(err).strip()
-        cause = text.splitlines()[0] if text else type(err).__name__
-        line = cause if cause.startswith("hicache") else f"hicache: {what}: {cause}"
-        log.error("%s", line)
-        raise ConfigError(line) from err
 
 
 def hicache_config(extra: dict[str, Any]) -> HiCacheConfig:
     """The hicache config named by the connector's extra config (`config` or `hicache`)."""
-    if ("config" in extra) == ("hicache" in extra):
-        raise ConfigError(
-            "hicache: kv_connector_extra_config needs exactly one of 'config' (a YAML file) "
-            "and 'hicache' (the config inline)"
-        )
-    config = load_config(extra["config"] if "config" in extra else extra["hicache"])
+    config = load_config(config_source(extra, "kv_connector_extra_config"))
     if config.layout is not None:
         raise ConfigError(
             "hicache: under vLLM the config has no 'layout' section: the layout comes from "
@@ -113,16 +88,6 @@ def probe_wait_s(extra: dict[str, Any]) -> float:
     return wait / 1e3
 
 
-def rank_path(path: str, rank: int) -> str:
-    """A store tier's directory for the worker of index `rank`: `{rank}` in `path` replaced, or
-    else the subdirectory ``rank<r>`` of `path` (`path` made here if absent: its parent must
-    exist)."""
-    if RANK in path:
-        return path.replace(RANK, str(rank))
-    Path(path).mkdir(exist_ok=True)
-    return str(Path(path) / f"rank{rank}")
-
-
 def node_index(vllm_config: VllmConfig, tp_rank: int, tp_size: int) -> int:
     """The worker's index among the workers of its node: its DP rank on the node (vLLM's local
     DP rank, or its DP index where vLLM set none, as vLLM's own workers take it) times the TP
@@ -133,22 +98,6 @@ def node_index(vllm_config: VllmConfig, tp_rank: int, tp_size: int) -> int:
     if dp is None:
         dp = getattr(pc, "data_parallel_index", pc.data_parallel_rank)
     return dp * tp_size + tp_rank
-
-
-def for_rank(config: HiCacheConfig, rank: int) -> HiCacheConfig:
-    """The config of the worker of index `rank` on its node (`node_index`): each store tier
-    with a directory gets one of its own (one process a directory), and the metrics are on the
-    configured port plus the index."""
-    tiers = [
-        tier.model_copy(update={"path": rank_path(tier.path, rank)})
-        if isinstance(getattr(tier, "path", None), str)
-        else tier
-        for tier in config.tiers
-    ]
-    update: dict[str, Any] = {"tiers": tiers}
-    if config.metrics.port and rank:
-        update["metrics"] = config.metrics.model_copy(update={"port": config.metrics.port + rank})
-    return config.model_copy(update=update)
 
 
 class HiCacheConnector(KVConnectorBase_V1):
@@ -163,7 +112,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self._books: SchedulerBooks | None = None
         self._worker: WorkerCache | None = None
-        in_one_line("configuration", lambda: self._start(vllm_config, role, kv_cache_config))
+        start = lambda: self._start(vllm_config, role, kv_cache_config)  # noqa: E731
+        in_one_line("configuration", start, log)
 
     def _start(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -194,7 +144,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         worker = self._worker_side()
         blocks = self._kv_cache_config.num_blocks
-        in_one_line(f"TP rank {worker.rank}", lambda: worker.register(kv_caches, blocks))
+        in_one_line(f"TP rank {worker.rank}", lambda: worker.register(kv_caches, blocks), log)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
