@@ -212,7 +212,9 @@ class StoreTierConfig(TierConfig):
     that does not shrink stored as it is). Needs the ``codec`` extra (zstandard) and a backend
     that reads objects shorter than their buffers (`StoreTier.reads_prefix`, or
     `prefix_with_codec`); whatever the setting, a tier that reads prefixes reads every object it
-    knows how to decode."""
+    knows how to decode. A tier that reads prefixes only with a codec (`prefix_with_codec`:
+    Mooncake) puts the codec into its objects' names: instances with and without it keep their
+    own objects."""
     codec_threads: int = Field(default=2, ge=1, le=64)
     """With codec: lossless, threads that encode and decode one call's objects in parallel."""
 

@@ -482,3 +482,94 @@ def test_a_request_asked_with_another_prompt_forgets_its_walk_and_its_slots(engi
     reader.cache.release("r")
     s = reader.cache.stats()
     assert s["host_pinned"] - s["fetch_reserve_memory"] == 0
+
+
+RECORD = 4096 + 2 * 64  # a disk record of a group of `config()`'s pages: its header block, 2 pages
+
+
+def put_names(e: FakeEngine) -> list[str]:
+    """The names of the objects the engine's first store tier is asked to put, from now on."""
+    store = e.cache._chain.links[0].store
+    names: list[str] = []
+    real = store.put_from
+
+    def spy(keys, buffers):
+        names.extend(keys)
+        return real(keys, buffers)
+
+    store.put_from = spy
+    return names
+
+
+@pytest.mark.parametrize("kind", ["disk", "mooncake"])
+def test_a_group_the_tier_dropped_is_put_again(kind, mooncake_master, tmp_path):
+    """The tier loses a prompt's groups after the chain put them: the disk tier's own LRU
+    evicts them (room for 2 prompts of 5 groups: a third evicts the first), or they are
+    removed from Mooncake. The prompt then comes again (the host tier has evicted it too): its
+    fetch finds the groups missing, it is recomputed, and its store puts them again, so a
+    fresh engine hits it whole from the tier. Before, the link remembered having put them and
+    never put them again."""
+    if kind == "disk":
+        tier = disk(tmp_path / "d", size=10 * RECORD)
+    else:
+        tier = mooncake(mooncake_master, key_prefix=f"t{uuid.uuid4().hex[:12]}")
+    cfg = chain_config(tier, host_pages=16)
+    a = prompt(300)
+    e = FakeEngine(cfg)
+    try:
+        names = put_names(e)
+        e.run("a", a)
+        settle(e)
+        dropped = list(names)
+        assert len(dropped) == 5
+        if kind == "mooncake":
+            assert e.cache._chain.links[0].store.remove(dropped, force=True) == [0] * 5
+        for i, other in enumerate((prompt(301), prompt(302))):  # evict a from the host (and disk)
+            e.run(f"o{i}", other)
+            settle(e)
+        m = e.run("a2", a)
+        assert m.hit_tokens == 0
+        settle(e)
+        assert names[-5:] == dropped  # put again
+    finally:
+        e.cache.close()
+    reader = FakeEngine(cfg)
+    try:
+        assert reader.run("r", a).tier_tokens == ((kind, 40),)  # checks every loaded byte
+    finally:
+        reader.cache.close()
+
+
+def test_a_group_held_in_the_host_is_offered_again_once_the_tiers_word_is_old(tmp_path):
+    """A prompt stays in the (large) host tier while the disk tier's LRU evicts its groups
+    (two other prompts fill the disk). Requests for it hit the host and store it again; once
+    the link's record of having put it is older than `HELD_TRUST_S`, that store puts its
+    groups again, so the disk holds the prompt once more (a fresh engine hits it from disk).
+    Before, a group put once was never put again while the link remembered it."""
+    from hicache.chain.fetch import HELD_TRUST_S
+
+    cfg = chain_config(disk(tmp_path / "d", size=10 * RECORD), host_pages=64)
+    a = prompt(310)
+    e = FakeEngine(cfg)
+    try:
+        e.run("a", a)
+        for i, other in enumerate((prompt(311), prompt(312))):
+            e.run(f"o{i}", other)
+            settle(e)
+        store = e.cache._chain.links[0].store
+        assert store.stats().evicted == 5  # a's groups are gone from the disk
+        assert e.run("a2", a).tier_tokens == ()  # from the host: the disk is not asked
+        settle(e)
+        assert store.stats().keys_put == 15  # a's, o0's and o1's: a not put again yet
+        real = time.monotonic
+        link(e, "disk").clock = lambda: real() + HELD_TRUST_S + 1
+        assert e.run("a3", a).tier_tokens == ()
+        settle(e)
+        assert store.stats().keys_put == 20
+    finally:
+        e.cache.close()
+    reader = FakeEngine(cfg)
+    try:
+        assert reader.run("r", a).tier_tokens == (("disk", 40),)  # checks every loaded byte
+    finally:
+        reader.cache.close()

@@ -14,7 +14,7 @@ from typing import Literal
 import numpy as np
 import pytest
 import torch
-from fake_engine import FakeEngine, config
+from fake_engine import FakeEngine, FakeStates, config
 from memory_tier import MemoryConfig, MemoryTier
 from test_chain import settle
 from test_integrity import Writer, flip_middle, prompt, read, rewrite
@@ -300,3 +300,62 @@ def test_a_codec_get_that_fails_midway_raises_after_its_started_decodes_end():
     finally:
         worker.close()
         host.close()
+
+
+def test_an_odd_sized_state_under_the_codec_hits_byte_exact(tmp_path):
+    """A hybrid layout of bf16 pages (byte planes) whose state is an odd number of bytes: the
+    codec encodes such a state with plain zstd, and its header must say so. A fresh engine
+    hits the whole prompt from the disk tier with the state at its end (FakeEngine checks the
+    pages and the state); no object is counted corrupt."""
+    state = 3 * codec.ALIGN + 1  # not a whole number of 16-bit values
+    cfg = config(page_bytes=PAGE, host_pages=64, state_bytes=state, state_slots=8)
+    cfg["tiers"].append(
+        {"type": "disk", "path": str(tmp_path / "d"), "size": "64MiB", "group_pages": 2,
+         "codec": "lossless"}
+    )  # fmt: skip
+    p = prompt(7, 41)  # 10 pages: 5 groups, a state at each group end it keeps
+    writer = FakeEngine(cfg, states=FakeStates(2, state, history_tokens=16))
+    try:
+        writer.run("w", p)
+        settle(writer)
+        assert writer.cache.stats()["objects_put_disk"] >= 6  # 5 groups and a state
+    finally:
+        writer.cache.close()
+    reader = FakeEngine(cfg, states=FakeStates(2, state, history_tokens=16))
+    try:
+        m = reader.run("r", p)  # checks every page and the state it loads
+        assert (m.hit_tokens, m.fetched_tokens, m.needs_state) == (40, 40, True)
+        assert reader.cache.stats()["corrupt_disk"] == 0
+    finally:
+        reader.cache.close()
+
+
+@pytest.mark.mooncake
+def test_instances_with_and_without_the_codec_on_one_mooncake_store_miss_nothing_for_ever(
+    mooncake_master, tmp_path
+):
+    """Mooncake reads an object only into its exact size unless the tier has a codec, so an
+    instance without one cannot read what one with a codec encoded. Each keeps its own objects:
+    a codec-less instance asked a prompt that only a codec instance stored misses cleanly (no
+    failed get), stores it, and really puts it: a second codec-less instance hits it from the
+    store; a codec instance still hits the encoded objects. Before, the codec-less instance's
+    gets failed on the encoded objects and its put of the same names did nothing (counted as
+    put), so codec-less instances missed that prompt for as long as the objects lived."""
+    lossless = codec_config("mooncake", tmp_path, master=mooncake_master)
+    host, tier = lossless["tiers"]
+    plain = {**lossless, "tiers": [host, {**tier, "codec": "none"}]}
+    p = prompt(8)
+    writer = Writer(lossless)
+    try:
+        assert len(writer.stored(p)) == 5
+    finally:
+        writer.engine.cache.close()
+    for cfg, hit in ((plain, 0), (plain, 40), (lossless, 40)):
+        e = FakeEngine(cfg)
+        try:
+            m = e.run("r", p)  # checks every loaded byte
+            settle(e)
+            s = e.cache.stats()
+            assert (m.hit_tokens, m.fetched_tokens, s["get_failed_mooncake"]) == (hit, hit, 0)
+        finally:
+            e.cache.close()

@@ -270,6 +270,84 @@ def test_eviction_removes_the_least_recently_used_and_the_order_survives_a_resta
     assert tier.exists(list("def")) == [False, False, True]
 
 
+def test_entries_of_the_directory_that_are_not_records_are_skipped_and_counted(tmp_path, tiers):
+    """A file and a directory beside the shards in objects/, and a file and a directory in a
+    shard whose names are no record's (what an operator, a backup or fsck may leave): a restart
+    lists the records, skips those four entries (counted as `stray`), leaves them as they are,
+    and serves the records. Before, one such entry left the tier unavailable for good."""
+    path = tmp_path / "d"
+    tier = tiers(path)
+    mem = Memory(tier, MiB)
+    size = [[8 * KiB]]
+    assert tier.put_from(["a"], mem.fill(["a"], size)) == [0]
+    tier.close()
+    objects = path / "objects"
+    shard = (objects / file_name("a")).parent
+    stray = [objects / "NOTES.txt", objects / "lost+found", shard / "x.swp", shard / "sub"]
+    stray[0].write_text("kept by an operator")
+    stray[1].mkdir()
+    stray[2].write_bytes(b"an editor's")
+    stray[3].mkdir()
+    tier = tiers(path)
+    mem = Memory(tier, MiB)
+    assert tier.get_into(["a"], mem.buffers(size)) == [8 * KiB]
+    assert mem.wrong(["a"], size, [8 * KiB]) == []
+    stats = tier.stats()
+    assert (stats.records, stats.stray) == (1, 4)
+    assert all(p.exists() for p in stray)
+
+
+def test_close_stops_the_start_up_listing_before_the_directory_is_let_go(tmp_path, monkeypatch):
+    """A tier started with a smaller size than its directory holds lists (and would trim) its
+    records in the background; it is closed while the listing is still on its first shard.
+    close() returns only once the listing has stopped, and the stopped listing removes nothing:
+    a tier that takes the directory over next (the old size) serves every record. Before, the
+    old listing went on after close had let the directory go, and trimmed it under the new
+    tier."""
+    path = tmp_path / "d"
+    record = HEADER + 64 * KiB
+    tier = started(path, size=4 * record)
+    mem = Memory(tier, MiB)
+    keys, size = list("abcd"), [[64 * KiB]] * 4
+    assert tier.put_from(keys, mem.fill(keys, size)) == [0] * 4
+    tier.close()
+
+    objects, entered, go = str(path / "objects"), threading.Event(), threading.Event()
+    real = os.scandir
+
+    def gated(where=".", *args):  # the first listing of objects/ waits for `go`
+        if str(where) == objects and not entered.is_set():
+            entered.set()
+            assert go.wait(60)
+        return real(where, *args)
+
+    monkeypatch.setattr(os, "scandir", gated)
+    small = DiskTier(DiskTierConfig(path=str(path), size=record))  # would keep one record
+    small.start()
+    assert entered.wait(60)
+    listing = next(t for t in threading.enumerate() if t.name == "hicache-disk-load")
+    closing = threading.Thread(target=small.close)
+    closing.start()
+    deadline = time.monotonic() + 60
+    while not small._closed:  # close has begun (it does not return while the listing runs)
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    go.set()
+    closing.join(60)
+    listing.join(60)
+    assert not closing.is_alive() and not listing.is_alive()
+    monkeypatch.undo()
+    assert all((path / "objects" / file_name(k)).exists() for k in keys)
+    tier = started(path, size=4 * record)
+    try:
+        mem = Memory(tier, MiB)
+        codes = tier.get_into(keys, mem.buffers(size))
+        assert codes == [64 * KiB] * 4
+        assert mem.wrong(keys, size, codes) == []
+    finally:
+        tier.close()
+
+
 def test_a_put_that_cannot_fit_beside_a_write_in_progress_evicts_nothing(tmp_path, tiers):
     """A put that no eviction can make room for (the rest of the size is reserved by a put
     still writing) fails with ENOSPC and leaves every record held, in the book and on disk.

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fake_engine import FakeEngine, config
+from fake_engine import FakeEngine, FakeStates, config
 from memory_tier import MemoryTier
 from test_chain import settle
 
@@ -53,8 +53,8 @@ def tier_config(kind: str, master, tmp_path: Path) -> dict:
 class Writer:
     """An engine that stores prompts and records the names of the objects it put."""
 
-    def __init__(self, cfg: dict) -> None:
-        self.engine = FakeEngine(cfg)
+    def __init__(self, cfg: dict, states: FakeStates | None = None) -> None:
+        self.engine = FakeEngine(cfg, states=states)
         self.store = self.engine.cache._chain.links[0].store
         self.names: list[str] = []
         real = self.store.put_from
@@ -165,6 +165,36 @@ def test_a_payload_changed_at_rest_is_a_counted_miss_never_a_hit(
     s = reader.cache.stats()
     assert s[f"corrupt_{kind}"] == 5
     assert reader.run("r2", q).hit_tokens == 40  # untouched: every page, byte-exact
+
+
+def test_a_state_is_never_published_at_the_end_of_a_shorter_run_than_its_own():
+    """A state layout, groups of 2 pages: a writer stores a 10-page prompt (5 groups and the
+    state at page 10). The third group's payload is changed at rest. A fresh engine's get asks
+    for the 5 groups and the state at their end; groups 0-1 arrive, group 2 fails, the state
+    arrives. That state is page 10's: it must not become the state at page 4 (the end of the
+    groups that arrived), where a later match would snap and load it. The request recomputes
+    (FakeEngine checks every page and the state it loads) and the damaged group is counted."""
+    cfg = config(page_bytes=PAGE, host_pages=64, state_bytes=64, state_slots=8)
+    cfg["tiers"].append({"type": "memory", "space": uuid.uuid4().hex, "group_pages": 2})
+    p = prompt(5)
+    writer = Writer(cfg, FakeStates(2, 64, history_tokens=16))
+    try:
+        names = writer.stored(p)
+        groups = [name for name in names if "/g2/" in name]
+        assert (len(names), len(groups)) == (6, 5)
+        rewrite("memory", writer, groups[2], flip_middle)
+    finally:
+        writer.engine.cache.close()
+    reader = FakeEngine(cfg, states=FakeStates(2, 64, history_tokens=16))
+    try:
+        m = reader.run("r", p)
+        assert (m.hit_tokens, m.needs_state) == (0, False)
+        settle(reader)
+        s = reader.cache.stats()
+        pinned = s["host_pinned"] - s["fetch_reserve_memory"]  # the reserve stays pinned
+        assert (s["corrupt_memory"], pinned, s["requests"]) == (1, 0, 0)
+    finally:
+        reader.cache.close()
 
 
 FOREIGN: dict[str, Callable[[bytes, bytes], bytes]] = {

@@ -5,6 +5,7 @@ connector reads), and the worker's HiCache over CPU tensors shaped as vLLM's, by
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from types import SimpleNamespace
@@ -174,14 +175,19 @@ PAGE_BYTES = 2 * 2 * P * 8 * 4  # a block of both layers
 
 
 def worker(
-    blocks: int = 16, host_pages: int = 2048, tiers: tuple[dict, ...] = (), pin_share: float = 0.5
+    blocks: int = 16,
+    host_pages: int = 2048,
+    tiers: tuple[dict, ...] = (),
+    pin_share: float = 0.5,
+    page: int = P,
 ) -> tuple[WorkerCache, dict[str, torch.Tensor]]:
-    """A WorkerCache over two layers shaped as vLLM's CPU caches: (2, blocks, P, 8) float32."""
+    """A WorkerCache over two layers shaped as vLLM's CPU caches: (2, blocks, page, 8) float32
+    (`page` tokens a block)."""
     host = {"type": "host", "size": host_pages * PAGE_BYTES}
     config = load_config({"tiers": [host, *tiers]}, env={})
-    fields = dict(model="tiny", kv_dtype="float32", page_tokens=P, tp_rank=0, tp_size=1)
+    fields = dict(model="tiny", kv_dtype="float32", page_tokens=page, tp_rank=0, tp_size=1)
     w = WorkerCache(config, {**fields, "kv_head_sharded": True}, pin_share)
-    kv = {f"layer.{i}": torch.zeros(2, blocks, P, 8) for i in range(2)}
+    kv = {f"layer.{i}": torch.zeros(2, blocks, page, 8) for i in range(2)}
     w.register(kv, blocks)
     return w, kv
 
@@ -270,7 +276,8 @@ class Engine:
     """The scheduler half and one worker wired as vLLM wires them, one `step` at a time."""
 
     def __init__(self, w: WorkerCache, books: SchedulerBooks | None = None) -> None:
-        self.books, self.w = books or SchedulerBooks(P, ranks=1, in_step=False), w
+        self.page = w.layout.page_tokens
+        self.books, self.w = books or SchedulerBooks(self.page, ranks=1, in_step=False), w
         self.next_block = 0
 
     def step(self, scheduled=None, tables=None, spec=None) -> StepMeta:
@@ -295,7 +302,7 @@ class Engine:
             self.step()
             self.books.matched_tokens(r, 0)
         self.books.allocated(r, 0)
-        table = list(range(self.next_block, self.next_block + r.num_tokens // P + 1))
+        table = list(range(self.next_block, self.next_block + r.num_tokens // self.page + 1))
         self.next_block += len(table)
         self.step({r.request_id: r.num_tokens}, {r.request_id: table})
         return table
@@ -320,15 +327,16 @@ def test_two_lora_adapters_never_share_pages_and_an_adapter_is_its_name_and_path
 
 
 def test_two_images_behind_the_same_placeholder_ids_share_only_the_pages_before_them():
-    """Tokens 4..11 are an image's placeholders (the same ids for every image): the first page
-    is text alone and shared; from the image's first page on, only the same image hits."""
-    e = Engine(worker(blocks=32)[0])
-    prompt = [7] * 4 + [99] * 8 + list(range(5))  # 17 tokens, 4 pages before the last token
-    e.prefill(Req("a", prompt, images=(("cat", 4, 8),)))
-    assert e.ask(Req("b", prompt, images=(("dog", 4, 8),))) == 4
-    assert e.ask(Req("c", prompt)) == 4  # the placeholder ids as text
-    assert e.ask(Req("d", prompt, images=(("cat", 4, 8),))) == 16
-    assert e.ask(Req("e", prompt, images=(("cat", 8, 4),))) == 4  # the same image, elsewhere
+    """Pages of 8 tokens; tokens 8..23 are an image's placeholders (the same ids for every
+    image): the first page is text alone and shared; from the image's first page on, only the
+    same image hits."""
+    e = Engine(worker(blocks=32, page=8)[0])
+    prompt = [7] * 8 + [99] * 16 + list(range(9))  # 33 tokens, 4 pages before the last token
+    e.prefill(Req("a", prompt, images=(("cat", 8, 16),)))
+    assert e.ask(Req("b", prompt, images=(("dog", 8, 16),))) == 8
+    assert e.ask(Req("c", prompt)) == 8  # the placeholder ids as text
+    assert e.ask(Req("d", prompt, images=(("cat", 8, 16),))) == 32
+    assert e.ask(Req("e", prompt, images=(("cat", 16, 8),))) == 8  # the same image, elsewhere
 
 
 def test_no_cache_salt_names_a_lora_adapters_namespace():
@@ -347,12 +355,27 @@ def test_no_cache_salt_names_a_lora_adapters_namespace():
 def test_an_image_is_keyed_by_its_whole_hash_where_one_placeholder_lies_on_a_page():
     """img-8548 and img-19451 agree in 31 bits of a SHA-256 of their identifiers (a birthday
     search over img-0, img-1, ... finds the pair at 19,452): behind one placeholder at the end
-    of a page, the page is still the image's alone."""
-    e = Engine(worker(blocks=32)[0])
-    prompt = [7, 7, 7, 99, 5, 6, 7, 8, 9]  # the image's one placeholder ends page 0
-    e.prefill(Req("a", prompt, images=(("img-8548", 3, 1),)))
-    assert e.ask(Req("b", prompt, images=(("img-19451", 3, 1),))) == 0
-    assert e.ask(Req("c", prompt, images=(("img-8548", 3, 1),))) == 8
+    of a page of 8 tokens, the page is still the image's alone."""
+    e = Engine(worker(blocks=32, page=8)[0])
+    prompt = [7] * 7 + [99] + list(range(5, 14))  # the image's one placeholder ends page 0
+    e.prefill(Req("a", prompt, images=(("img-8548", 7, 1),)))
+    assert e.ask(Req("b", prompt, images=(("img-19451", 7, 1),))) == 0
+    assert e.ask(Req("c", prompt, images=(("img-8548", 7, 1),))) == 16
+
+
+def test_an_image_is_keyed_by_its_whole_hash_on_pages_of_one_token():
+    """A page of one token is one word, 31 bits: img-2574 and img-41150 give the image's page
+    the same word (a birthday search over img-0, img-1, ... finds the pair at 41,150). Where
+    pages are too short to carry 128 bits of an image's hash, every page of a request with
+    images is keyed in a namespace of its images' whole hashes and positions: b misses, c (the
+    same image where a had it) hits the 8 pages before its last token. Before, b was served
+    a's pages, the image's page included."""
+    e = Engine(worker(blocks=32, page=1)[0])
+    prompt = [7, 7, 7, 99, 5, 6, 7, 8, 9]  # the image's one placeholder is page 3
+    e.prefill(Req("a", prompt, images=(("img-2574", 3, 1),)))
+    assert e.ask(Req("b", prompt, images=(("img-41150", 3, 1),))) == 0
+    assert e.ask(Req("c", prompt, images=(("img-2574", 3, 1),))) == 8
+    assert e.ask(Req("d", prompt, images=(("img-2574", 4, 1),))) == 0  # elsewhere
 
 
 def test_prompt_embeddings_are_refused_at_start_in_one_line():
@@ -411,6 +434,29 @@ def test_a_request_sharing_a_failed_block_in_that_step_does_not_store_from_it():
     assert w.answers().by_rank[0][0].hit == 4
 
 
+def stored_through(w: WorkerCache, prompt: list[int]) -> None:
+    """The worker stores the prompt's first 12 tokens (blocks 0-2), and its store tiers take
+    them (waited for, at most a minute)."""
+    w.start_load(StepMeta())
+    w.save(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2])]))
+    deadline = time.monotonic() + 60
+    while not w.cache.tiers_idle and time.monotonic() < deadline:
+        w.cache.poll()
+        time.sleep(0.01)
+
+
+def answered_by(w: WorkerCache, lookup: Lookup) -> Answer:
+    """The worker's answer to `lookup`, asked in one step and waited for (at most a minute);
+    the question is then closed unused (its pins go)."""
+    w.start_load(StepMeta(lookups=[lookup]))
+    deadline = time.monotonic() + 60
+    while not (got := (w.answers() or Answers()).by_rank) and time.monotonic() < deadline:
+        time.sleep(0.01)
+        w.start_load(StepMeta())
+    w.start_load(StepMeta(unused=[lookup.request_id]))
+    return got[w.rank][0]
+
+
 class LyingTier(MemoryTier):
     """A shared in-memory store whose reads return `code(n)` for an object of n bytes
     without filling it: 0 (a miss said as zero bytes) or a short count."""
@@ -439,21 +485,10 @@ def test_a_read_counts_only_where_it_returned_the_objects_exact_size(code, monke
     tier = {"type": "lying", "space": uuid.uuid4().hex, "group_pages": 1}
     first, _ = worker(tiers=(tier,))
     prompt = list(range(100, 113))
-    first.start_load(StepMeta())
-    first.save(StepMeta(stores=[Store("a", 0, prompt, 12, [0, 1, 2])]))
-    deadline = time.monotonic() + 60
-    while not first.cache.tiers_idle and time.monotonic() < deadline:
-        first.cache.poll()
-        time.sleep(0.01)
+    stored_through(first, prompt)
     assert len(LyingTier.spaces[tier["space"]]) == 3
     second, _ = worker(tiers=(tier,))
-    second.start_load(StepMeta(lookups=[Lookup("b", prompt, 0)]))
-    got = second.answers().by_rank  # the first answers carry the rank's news: never None
-    while not got and time.monotonic() < deadline:
-        time.sleep(0.01)
-        second.start_load(StepMeta())
-        got = (second.answers() or Answers()).by_rank
-    assert got == {0: [Answer("b", 0, 0)]}
+    assert answered_by(second, Lookup("b", prompt, 0)) == Answer("b", 0, 0)
     stats = second.cache.stats()
     assert (stats["host_used"], stats["hit_tokens_host"]) == (0, 0)
     first.close()
@@ -756,20 +791,31 @@ def test_a_superseded_question_lets_its_pins_go_and_the_request_loads_and_stores
     assert stats["pages_stored"] - stored == 2  # pages 4 and 5 of q
 
 
-def test_the_model_identity_changes_with_anything_that_changes_the_kv(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    """A tiny Llama saved once for the module (vLLM loads its config; its weights are
+    digested); tests that change it work on a copy."""
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("models") / "llama"
+    make = [sys.executable, "-m", "hicache.tools.vllm_run", "--model", str(root)]
+    subprocess.run([*make, "--make-model", "llama"], check=True, capture_output=True)
+    return str(root)
+
+
+def test_the_model_identity_changes_with_anything_that_changes_the_kv(tiny_llama, tmp_path):
     """vLLM's ModelConfig of one saved model, loaded as is, in another dtype, with RoPE
     scaling or a sliding window overridden, and after its weights are re-saved in place (same
     name, size and config): five names, so none of them shares pages with another."""
-    import subprocess
-    import sys
+    import shutil
 
     from vllm.config import ModelConfig
 
     from hicache.integrations.vllm.worker import model_identity
 
     folder = tmp_path / "llama"
-    make = [sys.executable, "-m", "hicache.tools.vllm_run", "--model", str(folder)]
-    subprocess.run([*make, "--make-model", "llama"], check=True, capture_output=True)
+    shutil.copytree(tiny_llama, folder)
 
     def identity(**kw) -> str:
         config = ModelConfig(model=str(folder), skip_tokenizer_init=True, **kw)
@@ -857,12 +903,12 @@ Tensors = dict[str, torch.Tensor]
 
 
 def mooncake_pair(
-    master, wait_s: float = 30.0, in_step: bool = True, group_pages: int = 1
+    master, wait_s: float = 30.0, in_step: bool = True, group_pages: int = 1, codec: str = "none"
 ) -> tuple[Engine, Engine, Tensors, Tensors, StoreProbe]:
     """Two instances on one Mooncake store node: `a` (view answers only) writes, `b` answers
     from its view and a probe of its own (waiting `wait_s`; generous by default: the machine
     may be busy), or with `in_step` false asks its worker every time."""
-    tier = {"type": "mooncake", **master.tier_config, "group_pages": group_pages}
+    tier = {"type": "mooncake", **master.tier_config, "group_pages": group_pages, "codec": codec}
     wa, kva = worker(blocks=64, tiers=(tier,))
     wb, kvb = worker(blocks=64, tiers=(tier,))
     for w in (wa, wb):
@@ -889,15 +935,18 @@ def drain(e: Engine) -> None:
 
 
 @pytest.mark.mooncake
-@pytest.mark.parametrize("group_pages", [1, 3])
+@pytest.mark.parametrize(("group_pages", "codec"), [(1, "none"), (3, "none"), (3, "lossless")])
 def test_a_store_tier_hit_is_answered_in_the_step_and_loads_the_exact_bytes(
-    mooncake_master, group_pages
+    mooncake_master, group_pages, codec
 ):
     """Instance a stores a prompt (its pages reach the store node: in groups of 3 pages, a
     group and a tail of one page); instance b, whose host tier holds nothing, is granted the
     four pages in the step it asks (its probe of the store tier, no question to its worker), and
-    its load fetches them and copies a's exact bytes."""
-    a, b, kva, kvb, probe = mooncake_pair(mooncake_master, group_pages=group_pages)
+    its load fetches them and copies a's exact bytes. With a codec the objects' names carry it:
+    the probe names them as the workers do."""
+    if codec != "none":
+        pytest.importorskip("zstandard")
+    a, b, kva, kvb, probe = mooncake_pair(mooncake_master, group_pages=group_pages, codec=codec)
     prompt = list(range(300 + group_pages, 317 + group_pages))
     stored = a.prefill(Req("a", prompt))
     drain(a)
@@ -993,3 +1042,274 @@ def test_probe_wait_ms_is_a_bounded_number_and_no_probe_without_a_tier_any_proce
     disk = {"type": "disk", "path": "/nonexistent", "size": "1MiB"}
     for tiers in ([host], [host, disk]):
         assert StoreProbe.for_config(load_config({"tiers": tiers}, env={}), 0.005) is None
+
+
+def test_a_probe_call_that_raises_a_base_exception_is_one_probe_not_answered():
+    """The store tier's exists raises CancelledError (a BaseException) once: that probe is not
+    answered (the workers would be asked), and the next probe is sent and answered: the failed
+    one does not stay "out" for ever."""
+    import asyncio
+
+    tier_config = MemoryConfig(space=uuid.uuid4().hex)
+    tier = MemoryTier(tier_config)
+    real = tier.exists
+    raised: list[bool] = []
+
+    def once(keys):
+        if not raised:
+            raised.append(True)
+            raise asyncio.CancelledError("cancelled")
+        return real(keys)
+
+    tier.exists = once
+    probe = StoreProbe(tier, tier_config, wait_s=30.0)
+    assert probe.exists(["a"]) is None
+    assert probe.exists(["a"]) == [False]
+    assert (probe.answered, probe.late) == (1, 1)
+
+
+def test_a_probe_of_a_tier_whose_available_raises_is_not_answered(monkeypatch):
+    """The scheduler's probe reads the tier's `available`; one that raises reads as down: the
+    probe is not answered (the workers are asked), and vLLM's scheduler sees no exception."""
+    tier_config = MemoryConfig(space=uuid.uuid4().hex)
+    probe = StoreProbe(MemoryTier(tier_config), tier_config, wait_s=30.0)
+
+    def broken(self) -> bool:
+        raise RuntimeError("the plugin lost its client")
+
+    monkeypatch.setattr(MemoryTier, "available", property(broken))
+    assert probe.exists(["a"]) is None
+    assert (probe.answered, probe.late) == (0, 1)
+
+
+def uint8_cache(block: int = P):
+    """vLLM's KVCacheConfig of one full-attention group whose blocks lie in uint8 tensors, as
+    every fp8 cache dtype has them."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=8, dtype=torch.uint8)
+    return KVCacheConfig(16, [], [KVCacheGroupSpec(["layer.0", "layer.1"], spec)])
+
+
+def test_each_fp8_format_keys_pages_of_its_own(tiny_llama, tmp_path):
+    """vLLM keeps fp8, fp8_e4m3 and fp8_e5m2 caches all in uint8 tensors. Layouts made from
+    vLLM's own configs (its VllmConfig with the cache dtype as configured, its KVCacheConfig)
+    name the format: a worker with an fp8_e4m3 cache stores a prompt to a disk directory; one
+    with fp8_e5m2 (the same tensors' shape and dtype) misses it there, then one with fp8_e4m3
+    again hits it. Before, all three keyed pages alike and e5m2 loaded e4m3's bytes."""
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+
+    from hicache.integrations.vllm.worker import layout_fields
+
+    model = ModelConfig(model=tiny_llama, skip_tokenizer_init=True)
+    disk = {"type": "disk", "path": str(tmp_path / "d"), "size": "64MiB", "group_pages": 1}
+    config = load_config({"tiers": [{"type": "host", "size": "1MiB"}, disk]}, env={})
+    prompt = list(range(100, 113))
+
+    def fp8_worker(fmt: str) -> WorkerCache:
+        vllm_config = VllmConfig(model_config=model, cache_config=CacheConfig(cache_dtype=fmt))
+        w = WorkerCache(config, layout_fields(vllm_config, uint8_cache(), {}, 0, 1))
+        kv = {f"layer.{i}": torch.randint(0, 255, (2, 16, P, 8), dtype=torch.uint8) for i in (0, 1)}
+        w.register(kv, 16)
+        return w
+
+    layouts = []
+    for fmt, hit in (("fp8_e4m3", None), ("fp8_e5m2", 0), ("fp8", 0), ("fp8_e4m3", 12)):
+        w = fp8_worker(fmt)
+        try:
+            layouts.append(w.layout)
+            if hit is None:
+                stored_through(w, prompt)
+            else:
+                assert answered_by(w, Lookup("q", prompt, 0)).hit == hit, fmt
+        finally:
+            w.close()
+    assert len({layout.kv_dtype for layout in layouts}) == 1  # all uint8
+    assert len({layout.model for layout in layouts}) == 3
+
+
+def test_a_speculative_drafters_weights_are_in_the_page_keys(tiny_llama, tmp_path):
+    """A drafter's attention layers (EAGLE, MTP, a draft model) keep their KV in the same
+    blocks as the target's, so hicache stores it with the pages. Layouts from vLLM's own
+    configs: the target alone, with a draft model, with another draft model of the same name,
+    size and config but other weights, and with n-gram drafting (no drafter KV): the two
+    drafters key pages apart from each other and from the target alone; n-gram keys them as
+    the target alone does. Before, a drafter was not in the keys at all."""
+    import shutil
+
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from hicache.integrations.vllm.worker import layout_fields
+
+    target = ModelConfig(model=tiny_llama, skip_tokenizer_init=True)
+    first, second = tmp_path / "draft", tmp_path / "draft-retrained"
+    shutil.copytree(tiny_llama, first)
+    shutil.copytree(tiny_llama, second)
+    weights = second / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 1
+    weights.write_bytes(bytes(data))
+    spec = FullAttentionSpec(block_size=P, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    kv = KVCacheConfig(16, [], [KVCacheGroupSpec(["layer.0", "layer.1"], spec)])
+
+    def model(**speculative) -> str:
+        parallel = ParallelConfig()
+        drafting = SpeculativeConfig(
+            **speculative, num_speculative_tokens=2, target_model_config=target,
+            target_parallel_config=parallel,
+        ) if speculative else None  # fmt: skip
+        config = VllmConfig(
+            model_config=target, parallel_config=parallel, speculative_config=drafting
+        )
+        return layout_fields(config, kv, {}, 0, 1)["model"]
+
+    alone = model()
+    drafted = model(method="draft_model", model=str(first))
+    retrained = model(method="draft_model", model=str(second))
+    assert len({alone, drafted, retrained}) == 3
+    assert model(method="ngram", prompt_lookup_max=3, prompt_lookup_min=1) == alone
+
+
+# -- tensor parallelism: a load that failed on one rank ---------------------------------------
+
+
+def tp_groups(n: int) -> list:
+    """`n` real gloo process groups of one TP group in this process (one a rank, made on
+    threads: each waits for the others to join), as vLLM's TP group's CPU group is."""
+    import torch.distributed as dist
+
+    store, groups = dist.HashStore(), [None] * n
+
+    def join(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, n)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(g is not None for g in groups)
+    return groups
+
+
+def tp_worker(rank: int, tier: dict, agree=None, wait_ms: float = 60_000) -> WorkerCache:
+    """The worker of TP rank `rank` of 2 (its own shard: the rank is in its keys) over a host
+    tier and `tier`; `agree` as vLLM's connector gives it; fetches wait `wait_ms` at most."""
+    host = {"type": "host", "size": 2048 * PAGE_BYTES}
+    config = load_config({"tiers": [host, tier], "policy": {"fetch_max_wait_ms": wait_ms}}, env={})
+    fields = dict(model="tiny", kv_dtype="float32", page_tokens=P, tp_rank=rank, tp_size=2)
+    w = WorkerCache(config, {**fields, "kv_head_sharded": True}, agree=agree)
+    w.register({f"layer.{i}": torch.randn(2, 64, P, 8) for i in range(2)}, 64)
+    return w
+
+
+class TPEngine:
+    """The scheduler half and a worker per TP rank, as vLLM's multiprocess executor runs them:
+    each step's metadata goes to every rank, the ranks run the step at the same time (each on a
+    thread of its own, as each in its own process), and their answers are aggregated."""
+
+    def __init__(self, books: SchedulerBooks, workers: list[WorkerCache]) -> None:
+        self.books, self.workers = books, workers
+
+    def step(self, scheduled=None, tables=None, before_last=None) -> StepMeta:
+        """One step; `before_last`, if given, runs once the first rank has started it and
+        before the others do."""
+        meta = self.books.build(sched(scheduled, tables))
+        errors: list[BaseException] = []
+
+        def run(w: WorkerCache) -> None:
+            try:
+                w.bind_step(meta)
+                w.start_load(meta)
+                w.save(meta)
+            except BaseException as err:
+                errors.append(err)
+
+        threads = [threading.Thread(target=run, args=(w,)) for w in self.workers]
+        threads[0].start()
+        if before_last is not None:
+            before_last()
+        for t in threads[1:]:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors and not any(t.is_alive() for t in threads), errors
+        out = Answers()
+        for w in self.workers:
+            got = w.answers()
+            out = out.aggregate(got) if got is not None else out
+        self.books.answered(SimpleNamespace(kv_connector_worker_meta=out))
+        return meta
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("why", ["object gone", "fetch deadline missed"])
+def test_a_load_that_failed_on_one_tp_rank_is_stored_by_no_rank(start_mooncake_master, why):
+    """TP=2. Instance a stores a prompt's 4 pages (each rank its own shard) to Mooncake.
+    Instance b is granted them for a request of 29 tokens (its scheduler's probe); its step
+    loads pages 0-3 and computes pages 4-6. On rank 1 alone the load fails: its objects of
+    pages 2-3 are gone (every page fails from page 2 on), or its fetch misses
+    `fetch_max_wait_ms` (rank 0's came in time; every page fails). Attention all-reduces
+    across the ranks, so what every rank computed from that page on is wrong: both ranks report
+    the same failed blocks, and neither stores a page from there (rank 0's host tier and the
+    store hold none of pages 4-6: rank 0 answers the pages it fetched, no more). Before, rank
+    0 stored pages 4-6 and answered 28 tokens."""
+    from hicache.integrations.vllm.ranks import least_over
+
+    master = start_mooncake_master()
+    tier = {"type": "mooncake", **master.tier_config, "group_pages": 1}
+    prompt = list(range(500, 516))
+    for rank in (0, 1):
+        a = master.track(tp_worker(rank, tier))
+        a.start_load(StepMeta())
+        a.save(StepMeta(stores=[Store("a", 0, prompt, 16, [0, 1, 2, 3])]))
+        drain(Engine(a))
+        a.close()
+    groups = tp_groups(2)
+    entered = threading.Event()
+    agree0 = least_over(groups[0])
+
+    def agree_first(values: list[int]) -> list[int]:
+        entered.set()
+        return agree0(values)
+
+    late = why == "fetch deadline missed"
+    b0 = master.track(tp_worker(0, tier, agree_first))
+    b1 = master.track(tp_worker(1, tier, least_over(groups[1]), wait_ms=300 if late else 60_000))
+    config = load_config({"tiers": [{"type": "host", "size": "1MiB"}, tier]}, env={})
+    probe = master.track(StoreProbe.for_config(config, wait_s=30.0))
+    assert probe._tier.wait_ready(60)
+    e = TPEngine(SchedulerBooks(P, ranks=2, probe=probe), [b0, b1])
+    e.step()  # both ranks report (empty host tiers, a shared store tier)
+    r = Req("r", [*prompt, *range(900, 913)])  # 29 tokens: 7 whole pages before the last
+    assert e.books.matched_tokens(r, 0) == (16, False)
+    e.books.allocated(r, 16)
+    if not late:
+        [_, (fp, chain, _)] = e.books.view.host_runs(r.all_token_ids, None, 0, 4)
+        _, gone = probe.objects(fp, chain, 2, 4)  # rank 1's objects of pages 2-3
+        assert probe._tier.remove(gone, force=True) == [0, 0]
+
+    def pause_once_rank_0_has_loaded() -> None:
+        if late:
+            assert entered.wait(120)  # rank 0's fetch came and it loaded: it waits for rank 1
+            master.pause()
+
+    r.num_computed_tokens = 16
+    table = list(range(40, 48))
+    try:
+        meta = e.step({"r": 13}, {"r": table}, before_last=pause_once_rank_0_has_loaded)
+    finally:
+        master.resume()
+    assert [s.upto for s in meta.stores] == [28]
+    failed = set(table[0 if late else 2 : 4])
+    assert b0.load_errors() == b1.load_errors() == failed
+    for w in (b0, b1):
+        drain(Engine(w))
+    assert answered_by(b0, Lookup("q", r.all_token_ids, 0)).hit == 16  # the fetched pages
+    [(fp, chain, _), _] = e.books.view.host_runs(r.all_token_ids, None, 0, 7)
+    _, computed = probe.objects(fp, chain, 4, 7)  # rank 0's objects of pages 4-6
+    assert probe.exists(computed) == [False, False, False]
+    for w in (b0, b1):
+        drain(Engine(w))
+        assert_no_pins(w)

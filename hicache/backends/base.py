@@ -117,6 +117,18 @@ class StoreTier(Tier):
     """The store's own circuit breaker, if it keeps one (and counts its failures itself);
     otherwise the tier chain keeps one for it, fed by the outcomes of its calls."""
 
+    def object_prefix(self, key_prefix: str, codec: str) -> str:
+        """The prefix of the names of this tier's objects under a config whose `key_prefix` and
+        `codec` are these: the key prefix, and the codec too where the tier reads prefixes only
+        with a codec (`prefix_with_codec`: Mooncake). An instance of such a tier without a codec
+        could not read an encoded object, and its put of the same name would write nothing;
+        with the format in the name, instances with and without a codec keep their own objects.
+        A tier that reads prefixes whatever its codec (the disk tier) reads either format: its
+        names leave the codec out."""
+        if codec != "none" and self.prefix_with_codec:
+            return f"{key_prefix}/{codec}"
+        return key_prefix
+
     def empty_at_start(self) -> bool:
         """Whether the tier held nothing when it became ready, and no other process writes it:
         then this process knows all it holds from what it put (vLLM's scheduler answers

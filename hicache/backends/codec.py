@@ -96,6 +96,11 @@ class Codec:
             )
         return pair
 
+    def kind(self, raw: int) -> int:
+        """The codec an object of `raw` bytes is encoded with (what its header must name):
+        byte planes need a whole number of 16-bit values, so an odd size takes plain zstd."""
+        return ZSTD if self.ident == PLANES16 and raw % 2 else self.ident
+
     def scratch(self, nbytes: int, which: str = "gather") -> np.ndarray:
         """`nbytes` of this thread's scratch buffer `which` (grown as needed, never shared by
         threads). The codec uses "plane" itself; "gather" is its callers'."""
@@ -107,11 +112,11 @@ class Codec:
 
     def encode(self, src: np.ndarray, out: np.ndarray) -> int | None:
         """Encode the raw bytes `src` into `out` (at least `src.size` bytes, not overlapping
-        `src`); the bytes written (a multiple of `ALIGN`), or None where that would not be
-        less than `src.size` (the object is then stored raw)."""
+        `src`) with codec `kind(src.size)`; the bytes written (a multiple of `ALIGN`), or None
+        where that would not be less than `src.size` (the object is then stored raw)."""
         raw = src.size
         compress = self._zstd()[0].compress
-        if self.ident == PLANES16 and raw % 2 == 0:
+        if self.kind(raw) == PLANES16:
             half = raw // 2
             hi = self.scratch(half, "plane")
             split(src, out[_PREFIX : _PREFIX + half], hi)

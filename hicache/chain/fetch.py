@@ -16,6 +16,7 @@ no transfer writes into a reused slot.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -139,6 +140,7 @@ class Fetcher:
         read: Rate,
         prefill: Rate,
         held: Held,
+        states_held: Held,
         jobs: Sequence[SimpleQueue[Job | None]],
         depth: int,
         reserve_pages: int,
@@ -146,10 +148,11 @@ class Fetcher:
         on_done: Callable[[Fetch], None],
     ) -> None:
         """`read`: the tier's read throughput, which the gets teach; `prefill`: the engine's
-        prefill speed (both for the cost model). `held`: the groups the link knows the tier
-        holds (the writes add theirs). `depth`: fetch jobs queued or running at most.
-        `reserve_pages`: the reserve's size, at most an eighth of the host tier. `usable`:
-        whether the tier can be used now (the link's)."""
+        prefill speed (both for the cost model). `held`, `states_held`: the groups and states
+        the link knows the tier holds (the writes add theirs; a fetch that finds one missing
+        forgets it, so that a later store puts it again). `depth`: fetch jobs queued or
+        running at most. `reserve_pages`: the reserve's size, at most an eighth of the host
+        tier. `usable`: whether the tier can be used now (the link's)."""
         self.name = name
         self.store = store
         self.host = host
@@ -165,6 +168,7 @@ class Fetcher:
         """Nobody else writes this tier and it starts empty: a group the link never put there
         is a miss without asking."""
         self._held = held
+        self._states_held = states_held
         self._jobs = jobs
         self.load = [0] * len(jobs)
         """Per fetch worker: jobs queued or running (together at most `depth`)."""
@@ -253,6 +257,8 @@ class Fetcher:
         fetch = job.fetch
         span = fetch.span
         n_groups = span.objects
+        if present is not None:  # what the tier lacks, the link no longer takes as held
+            self._forget_missing(job.ends, present[:n_groups], job.state_ends, present[n_groups:])
         if present is None or fetch.abandoned:
             self.on_done(fetch)
             return
@@ -317,18 +323,26 @@ class Fetcher:
         page_size = self.layout.page_size
         group_bytes, groups = self.G * page_size, span.groups
         ok = 0
-        if codes is not None:
-            while ok < run and codes[ok] == (group_bytes if ok < groups else span.tail * page_size):
-                ok += 1
-            if ok < run and not (job.unprobed and codes[ok] == self.store.missing_code):
-                self.stats.get_failed += run - ok
         state_ok = (
             fetch.state_lease is not None
             and codes is not None
             and codes[-1] == self.layout.state_bytes
         )
-        if fetch.state_lease is not None and not state_ok:
-            ok = 0  # without its state the run can't be resumed from
+        if codes is not None:
+            whole = [
+                code == (group_bytes if i < groups else span.tail * page_size)
+                for i, code in enumerate(codes[:run])
+            ]
+            while ok < run and whole[ok]:
+                ok += 1
+            if ok < run and not (job.unprobed and codes[ok] == self.store.missing_code):
+                self.stats.get_failed += run - ok
+            states = [state_ok] if fetch.state_lease is not None else []
+            self._forget_missing(job.ends[:run], whole, job.state_ends, states)
+        if fetch.state_lease is not None and not (state_ok and ok == run):
+            # the state is the whole run's end: without it, or with a group before it missing,
+            # the run can't be resumed from (and the state is no other boundary's)
+            ok = 0
         pages = span.pages_of(ok)
         if job.unprobed:  # the slots nothing was read into go back where they came from
             self._take_back(fetch.lease, pages)  # type: ignore[arg-type]
@@ -338,7 +352,7 @@ class Fetcher:
             fresh = fetch.fresh = self.host.page_slots.publish(fetch.lease.slots[:pages], got)
             if self.events is not None:
                 emit(self.events, "stored", "host", self.host.page_slots.keys_of(fresh))
-            self._held.add_all(job.ends[:ok])
+            self._held.add_all(job.ends[:ok], self.clock())
             if fetch.state_lease is not None:
                 boundary_key = got[-1]
                 self.host.state_slots.publish(fetch.state_lease.slots, [boundary_key])
@@ -351,6 +365,24 @@ class Fetcher:
         if fetch.abandoned or not ok:
             fetch.release()
         self.on_done(fetch)
+
+    def _forget_missing(
+        self,
+        ends: Sequence[bytes],
+        found: Sequence[bool],
+        state_ends: Sequence[bytes],
+        states_found: Sequence[bool],
+    ) -> None:
+        """A call found the groups `ends` (and the states `state_ends`) where `found` (and
+        `states_found`) is true: the others the tier lacks (or does not give whole), so they
+        are no longer taken as held, and a later store puts them again."""
+        for held, keys, flags in (
+            (self._held, ends, found),
+            (self._states_held, state_ends, states_found),
+        ):
+            for key, here in zip(keys, flags):
+                if not here:
+                    held.discard(key)
 
     def _submit_fetch(self, job: Job) -> None:
         """Queue a fetch job for the least busy fetch worker (the first of equals)."""
@@ -383,22 +415,43 @@ class Fetcher:
         self.reserve.absorb(spare)
 
 
-class Held(OrderedDict[bytes, None]):
-    """The object keys a store tier holds or is receiving, as far as its link knows: the most
-    recent `cap` added (an LRU set; `in` is the dict's own test, without a Python call).
-    Engine thread only."""
+HELD_TRUST_S = 30.0
+"""How long a store link takes its own word that a tier holds an object it put or fetched
+there. A tier may drop an object at any time (its own LRU, Mooncake's eviction, a remove)
+without telling the link: past this, the next store that has the object's pages offers it
+again (a tier that still holds it answers that put cheaply, without writing), and a fetch that
+finds it missing forgets it at once. A tier that is neither shared nor persistent is taken at
+the link's word for ever (only this link writes it)."""
 
-    def __init__(self, cap: int) -> None:
+
+class Held(OrderedDict[bytes, float]):
+    """The object keys a store tier holds or is receiving, as far as its link knows, each with
+    the time the link last learned it (put it, or read it whole): the most recent `cap` (an LRU
+    set; `in` is the dict's own test, without a Python call). `expire` forgets those learned
+    more than `trust_s` ago. Engine thread only."""
+
+    def __init__(self, cap: int, trust_s: float = math.inf) -> None:
         super().__init__()
         self.cap = cap
+        self.trust_s = trust_s
 
-    def add_all(self, keys: Sequence[bytes]) -> None:
-        """Add `keys`, the last one most recent."""
+    def add_all(self, keys: Sequence[bytes], now: float) -> None:
+        """Add `keys`, learned at `now` (the last one most recent)."""
         for key in keys:
-            self[key] = None
+            self[key] = now
             self.move_to_end(key)
         while len(self) > self.cap:
             self.popitem(last=False)
+
+    def expire(self, now: float) -> None:
+        """Forget what was learned more than `trust_s` before `now`: the oldest entries, at the
+        front (one look where none is that old)."""
+        cutoff = now - self.trust_s
+        while self:
+            key, learned = next(iter(self.items()))
+            if learned >= cutoff:
+                return
+            del self[key]
 
     def discard(self, key: bytes) -> None:
         self.pop(key, None)

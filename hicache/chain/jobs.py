@@ -236,7 +236,7 @@ class JobRunner:
         if stored is None:
             self.envelopes.write(ptrs[0], codec.ident, RAW, raw, raw, value)
             return ptrs, sizes
-        self.envelopes.write(ptrs[0], codec.ident, 0, raw, stored, value)
+        self.envelopes.write(ptrs[0], codec.kind(raw), 0, raw, stored, value)
         return [ptrs[0], out.ctypes.data], [HEADER, stored]
 
     def _check(self, job: Job, codes: list[int]) -> list[int]:

@@ -28,6 +28,7 @@ job's slots stay pinned until its call has returned, however long the store take
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -40,7 +41,7 @@ from hicache.backends.base import StoreTier, StoreUnavailable
 from hicache.backends.breaker import CircuitBreaker
 from hicache.backends.codec import Codec
 from hicache.backends.host import HostTier
-from hicache.chain.fetch import Fetch, Fetcher, Held
+from hicache.chain.fetch import HELD_TRUST_S, Fetch, Fetcher, Held
 from hicache.chain.jobs import Job, JobRunner
 from hicache.chain.writes import WriteBehind
 from hicache.config import Layout, Policy
@@ -146,6 +147,7 @@ class StoreLink:
             settings.codec_threads,
         )
         self._registered = threading.Event()
+        self._available_raised = False  # the store's `available` has raised (logged once)
         self._results: deque[tuple[Job, object]] = deque()
         # SimpleQueue: putting never blocks, nor releases the GIL (queue.Queue's lock may). A
         # queue per fetch worker: a job goes to the least busy, the first of equals, so that
@@ -155,17 +157,21 @@ class StoreLink:
             queue.SimpleQueue() for _ in range(settings.fetch_workers)
         ]
         self._put_jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        held = Held(1 << 20)  # the groups the tier holds (or receives), by their object's key
+        # the groups and states the tier holds (or receives), by their object's key; taken at
+        # the link's word for HELD_TRUST_S, for ever where only this link writes the tier
+        trust = HELD_TRUST_S if store.shared or store.persistent else math.inf
+        held, states_held = Held(1 << 20, trust), Held(1 << 18, trust)
         self.fetcher = Fetcher(
             self.name, store, host, layout, policy, self.G,
             stats=self.stats, events=events, clock=clock, read=self.read, prefill=prefill,
-            held=held, jobs=self._fetch_jobs, depth=settings.fetch_depth,
-            reserve_pages=settings.reserve_pages, usable=self.usable, on_done=on_done,
+            held=held, states_held=states_held, jobs=self._fetch_jobs,
+            depth=settings.fetch_depth, reserve_pages=settings.reserve_pages,
+            usable=self.usable, on_done=on_done,
         )  # fmt: skip
         self.writer = WriteBehind(
             self.name, host, layout, self.G,
-            stats=self.stats, events=events, clock=clock, held=held, jobs=self._put_jobs,
-            depth=settings.queue_depth, usable=self.usable, fence=fence,
+            stats=self.stats, events=events, clock=clock, held=held, states_held=states_held,
+            jobs=self._put_jobs, depth=settings.queue_depth, usable=self.usable, fence=fence,
         )  # fmt: skip
         cpus = settings.worker_cpus
         store.start()
@@ -192,9 +198,20 @@ class StoreLink:
     def usable(self) -> bool:
         """Whether the tier can be used now: the host pools are registered, the store answers
         and the breaker lets calls through (an open one, one probe per `breaker_reprobe_s`)."""
-        if not (self._registered.is_set() and self.store.available):
+        if not (self._registered.is_set() and self._available()):
             return False
         return self.breaker.closed or (self._own_breaker and self.breaker.allow())
+
+    def _available(self) -> bool:
+        """The store's `available`, read on the engine thread; a store whose `available`
+        raises (a plugin with a bug) reads as down (logged once), never raises here."""
+        try:
+            return bool(self.store.available)
+        except Exception as err:
+            if not self._available_raised:
+                self._available_raised = True
+                log.warning("hicache tier %s: available raised %r; taken as down", self.name, err)
+            return False
 
     # -- engine thread: results -------------------------------------------------------------------
 
@@ -236,7 +253,7 @@ class StoreLink:
         write-back, and the read throughput the cost model uses now (MB/s)."""
         n = self.name
         return {
-            f"available_{n}": int(self.store.available and self.breaker.closed),
+            f"available_{n}": int(self._available() and self.breaker.closed),
             f"queue_depth_{n}": self.writer.out,
             f"jobs_in_flight_{n}": self.jobs_in_flight,
             f"fetch_reserve_{n}": len(self.fetcher.reserve.slots),
@@ -257,13 +274,16 @@ class StoreLink:
     # -- worker threads ---------------------------------------------------------------------------
 
     def _work(self, jobs: queue.SimpleQueue[Job | None]) -> None:
+        """A worker thread: run each job and post its outcome, whatever the store raises (a
+        plugin's `BaseException` too, such as asyncio.CancelledError): every job is answered,
+        so its slots are released and the next job runs."""
         while True:
             job = jobs.get()
             if job is None:
                 return
             try:
                 outcome: object = self._runner.run(job)
-            except Exception as err:  # reported to the engine thread as a failed job
+            except BaseException as err:  # reported to the engine thread as a failed job
                 if not isinstance(err, StoreUnavailable):
                     log.warning("hicache tier %s: %s failed: %r", self.name, job.kind, err)
                 outcome = err
@@ -277,7 +297,7 @@ class StoreLink:
             if self.wake is not None:
                 try:
                     self.wake()
-                except Exception as err:  # the engine's callback must not stop the worker
+                except BaseException as err:  # the engine's callback must not stop the worker
                     log.warning("hicache: the wake callback raised %r", err)
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -294,7 +314,7 @@ class StoreLink:
         try:
             for tensor in (*self.host.memory(), *self._runner.memory()):
                 self.store.register(tensor)
-        except Exception as err:  # the tier stays unused; the engine goes on without it
+        except BaseException as err:  # the tier stays unused; the engine goes on without it
             log.error("hicache tier %s: registering the host pools failed: %r", self.name, err)
             return
         self._registered.set()

@@ -74,7 +74,7 @@ class TierChain:
             settings = LinkSettings(
                 name=tier_name(cfg),
                 group_pages=cfg.group_pages,
-                key_prefix=cfg.key_prefix,
+                key_prefix=store.object_prefix(cfg.key_prefix, cfg.codec),
                 queue_depth=cfg.write_queue_depth,
                 fetch_depth=cfg.fetch_queue_depth,
                 fetch_workers=cfg.fetch_workers or threads.fetch_workers(cpus),

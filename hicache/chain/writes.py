@@ -49,13 +49,17 @@ class WriteBehind:
         events: EventSink | None,
         clock: Callable[[], float],
         held: Held,
+        states_held: Held,
         jobs: SimpleQueue[Job | None],
         depth: int,
         usable: Callable[[], bool],
         fence: Callable[[], Completion],
     ) -> None:
-        """`held`: the groups the link knows the tier holds (the fetches add theirs); a put
-        adds its groups when queued and drops those that failed. `depth`: put jobs queued or
+        """`held`, `states_held`: the groups and states the link knows the tier holds (the
+        fetches add theirs and forget those they find missing); a put adds its objects when
+        queued and drops those that failed, and each store first forgets those the link has
+        taken as held for longer than they are trusted (`Held.expire`), so that a group the
+        tier dropped meanwhile is put again. `depth`: put jobs queued or
         running at most. `usable`: whether the tier can be used now (the link's). `fence`: a
         completion of every copy enqueued so far on the engine's stream."""
         self.name = name
@@ -66,7 +70,7 @@ class WriteBehind:
         self.events = events
         self.clock = clock
         self._groups_held = held
-        self._states_held = Held(1 << 18)
+        self._states_held = states_held
         self._jobs = jobs
         self._depth = depth
         self.usable = usable
@@ -81,6 +85,7 @@ class WriteBehind:
         """`write: on_evict`: `store` has written `keys[:n_pages]` to the host; note the groups
         the tier does not hold, for `write_back`."""
         G, held, dirty = self.G, self._groups_held, self.dirty
+        held.expire(self.clock())
         for g in range(n_pages // G):
             end = keys[(g + 1) * G - 1]
             if end not in held and end not in dirty:
@@ -110,7 +115,9 @@ class WriteBehind:
         if not self.usable():  # not connected, or the breaker is open: offer nothing
             self.stats.puts_skipped += n_groups
             return
-        held = self._groups_held
+        held, now = self._groups_held, self.clock()
+        held.expire(now)
+        self._states_held.expire(now)
         every_end = keys[G - 1 : n_groups * G : G]
         ends = list(filterfalse(held.__contains__, every_end))
         if self.out >= self._depth:  # drop at once, build nothing
@@ -170,12 +177,12 @@ class WriteBehind:
         if state_pins:
             leases += (self.host.state_slots.lease(state_pins),)
         job = Job("put", ends, state_ends, pins, state_pins, leases=leases, ready=ready, tail=tail)
-        job.started = self.clock()
+        job.started = now = self.clock()
         self.out += 1
         self._jobs.put(job)
-        self._groups_held.add_all(ends)
+        self._groups_held.add_all(ends, now)
         if state_ends:
-            self._states_held.add_all(state_ends)
+            self._states_held.add_all(state_ends, now)
 
     def write_back(self, force: bool = False) -> None:
         """`write: on_evict`: once the host tier runs short of free slots (fewer than an eighth

@@ -102,6 +102,13 @@ def namespace(**fields: str | None) -> bytes | None:
     return b"".join(out)
 
 
+FOLD_BITS = 31
+"""Bits of a feature's hash that each word of a folded page carries (`fold_features`)."""
+FEATURE_BITS = 128
+"""Bits of a feature's whole hash that every page it touches carries at the least: a page of
+P tokens folds FOLD_BITS x P, so pages of fewer than 5 tokens take `features_salt` too."""
+
+
 def fold_features(
     tokens: Sequence[int],
     first_token: int,
@@ -115,10 +122,11 @@ def fold_features(
     that a feature overlaps becomes ``page_tokens`` words drawn (SHAKE-256) from the page's own
     tokens and, for every feature overlapping it, its offset from the page's start, its length
     and its whole identifier, all bits: two pages agree only where their tokens and every
-    feature's identifier and position agree (the words hold 31 bits each, so a page of P tokens
-    carries 31 x P bits of them). The words are negative int32 (no token id is), so such a page
-    never keys as a page of text. Other pages, and a trailing partial page (never keyed), are
-    kept as they are."""
+    feature's identifier and position agree (the words hold `FOLD_BITS` each, so a page of P
+    tokens carries 31 x P bits of them: pages of fewer than 5 tokens carry less than
+    `FEATURE_BITS`, and their requests' namespace takes the rest: `features_salt`). The words are
+    negative int32 (no token id is), so such a page never keys as a page of text. Other pages,
+    and a trailing partial page (never keyed), are kept as they are."""
     if first_token % page_tokens:
         raise ValueError(f"first_token={first_token} is not a page boundary ({page_tokens})")
     out = list(tokens)
@@ -146,6 +154,26 @@ def fold_features(
             for k in range(page_tokens)
         ]
     return out
+
+
+def features_salt(
+    salt: bytes | None, page_tokens: int, features: Sequence[tuple[int, int, str]]
+) -> bytes | None:
+    """A request's salt (`namespace`) once its multimodal features (``(offset, length,
+    identifier)``, as `fold_features` takes them) are accounted for: `salt` itself where it has
+    none or its pages fold at least `FEATURE_BITS` of each (5 tokens a page and more); else a
+    namespace of `salt` and a digest (SHA-256) of every feature's position, length and whole
+    identifier, so that every page of the request, those the features touch included, is keyed
+    by their whole hashes. The price, at such page sizes only: a request with features shares
+    no page with one whose features (or their positions) differ, not even a page before the
+    first of them."""
+    if not features or FOLD_BITS * page_tokens >= FEATURE_BITS:
+        return salt
+    h = hashlib.sha256(b"hicache-mm-request\x00")
+    for offset, length, identifier in sorted(features):
+        at = offset.to_bytes(8, "little", signed=True) + length.to_bytes(8, "little")
+        h.update(_field(b"at", at) + _field(b"id", identifier.encode()))
+    return namespace(request=None if salt is None else salt.hex(), features=h.hexdigest())
 
 
 def weights_digest(folder: str | Path) -> str:

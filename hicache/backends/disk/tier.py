@@ -39,6 +39,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -60,6 +61,10 @@ from hicache.registry import register_tier
 log = logging.getLogger(__name__)
 
 MISSING = -errno.ENOENT
+_SHARDS = frozenset(f"{i:02x}" for i in range(256))
+"""The shard directories below objects/ (a record's name starts with its shard)."""
+_RECORD = re.compile("[0-9a-f]{64}")
+"""A record's file name in its shard (`records.file_name`)."""
 
 _Object = tuple[list[memoryview], list[int]]
 """An object's pieces as memoryviews, and their addresses."""
@@ -86,6 +91,8 @@ class DiskStats:
     failed_puts: int
     damaged: int
     evicted: int
+    stray: int
+    """Entries of the directory that are not records (skipped at start, left alone)."""
     direct_calls: int
     buffered_calls: int
 
@@ -111,6 +118,7 @@ class DiskTier(StoreTier):
         self.book = LruBook(config.size)
         self._memory: Regions[memoryview] = Regions()
         self._pool: ThreadPoolExecutor | None = None
+        self._listing: threading.Thread | None = None  # the start-up listing (see _load)
         self._lock_fd: int | None = None
         self._ready = threading.Event()
         self._closed = False
@@ -130,6 +138,7 @@ class DiskTier(StoreTier):
                 "failed_puts",
                 "damaged",
                 "evicted",
+                "stray",
                 "direct_calls",
                 "buffered_calls",
             ),
@@ -150,8 +159,8 @@ class DiskTier(StoreTier):
             self.root.mkdir(exist_ok=True)
             self._objects.mkdir(exist_ok=True)
             self._tmp.mkdir(exist_ok=True)
-            for i in range(256):
-                (self._objects / f"{i:02x}").mkdir(exist_ok=True)
+            for shard in _SHARDS:
+                (self._objects / shard).mkdir(exist_ok=True)
         except OSError as err:
             raise DiskTierError(
                 f"{where}: cannot create its directories: {os_reason(err)}"
@@ -163,31 +172,56 @@ class DiskTier(StoreTier):
             self._unlock()
             raise
         self._pool = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="hicache-disk")
-        threading.Thread(target=self._load, name="hicache-disk-load", daemon=True).start()
+        self._listing = threading.Thread(target=self._load, name="hicache-disk-load", daemon=True)
+        self._listing.start()
 
     def _load(self) -> None:
         """Background: remove half-written records of an earlier process, list the records
-        (oldest use first) and trim them to the size."""
+        (oldest use first) and trim them to the size. Stops, changing nothing more, once the
+        tier is closed (`close` waits for it before it lets the directory go)."""
         try:
-            self._list()
+            listed = self._list()
         except OSError as err:  # stays unavailable: nothing is stored or served
             log.error("hicache disk: cannot list %s: %s", self._objects, os_reason(err))
             return
-        self._ready.set()
+        if listed:
+            self._ready.set()
 
-    def _list(self) -> None:
+    def _list(self) -> bool:
+        """List the records; an entry that is not the tier's (not a shard directory below
+        objects/, not a record's file in a shard) is skipped, left alone and counted `stray`.
+        False where the tier was closed meanwhile (then nothing is trimmed)."""
         for leftover in self._tmp.iterdir():
             leftover.unlink(missing_ok=True)
-        found = []
-        for shard in self._objects.iterdir():
-            for entry in os.scandir(shard):
-                st = entry.stat()
-                found.append((st.st_mtime_ns, f"{shard.name}/{entry.name}", st.st_size))
+        found, stray = [], 0
+        with os.scandir(self._objects) as shards:
+            for shard in shards:
+                if self._closed:
+                    return False
+                if shard.name not in _SHARDS or not shard.is_dir(follow_symlinks=False):
+                    stray += 1
+                    continue
+                with os.scandir(shard.path) as entries:
+                    for entry in entries:
+                        name = entry.name
+                        if not (_RECORD.fullmatch(name) and entry.is_file(follow_symlinks=False)):
+                            stray += 1
+                            continue
+                        st = entry.stat()
+                        found.append((st.st_mtime_ns, f"{shard.name}/{name}", st.st_size))
+        if stray:
+            log.warning(
+                "hicache disk: %d entries in %s are not records: skipped", stray, self._objects
+            )
+            self._count("stray", stray)
         for stamp, name, nbytes in sorted(found):
             self.book.add(name, nbytes)
             self._clock = max(self._clock, stamp)
+        if self._closed:
+            return False
         self._remove(self.book.shrink())
         self._found_empty = not found
+        return True
 
     def empty_at_start(self) -> bool:
         """Its directory held no record when it was listed (one process a directory)."""
@@ -204,8 +238,9 @@ class DiskTier(StoreTier):
         return self.available
 
     def close(self, timeout_s: float = 30.0) -> bool:
-        """Finish the calls in flight, stop the I/O threads and let go of the directory. True if
-        the threads ended within `timeout_s` (they always end; the lock is released then)."""
+        """Finish the calls in flight, stop the I/O threads and the start-up listing (which
+        changes no file once it has stopped), and let go of the directory. True if the threads
+        ended within `timeout_s` (they always end; the lock is released then)."""
         if self._closed:
             return True
         self._closed = True
@@ -216,6 +251,8 @@ class DiskTier(StoreTier):
 
         def finish() -> None:
             pool.shutdown(wait=True)
+            if self._listing is not None:
+                self._listing.join()  # it stops at its next shard: no file changes after this
             self._unlock()
             done.set()
 

@@ -30,12 +30,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 
 from hicache.config import ConfigError, HiCacheConfig, load_config
 from hicache.integrations.common import config_source, for_rank, in_one_line
 from hicache.integrations.vllm.inputs import refuse_unsupported
 from hicache.integrations.vllm.meta import HiCacheStats, StepMeta
 from hicache.integrations.vllm.probe import StoreProbe
+from hicache.integrations.vllm.ranks import tp_agreement
 from hicache.integrations.vllm.scheduler import SchedulerBooks
 from hicache.integrations.vllm.worker import WorkerCache, layout_fields
 
@@ -131,9 +136,10 @@ class HiCacheConnector(KVConnectorBase_V1):
             probe = StoreProbe.for_config(config, wait) if in_step and wait else None
             self._books = SchedulerBooks(block, ranks, reprefillable, floor, in_step, probe)
         else:
-            fields = layout_fields(vllm_config, kv_cache_config, extra)
-            index = node_index(vllm_config, fields["tp_rank"], fields["tp_size"])
-            self._worker = WorkerCache(for_rank(config, index), fields, share)
+            rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+            fields = layout_fields(vllm_config, kv_cache_config, extra, rank, size)
+            index = node_index(vllm_config, rank, size)
+            self._worker = WorkerCache(for_rank(config, index), fields, share, tp_agreement())
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -10,7 +10,10 @@ refused at start (`refuse_unsupported`).
   replaced by words drawn from the page's tokens and the whole content hash (vLLM's
   `identifier`) and position of every feature on it (`hicache.core.keys.fold_features`): two
   images behind the same placeholder ids give different pages from the first page that holds
-  either, and the pages before the first image stay shared.
+  either, and the pages before the first image stay shared. A page of fewer than 5 tokens
+  cannot carry 128 bits of a hash that way: with such pages the request's namespace takes its
+  features' whole hashes and positions too (`with_features`), and shares no page with a
+  request whose features differ.
 
 Both are pure functions of the request's content, the same in every process and instance
 (unlike vLLM's `block_hashes`, whose seed is per process unless PYTHONHASHSEED is set or the
@@ -22,7 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hicache.config import ConfigError
-from hicache.core.keys import fold_features, namespace
+from hicache.core.keys import features_salt, fold_features, namespace
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -53,10 +56,22 @@ def keyed_tokens(request: Request, start: int, end: int, page_tokens: int) -> li
     the full pages its multimodal features overlap folded with them (see the module
     docstring)."""
     tokens = request.all_token_ids[start:end]
-    features = [
-        (f.mm_position.offset, f.mm_position.length, f"{f.modality}:{f.identifier}")
-        for f in request.mm_features or ()
-    ]
+    features = _features(request)
     if not features:
         return list(tokens)
     return fold_features(tokens, start, page_tokens, features)
+
+
+def with_features(salt: bytes | None, request: Request, page_tokens: int) -> bytes | None:
+    """`salt` (`request_salt`'s) where pages of `page_tokens` tokens carry the whole hashes of
+    the request's multimodal features; with pages too short for that (fewer than 5 tokens),
+    extended by the features' whole hashes and positions (`hicache.core.keys.features_salt`)."""
+    return features_salt(salt, page_tokens, _features(request))
+
+
+def _features(request: Request) -> list[tuple[int, int, str]]:
+    """The request's multimodal features as (offset, length, modality:identifier)."""
+    return [
+        (f.mm_position.offset, f.mm_position.length, f"{f.modality}:{f.identifier}")
+        for f in request.mm_features or ()
+    ]

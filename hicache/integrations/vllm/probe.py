@@ -39,7 +39,7 @@ class StoreProbe:
     def __init__(self, tier: StoreTier, config: StoreTierConfig, wait_s: float) -> None:
         self._tier = tier
         self.group_pages = config.group_pages
-        self._prefix = config.key_prefix
+        self._prefix = tier.object_prefix(config.key_prefix, config.codec)
         self._wait_s = wait_s
         self._out: Future[list[bool]] | None = None
         self._lock = threading.Lock()
@@ -86,7 +86,7 @@ class StoreProbe:
         if not names:
             return []
         with self._lock:
-            if not self._tier.available or (self._out is not None and not self._out.done()):
+            if not self._tier_available() or (self._out is not None and not self._out.done()):
                 self.late += 1
                 return None
             out = self._out = Future()
@@ -95,8 +95,8 @@ class StoreProbe:
         def ask() -> None:
             try:
                 out.set_result(self._tier.exists(names))
-            except Exception as err:  # the tier's failure is a probe not answered
-                out.set_exception(err)
+            except BaseException as err:  # whatever the tier raises: a probe not answered
+                out.set_exception(RuntimeError(f"the tier raised {err!r}"))
 
         threading.Thread(target=ask, name="hicache-probe", daemon=True).start()
         try:
@@ -110,6 +110,15 @@ class StoreProbe:
             return None
         self.answered += 1
         return got
+
+    def _tier_available(self) -> bool:
+        """The tier's `available`; one that raises reads as down (the scheduler never sees
+        the exception)."""
+        try:
+            return bool(self._tier.available)
+        except Exception as err:
+            log.debug("hicache: the store tier's available raised %r", err)
+            return False
 
     def close(self) -> None:
         self._tier.close()

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from hicache.integrations.vllm.inputs import keyed_tokens, request_salt
+from hicache.integrations.vllm.inputs import keyed_tokens, request_salt, with_features
 from hicache.integrations.vllm.meta import Answer, Answers, Load, Lookup, StepMeta, Store
 from hicache.integrations.vllm.probe import StoreProbe
 from hicache.integrations.vllm.view import TierView
@@ -86,7 +86,8 @@ class SchedulerBooks:
         rid = request.request_id
         tracked = self._tracked.get(rid)
         if tracked is None:
-            tracked = self._tracked[rid] = _Tracked(request, request_salt(request))
+            salt = with_features(request_salt(request), request, self._page)
+            tracked = self._tracked[rid] = _Tracked(request, salt)
         # vLLM computes at least the prompt's last token: a hit ends a page before it
         if (request.num_tokens - 1) // self._page * self._page <= computed:
             self._withdraw(rid)  # vLLM's own cache came to cover what was asked

@@ -38,6 +38,7 @@ from hicache.integrations.vllm.meta import (
     StepMeta,
     Store,
 )
+from hicache.integrations.vllm.ranks import Agree
 from hicache.integrations.vllm.view import RankNews
 from hicache.kernels import PagedBuffer
 from hicache.kernels.completions import Completion, LayerLoad
@@ -97,14 +98,24 @@ class WorkerCache:
     given unpinned and matched again when it loads (a page evicted meanwhile is then recomputed,
     not served). No store takes a block whose load failed in its step, nor any page after it:
     the request's stores stop before that page for the rest of its life (`_bad_from`).
+
+    With several TP ranks, a load fails on every rank where it failed on one (its shard spoils
+    every rank's forward): `agree` (`hicache.integrations.vllm.ranks`) gives the least each
+    rank filled of each of the step's loads, once every rank has made them, before the forward;
+    every rank then reports the same failed blocks and stores none of them.
     """
 
     def __init__(
-        self, config: HiCacheConfig, layout: dict[str, Any], pin_share: float = 0.5
+        self,
+        config: HiCacheConfig,
+        layout: dict[str, Any],
+        pin_share: float = 0.5,
+        agree: Agree | None = None,
     ) -> None:
         self.config = config
         self._layout = layout
         self._pin_share = pin_share
+        self._agree = agree
         self.layout: Layout | None = None
         self.cache: HiCache | None = None
         self._asking: dict[str, Lookup] = {}
@@ -189,8 +200,11 @@ class WorkerCache:
             self._close(rid)
         loading = [self._rematch(load) for load in step.loads]
         self._await_fetches(loading)
-        for one in loading:
-            self._load(one)
+        filled = [self._load(one) for one in loading]
+        if self._agree is not None and loading:  # every rank's step has these loads, in order
+            filled = self._agree(filled)
+        for load, upto in zip(step.loads, filled):
+            self._failed(load, upto)
         for lookup in step.lookups:
             self._matched.pop(lookup.request_id, None)
             self._asking[lookup.request_id] = lookup
@@ -344,12 +358,11 @@ class WorkerCache:
                 self._matched.pop(one.load.request_id, None)
             waiting = [one for one in waiting if one.m is not None and one.m.pending]
 
-    def _load(self, one: _Loading) -> None:
+    def _load(self, one: _Loading) -> int:
         """Copy the granted hit into its blocks, or as much of its head as hicache still holds;
-        report the granted blocks it did not fill so that vLLM recomputes them. Never serves
-        more than granted."""
-        cache, P = self._cache(), self._layout["page_tokens"]
-        load, m, rid = one.load, one.m, one.load.request_id
+        the tokens filled (from the load's `computed` on; see `_failed`). Never serves more
+        than granted."""
+        cache, load, m = self._cache(), one.load, one.m
         filled = load.computed
         usable = m is not None and not m.pending and m.computed_tokens == load.computed
         if m is not None and usable and m.hit_tokens <= load.hit:
@@ -358,13 +371,20 @@ class WorkerCache:
                 self._loading.append(cache.load(m, blocks, by_layer=bool(self._layer_of)))
                 filled = m.hit_tokens
             except (ValueError, HiCacheError) as err:
-                log.warning("hicache: load of request %s: %s", rid, err)
+                log.warning("hicache: load of request %s: %s", load.request_id, err)
+        cache.release(load.request_id)
+        return filled
+
+    def _failed(self, load: Load, filled: int) -> None:
+        """`load` was filled up to `filled` tokens (the least of every rank's): report the
+        granted blocks after it so that vLLM recomputes them, and keep every store of the
+        request short of them (in this step, and for the rest of its life)."""
         if filled < load.hit:
+            P, rid = self._layout["page_tokens"], load.request_id
             failed = load.block_ids[filled // P : load.hit // P]
             self._load_errors.update(failed)
             self._failed_blocks.update(failed)
             self._bad_from[rid] = min(filled // P, self._bad_from.get(rid, filled // P))
-        cache.release(rid)
 
     def _store(self, store: Store) -> None:
         """Store the pages of the request's first `upto` tokens that hicache lacks, short of
@@ -455,14 +475,14 @@ class PrefillClock:
                 self._report(tokens, seconds)
 
 
-def layout_fields(vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any]) -> dict:
+def layout_fields(
+    vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any], tp_rank: int, tp_size: int
+) -> dict:
     """hicache's layout from vLLM's configs, all but the segment sizes (those come from the
-    tensors vLLM registers): the model (`model_identity`, or the extra config's `model_id`),
-    the KV dtype, the block size and the TP rank. Refuses what hicache cannot key safely."""
-    from vllm.distributed.parallel_state import (
-        get_tensor_model_parallel_rank,
-        get_tensor_model_parallel_world_size,
-    )
+    tensors vLLM registers): the model (`model_identity`, or the extra config's `model_id`)
+    followed by what else of vLLM's config decides a block's bytes (`kv_format`), the KV
+    tensors' dtype, the block size and the TP rank (`tp_rank` of `tp_size`). Refuses what
+    hicache cannot key safely."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     groups = kv_cache_config.kv_cache_groups
@@ -472,14 +492,42 @@ def layout_fields(vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any])
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("hicache: pipeline parallelism is not supported")
     spec = groups[0].kv_cache_spec
+    dtype = str(spec.dtype).removeprefix("torch.")
+    name = extra.get("model_id") or model_identity(vllm_config.model_config)
     return {
-        "model": extra.get("model_id") or model_identity(vllm_config.model_config),
-        "kv_dtype": str(spec.dtype).removeprefix("torch."),
+        "model": f"{name}|{kv_format(vllm_config, dtype)}",
+        "kv_dtype": dtype,
         "page_tokens": spec.block_size,
-        "tp_rank": get_tensor_model_parallel_rank(),
-        "tp_size": get_tensor_model_parallel_world_size(),
+        "tp_rank": tp_rank,
+        "tp_size": tp_size,
         "kv_head_sharded": not isinstance(spec, MLAAttentionSpec),
     }
+
+
+def kv_format(vllm_config: Any, tensor_dtype: str) -> str:
+    """What of vLLM's config beyond the model (and beyond the KV tensors' dtype,
+    `tensor_dtype`) decides a block's bytes, for the page keys:
+
+    - the KV cache dtype as configured (`--kv-cache-dtype`; ``auto`` resolved as vLLM does, to
+      the checkpoint's KV quantization or else the tensors' dtype): fp8, fp8_e4m3 and fp8_e5m2
+      all lie in uint8 tensors;
+    - the layers it leaves unquantized (`--kv-cache-dtype-skip-layers`);
+    - a speculative drafter whose attention layers keep KV in the same blocks (EAGLE, MTP, a
+      draft model: `uses_draft_kv_cache`): its method and its `model_identity`.
+
+    KV scales are the checkpoint's in vLLM 0.32 (or 1.0): its quantization config and weights
+    are in `model_identity` already."""
+    from vllm.utils.torch_utils import resolve_kv_cache_dtype_string
+
+    cache = vllm_config.cache_config
+    fmt = resolve_kv_cache_dtype_string(cache.cache_dtype, vllm_config.model_config)
+    parts = [f"kv-cache={tensor_dtype if fmt == 'auto' else fmt}"]
+    if cache.kv_cache_dtype_skip_layers:
+        parts.append(f"unquantized={','.join(sorted(cache.kv_cache_dtype_skip_layers))}")
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.uses_draft_kv_cache():
+        parts.append(f"drafter={spec.method}:{model_identity(spec.draft_model_config)}")
+    return "|".join(parts)
 
 
 def model_identity(model_config: Any) -> str:
