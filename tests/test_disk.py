@@ -408,7 +408,7 @@ def test_a_second_process_is_refused_the_directory_until_the_first_is_gone(tmp_p
     assert holder.stdout.readline().strip() == "ready", holder.stderr.read()
     other = finish(run_self("start", str(path)))
     assert other["error"] == (
-        f"disk tier at {path}: in use by another process (pid {holder.pid}); "
+        f"path: {path}: in use by another process (pid {holder.pid}); "
         "give each process its own path"
     )
     holder.send_signal(signal.SIGKILL)  # the lock dies with its process

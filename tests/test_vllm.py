@@ -172,7 +172,7 @@ def test_a_configuration_error_reaches_the_operator_as_one_line_first(models, tm
     proc = vllm_process(models["llama"], tmp_path / "r.json", huge)
     assert proc.returncode != 0
     line = next(x for x in proc.stderr.splitlines() if "is more than this machine" in x)
-    assert line.startswith("hicache: TP rank 0: host tier size: 900 GiB is more than this")
+    assert line.startswith("hicache: TP rank 0: tiers.0.size: 900 GiB is more than this")
     first = proc.stderr.index(line)
     assert "Traceback" not in proc.stderr[:first]
     assert f"error '{line}'" in proc.stderr[first + len(line) :]
