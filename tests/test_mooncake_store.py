@@ -492,7 +492,7 @@ from hicache.backends.mooncake.config import MooncakeConfig
 from hicache.backends.mooncake.tier import MooncakeStore
 address, keys, size = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 store = MooncakeStore(MooncakeConfig(master_address=address, global_segment_size=0,
-                                     local_buffer_size=1 << 20, call_timeout_s=5.0))
+                                     local_buffer_size=1 << 20, call_timeout_s=30.0))
 store.start()
 if not store.wait_ready(20):
     raise SystemExit("reader did not connect")
