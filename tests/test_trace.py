@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from extras import require_plot
 
 from hicache import load_config
 from hicache.tools.trace.cli import main, parse_host_size
@@ -199,7 +200,7 @@ def test_parse_host_size() -> None:
 
 
 def test_cli_writes_the_report(trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    pytest.importorskip("matplotlib")
+    require_plot()
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     rc = main(
         [
