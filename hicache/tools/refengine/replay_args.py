@@ -162,18 +162,15 @@ def find_problem(args: argparse.Namespace) -> str | None:
         return "--device cuda but CUDA is not available"
     if args.config is not None and args.store == "local":
         return "--store local adds a store to the default tiers: with --config, name it there"
-    if args.config is None and args.store == "local":
-        problem = mooncake_missing()
-        if problem:
-            return problem
-    try:
+    try:  # the configuration first, then what the flags need beside it
         config = load_config(args.config or DEFAULT_CACHE)
     except ConfigError as err:
         return str(err)
-    if args.dp is not None:
+    problem = start_problem(config, args.config or "")
+    if problem is None and args.store == "local":
+        problem = mooncake_missing()
+    if problem is None and args.dp is not None:
         from hicache.tools.refengine.dp import dp_problem
 
         problem = dp_problem(args.dp, config, args.device)
-        if problem:
-            return problem
-    return start_problem(config, args.config or "")
+    return problem
