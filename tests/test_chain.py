@@ -346,7 +346,7 @@ def test_host_disk_mooncake_hits_from_each_tier_and_disk_survives_a_restart(
         """
     )
     out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, check=True
     )
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["hit"] == 40

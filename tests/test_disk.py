@@ -128,7 +128,7 @@ def run_self(*args: str, rlimit_fsize: int | None = None, **kw) -> subprocess.Po
     )
 
 
-def finish(proc: subprocess.Popen, timeout: float = 120) -> dict:
+def finish(proc: subprocess.Popen, timeout: float = 600) -> dict:
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, err[-2000:]
     return json.loads(out.strip().splitlines()[-1])

@@ -494,7 +494,7 @@ address, keys, size = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 store = MooncakeStore(MooncakeConfig(master_address=address, global_segment_size=0,
                                      local_buffer_size=1 << 20, call_timeout_s=30.0))
 store.start()
-if not store.wait_ready(20):
+if not store.wait_ready(120):
     raise SystemExit("reader did not connect")
 mem = torch.zeros(size * len(keys), dtype=torch.uint8)
 store.register(mem)
@@ -531,7 +531,7 @@ def test_another_process_reads_what_this_one_put(
         [sys.executable, "-c", _READER, mooncake_master.address, json.dumps(keys), str(size)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=600,
         cwd=REPO,
         env=env,
         check=False,

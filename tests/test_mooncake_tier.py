@@ -248,7 +248,7 @@ e.cache.close()
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
         env={**os.environ, "PYTHONHASHSEED": "7"},
     )
     assert done.returncode == 0, done.stderr[-2000:]
