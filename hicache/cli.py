@@ -6,7 +6,8 @@
 
 Subcommands other than `config` are found through the ``hicache.commands`` entry-point group, so
 packages built on hicache (such as the reference engine) add commands without hicache importing
-them.
+them. A ConfigError a subcommand raises (a configuration that cannot be used, or a tier of it that
+cannot start here) is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -71,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return _config_check(rest[1:])
     if command in plugins:
-        return int(plugins[command].load()(rest) or 0)  # type: ignore[attr-defined]
+        try:
+            return int(plugins[command].load()(rest) or 0)  # type: ignore[attr-defined]
+        except ConfigError as err:  # e.g. a tier that cannot start here: one line, no traceback
+            print(f"hicache {command}: {err}", file=sys.stderr)
+            return 2
     print(f"hicache: unknown command {command!r}\n{usage}", file=sys.stderr)
     return 2
 

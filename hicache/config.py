@@ -40,6 +40,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    PrivateAttr,
     SerializeAsAny,
     TypeAdapter,
     ValidationError,
@@ -290,6 +291,13 @@ class HiCacheConfig(_Strict):
     """How hits are taken and what gets stored."""
     metrics: MetricsConfig = MetricsConfig()
     """Prometheus metrics over HTTP (off by default)."""
+    _source: str = PrivateAttr(default="")
+
+    @property
+    def source(self) -> str:
+        """The file the configuration was read from by `load_config` ('' for a mapping); kept by
+        ``model_copy``. Errors raised when it starts name it."""
+        return self._source
 
     @field_validator("tiers", mode="before")
     @classmethod
@@ -395,9 +403,11 @@ def load_config(
             raise ConfigError(f"{where}: the top level must be a mapping of sections")
     data = apply_env_overrides(data, os.environ if env is None else env, where)
     try:
-        return model.model_validate(data)
+        config = model.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_describe(err, where)) from None
+    config._source = where
+    return config
 
 
 def apply_env_overrides(data: dict[str, Any], env: Mapping[str, str], where: str = "") -> dict:

@@ -158,7 +158,7 @@ def test_http_endpoint_on_loopback() -> None:
     registry, _ = register(engine.cache)
     server = serve(registry, port=0)
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=60) as r:
             text = r.read().decode()
     finally:
         server.close()

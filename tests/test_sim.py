@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from extras import require
 
 from hicache.backends import envelope
 from hicache.core.checksum import checksum_bytes
@@ -55,8 +56,8 @@ def test_the_ci_seeds_pass():
 
 @pytest.mark.parametrize("canary", sorted(CATCHERS))
 def test_each_canary_fails_the_ci_seeds(canary):
-    if canary in canaries.VLLM and not _has_vllm():
-        pytest.skip("vLLM is not installed: no seed runs vLLM's side")
+    if canary in canaries.VLLM:
+        require("vllm", None if _has_vllm() else "vLLM is not installed: no seed runs its side")
     assert run_seed(CATCHERS[canary], CI_OPS, canary, 0).error is not None
 
 
@@ -213,10 +214,10 @@ STEP_WAIT_OPS = [
 fetch, whose store calls are parked at the gate."""
 
 
-@pytest.mark.skipif(not _has_vllm(), reason="vLLM is not installed")
 def test_the_store_answers_while_the_vllm_worker_waits_in_step_for_a_fetch():
     """The simulation serves parked store calls while the engine thread waits for them (it
     once waited for the next operation to release them: a stall of fetch_max_wait_ms)."""
+    require("vllm", None if _has_vllm() else "vLLM is not installed")
     setup, _ = plan(12, CI_OPS)
     assert setup.engine == "vllm" and setup.in_step
     outcome: list[tuple[int, str | None]] = []

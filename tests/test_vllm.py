@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
+from extras import import_problem, require
 
 from hicache.tools.mooncake_local import free_port
 
@@ -33,12 +34,7 @@ SMALL_KV = 24 * BLOCK * 2 * 2 * 2 * 64 * 4  # 24 blocks of this model: 8 answers
 
 def require_vllm() -> None:
     """Skip without vLLM; fail instead under HICACHE_REQUIRE_VLLM=1."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError as err:
-        if os.environ.get("HICACHE_REQUIRE_VLLM") == "1":
-            pytest.fail(f"HICACHE_REQUIRE_VLLM=1 but vLLM does not import: {err}", pytrace=False)
-        pytest.skip(f"vLLM is not installed: {err}", allow_module_level=True)
+    require("vllm", import_problem("vllm", "vllm"))
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +168,7 @@ def test_a_configuration_error_reaches_the_operator_as_one_line_first(models, tm
     proc = vllm_process(models["llama"], tmp_path / "r.json", huge)
     assert proc.returncode != 0
     line = next(x for x in proc.stderr.splitlines() if "is more than this machine" in x)
-    assert line.startswith("hicache: TP rank 0: host tier size: 900 GiB is more than this")
+    assert line.startswith("hicache: TP rank 0: tiers.0.size: 900 GiB is more than this")
     first = proc.stderr.index(line)
     assert "Traceback" not in proc.stderr[:first]
     assert f"error '{line}'" in proc.stderr[first + len(line) :]

@@ -56,6 +56,7 @@ from hicache.backends.disk.config import DiskTierConfig, os_reason
 from hicache.backends.disk.lru import LruBook
 from hicache.backends.regions import Regions, check_keys, checked_tensor
 from hicache.config import Layout
+from hicache.errors import TierStartError
 from hicache.registry import register_tier
 
 log = logging.getLogger(__name__)
@@ -70,8 +71,11 @@ _Object = tuple[list[memoryview], list[int]]
 """An object's pieces as memoryviews, and their addresses."""
 
 
-class DiskTierError(RuntimeError):
+class DiskTierError(TierStartError):
     """The directory cannot be used (raised by `start`, with one line naming path and cause)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__("path", reason)
 
 
 @dataclass(frozen=True)
@@ -154,7 +158,7 @@ class DiskTier(StoreTier):
             raise RuntimeError("DiskTier.start after close")
         if self._pool is not None:
             return
-        where = f"disk tier at {self.root}"
+        where = str(self.root)
         try:
             self.root.mkdir(exist_ok=True)
             self._objects.mkdir(exist_ok=True)
@@ -484,6 +488,10 @@ def _lock(path: Path, where: str) -> int:
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
+        if holder == str(os.getpid()):
+            raise DiskTierError(
+                f"{where}: in use by another tier of this process; give each its own path"
+            ) from None
         raise DiskTierError(
             f"{where}: in use by another process (pid {holder}); give each process its own path"
         ) from None
