@@ -30,7 +30,6 @@ from hicache.integrations.vllm.connector import (  # noqa: E402
     for_rank,
     in_one_line,
     node_index,
-    probe_wait_s,
 )
 from hicache.integrations.vllm.inputs import refuse_unsupported  # noqa: E402
 from hicache.integrations.vllm.meta import (  # noqa: E402
@@ -44,6 +43,7 @@ from hicache.integrations.vllm.meta import (  # noqa: E402
 )
 from hicache.integrations.vllm.probe import StoreProbe  # noqa: E402
 from hicache.integrations.vllm.scheduler import SchedulerBooks  # noqa: E402
+from hicache.integrations.vllm.settings import probe_wait_s  # noqa: E402
 from hicache.integrations.vllm.view import RankNews  # noqa: E402
 from hicache.integrations.vllm.worker import WorkerCache  # noqa: E402
 from hicache.registry import register_tier  # noqa: E402

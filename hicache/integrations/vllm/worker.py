@@ -30,6 +30,7 @@ from hicache.core.keys import model_digest, weights_digest
 from hicache.core.request import Match
 from hicache.errors import HiCacheError
 from hicache.integrations.vllm.meta import (
+    REPORTED,
     Answer,
     Answers,
     HiCacheStats,
@@ -46,10 +47,6 @@ from hicache.observability.events import KVEvent
 log = logging.getLogger("hicache.vllm")
 
 #: The counters of `HiCache.stats` reported to vLLM's connector stats, as increases.
-REPORTED = (
-    "hit_tokens_host", "pages_loaded", "pages_stored", "pages_dropped", "pages_evicted",
-)  # fmt: skip
-
 FETCH_WAIT_MARGIN_S = 0.05
 """A load waits for its fetch at most the policy's `fetch_max_wait_ms` plus this (the fetch
 gives up at its deadline by itself; this bounds the wait should a tier's thread stall)."""
@@ -455,7 +452,7 @@ class PrefillClock:
                 self._report(tokens, seconds)
 
 
-def layout_fields(vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any]) -> dict:
+def layout_fields(vllm_config: Any, kv_cache_config: Any, model_id: str | None = None) -> dict:
     """hicache's layout from vLLM's configs, all but the segment sizes (those come from the
     tensors vLLM registers): the model (`model_identity`, or the extra config's `model_id`),
     the KV dtype, the block size and the TP rank. Refuses what hicache cannot key safely."""
@@ -473,7 +470,7 @@ def layout_fields(vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any])
         raise ValueError("hicache: pipeline parallelism is not supported")
     spec = groups[0].kv_cache_spec
     return {
-        "model": extra.get("model_id") or model_identity(vllm_config.model_config),
+        "model": model_id or model_identity(vllm_config.model_config),
         "kv_dtype": str(spec.dtype).removeprefix("torch."),
         "page_tokens": spec.block_size,
         "tp_rank": get_tensor_model_parallel_rank(),
