@@ -1,5 +1,7 @@
 """vLLM's own benchmark client (`vllm bench serve`) against vLLM's OpenAI server: vLLM alone,
-vLLM + hicache and vLLM + LMCache, interleaved. Run through bench/vllm.py:
+vLLM + hicache and vLLM + LMCache, interleaved. Run through bench/vllm.py, in an environment
+with vLLM's CPU build, Mooncake and LMCache (installed as bench/vllm.py says), hicache from this
+tree:
 
     python bench/vllm.py serve --out bench/results/vllm_serve_cpu.json     # 5 repetitions
 
@@ -9,9 +11,10 @@ The way docs/vllm.md's "Measure it yourself" measures, with every way of the com
 - ``hicache_host``, ``hicache_disk``, ``hicache_mooncake``: vLLM + `HiCacheConnector` with a host
   tier alone, a host tier and a disk tier, a host tier and a Mooncake tier on the store node
   that `hicache.tools.mooncake_local` starts for the run;
-- ``lmcache<chunk>`` (``lmcache128``, ``lmcache256``): vLLM + LMCache's `LMCacheMPConnector`
-  with an `lmcache server` of that chunk size (an L1 the size of hicache's host tier, a
-  file-system L2); the targets are taken against the one with the lower reuse TTFT p50.
+- ``lmcache<chunk>`` (``lmcache128``, ``lmcache256``; 64 and 512 too): vLLM + LMCache's
+  `LMCacheMPConnector` with an `lmcache server` of that chunk size (an L1 the size of hicache's
+  host tier, a file-system L2); the targets are taken against the one with the lower reuse
+  TTFT p50.
 
 Each way, each repetition: a fresh server (vLLM's CPU build, a random 4-layer Llama, prefix
 caching on, a KV pool below the working set, ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` on every
@@ -40,8 +43,8 @@ import tempfile
 import time
 import urllib.request
 from argparse import Namespace
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from common import ROOT, command, commit, cpu_model
@@ -65,45 +68,63 @@ def env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
-def hicache_tiers(way: str, work: Path, args: argparse.Namespace) -> tuple[list, Any]:
-    """The tiers of a hicache way, and the Mooncake store started for it (or None)."""
-    tiers: list[dict] = [{"type": "host", "size": args.host_bytes}]
-    store = None
-    if way == "hicache_disk":
-        tiers.append({"type": "disk", "path": str(work / "disk"), "size": args.disk_bytes})
-    elif way == "hicache_mooncake":
-        store = LocalMaster(log_dir=str(work / "mooncake"), segment_bytes=args.disk_bytes).start()
-        tiers.append(store.engine_tier())
-    elif way != "hicache_host":
-        raise SystemExit(f"unknown way {way!r}")
-    return tiers, store
+Setup = Callable[[Path, Namespace], tuple[dict | None, list[Callable[[], None]]]]
+"""A way's setup: vLLM's `--kv-transfer-config` for it (None: vLLM alone) and what stops what
+it started beside vLLM."""
+
+
+def hicache(tiers: list[dict]) -> dict:
+    return {
+        "kv_connector": "HiCacheConnector", "kv_role": "kv_both",
+        "kv_connector_module_path": "hicache.integrations.vllm",
+        "kv_connector_extra_config": {"hicache": {"tiers": tiers}},
+    }  # fmt: skip
+
+
+def host_tier(args: Namespace) -> dict:
+    return {"type": "host", "size": args.host_bytes}
+
+
+def hicache_host(work: Path, args: Namespace) -> tuple[dict | None, list]:
+    return hicache([host_tier(args)]), []
+
+
+def hicache_disk(work: Path, args: Namespace) -> tuple[dict | None, list]:
+    disk = {"type": "disk", "path": str(work / "disk"), "size": args.disk_bytes}
+    return hicache([host_tier(args), disk]), []
+
+
+def hicache_mooncake(work: Path, args: Namespace) -> tuple[dict | None, list]:
+    store = LocalMaster(log_dir=str(work / "mooncake"), segment_bytes=args.disk_bytes).start()
+    return hicache([host_tier(args), store.engine_tier()]), [store.stop]
+
+
+def lmcache(chunk: int) -> Setup:
+    def setup(work: Path, args: Namespace) -> tuple[dict | None, list]:
+        server = LMCacheServer(chunk, args.host_bytes, work / "l2", work / "lmcache.log")
+        return connector_config(server.port), [server.close]
+
+    return setup
+
+
+SETUPS: dict[str, Setup] = {
+    "vllm": lambda work, args: (None, []),
+    "hicache_host": hicache_host,
+    "hicache_disk": hicache_disk,
+    "hicache_mooncake": hicache_mooncake,
+    **{f"lmcache{chunk}": lmcache(chunk) for chunk in (64, 128, 256, 512)},
+}
 
 
 class Server:
-    """One vLLM OpenAI server for one way's run, with what runs beside it (an `lmcache server`,
-    a Mooncake store); `close` stops them all."""
+    """One vLLM OpenAI server (`vllm serve`) for one way's run, with what runs beside it (an
+    `lmcache server`, a Mooncake store); `close` stops them all."""
 
-    def __init__(self, way: str, work: Path, args: argparse.Namespace) -> None:
+    def __init__(self, way: str, work: Path, args: Namespace) -> None:
         self.port, self.log = free_port(), work / "server.log"
-        self._beside: list = []
-        transfer = None
-        if way.startswith("hicache"):
-            tiers, store = hicache_tiers(way, work, args)
-            self._beside += [store.stop] if store else []
-            transfer = {
-                "kv_connector": "HiCacheConnector", "kv_role": "kv_both",
-                "kv_connector_module_path": "hicache.integrations.vllm",
-                "kv_connector_extra_config": {"hicache": {"tiers": tiers}},
-            }  # fmt: skip
-        elif way.startswith("lmcache"):
-            chunk = int(way.removeprefix("lmcache"))
-            lm = LMCacheServer(chunk, args.host_bytes, work / "l2", work / "lmcache.log")
-            self._beside.append(lm.close)
-            transfer = connector_config(lm.port)
-        elif way != "vllm":
-            raise SystemExit(f"unknown way {way!r}")
+        transfer, self._beside = SETUPS[way](work, args)
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
+            sys.executable, "-m", "hicache.tools.vllm_cli", "serve", args.model,
             "--dtype", "float32", "--enforce-eager", "--seed", "0", "--port", str(self.port),
             "--host", "127.0.0.1", "--max-model-len", str(args.max_model_len),
             "--kv-cache-memory-bytes", str(args.kv_tokens * KV_BYTES_PER_TOKEN),
@@ -197,7 +218,7 @@ def bench_serve(server: Server, prefixes: int, seed: int, out: Path, args: Names
     return result
 
 
-def run_way(way: str, rep: int, args: argparse.Namespace) -> dict:
+def run_way(way: str, rep: int, args: Namespace) -> dict:
     """One way's server through both workloads; the row of figures."""
     work = Path(tempfile.mkdtemp(prefix=f"{way}-{rep}-", dir=args.work))
     started = time.monotonic()
@@ -219,7 +240,7 @@ def run_way(way: str, rep: int, args: argparse.Namespace) -> dict:
     return row
 
 
-def repetition(rep: int, args: argparse.Namespace) -> list[dict]:
+def repetition(rep: int, args: Namespace) -> list[dict]:
     """Every way once, in an order rotated by `rep`, with the load average around each."""
     order = args.ways[rep % len(args.ways) :] + args.ways[: rep % len(args.ways)]
     rows = []
@@ -277,7 +298,7 @@ def summarize(rows: list[dict], ways: list[str]) -> tuple[dict, dict]:
     return summary, targets
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def parse_args(argv: list[str]) -> Namespace:
     p = argparse.ArgumentParser(prog="bench/vllm.py serve", description=__doc__.splitlines()[0])
     p.add_argument("--out")
     p.add_argument("--reps", type=int, default=5)
@@ -304,6 +325,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--start-timeout-s", type=float, default=900)
     args = p.parse_args(argv)
     args.ways = args.ways.split(",")
+    unknown = [w for w in args.ways if w not in SETUPS]
+    if unknown:
+        p.error(f"unknown ways {unknown}: the ways are {', '.join(SETUPS)}")
     return args
 
 

@@ -107,6 +107,14 @@ def make_model(path: Path, arch: str, size: str = "tiny") -> None:
     model.save_pretrained(path, safe_serialization=True)
 
 
+def make(path: Path, arch: str, size: str = "tiny") -> None:
+    """The model and its tokenizer in `path`, unless they are there already."""
+    if not Path(path, "config.json").exists():
+        make_model(path, arch, size)
+    if not Path(path, "tokenizer.json").exists():  # checkpoints made before it had one
+        make_tokenizer(path)
+
+
 def make_adapters(model: Path, root: Path, count: int, rank: int = 8) -> list[Path]:
     """`count` LoRA adapters of the model (q and v projections, random A and B, so that each
     changes the answers), in PEFT's format that vLLM loads."""
@@ -390,10 +398,7 @@ def main() -> None:
     p.add_argument("--kill-after-turn", type=int, default=0, help="...after this turn")
     args = p.parse_args()
     if args.make_model:
-        if not Path(args.model, "config.json").exists():
-            make_model(Path(args.model), args.make_model, args.size)
-        if not Path(args.model, "tokenizer.json").exists():  # checkpoints made before it had one
-            make_tokenizer(Path(args.model))
+        make(Path(args.model), args.make_model, args.size)
         if not args.out:
             return
     result = run_workload(args) if args.workload else run(args)
