@@ -260,13 +260,15 @@ def run_workload(args: argparse.Namespace) -> dict:
         answers.append([list(o.outputs[0].token_ids) for o in outs])
         ttft.append([float(o.metrics.first_token_latency) for o in outs])
     elapsed = time.perf_counter() - started
-    return {
+    result = {
         "answers": answers,
         "ttft_s": ttft,
         "elapsed_s": elapsed,
         "vllm_metrics": vllm_metrics(llm),
         "omp_threads": threads,
     }
+    shut_down(llm)
+    return result
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -351,7 +353,16 @@ def run(args: argparse.Namespace) -> dict:
     if args.metrics_port:  # each TP rank serves its own metrics, on the port plus its rank
         ranks = [settle(llm, args.metrics_port + rank) for rank in range(args.tp)]
         result["hicache"], result["hicache_by_rank"] = ranks[0], ranks
+    shut_down(llm)
     return result
+
+
+def shut_down(llm) -> None:
+    """Stop vLLM's engine now, its connector with it (hicache's store tiers finish their writes,
+    which a later instance reads), not at the interpreter's exit: with the engine core in this
+    process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) that runs as the interpreter is torn down, too
+    late for the disk tier's writer threads."""
+    llm.llm_engine.engine_core.shutdown()
 
 
 def _model_id(args: argparse.Namespace) -> dict:
