@@ -22,11 +22,13 @@ server so that each runs its model on the same cores: vLLM's CPU build otherwise
 more core where a KV connector is configured), every store empty; then two `vllm bench serve`
 runs, one request at a time: **reuse** (`prefix_repetition`: `--prefixes` prefixes, each
 followed by its own suffixes, shuffled) and **no reuse** (the same lengths, every prefix new).
-Every repetition runs every way once, in an order rotated by one from the repetition before;
-the 1-minute load average is recorded before and after each way, and a repetition in which it
-passed `--max-load` is run again (at most `--reruns` times; the discarded ones are kept in the
-JSON). vLLM's counters of prompt tokens by source and hicache's hit tokens by tier are read
-from the server's /metrics around each run.
+Every repetition runs every way once, in an order rotated by one from the repetition before.
+Before each way the bench waits (at most `--load-wait-s`) for the 1-minute load average to fall
+to `--max-load` (its own last way's load decays in a minute or two); the load average before
+and after each way is recorded, and a repetition in which a way still started above
+`--max-load` (other work on the machine) is run again (at most `--reruns` times; the discarded
+ones are kept in the JSON). vLLM's counters of prompt tokens by source and hicache's hit
+tokens by tier are read from the server's /metrics around each run.
 """
 
 from __future__ import annotations
@@ -240,14 +242,24 @@ def run_way(way: str, rep: int, args: Namespace) -> dict:
     return row
 
 
+def quiet(limit: float, timeout_s: float) -> float:
+    """Wait until the 1-minute load average is at most `limit` (the last way's own load decays
+    in a minute or two on an otherwise quiet machine), at most `timeout_s`; the seconds waited."""
+    started = time.monotonic()
+    while os.getloadavg()[0] > limit and time.monotonic() - started < timeout_s:
+        time.sleep(5)
+    return time.monotonic() - started
+
+
 def repetition(rep: int, args: Namespace) -> list[dict]:
     """Every way once, in an order rotated by `rep`, with the load average around each."""
     order = args.ways[rep % len(args.ways) :] + args.ways[: rep % len(args.ways)]
     rows = []
     for way in order:
+        waited = quiet(args.max_load, args.load_wait_s)
         before = os.getloadavg()[0]
         row = run_way(way, rep, args)
-        row["load_average"] = {"before": before, "after": os.getloadavg()[0]}
+        row["load_average"] = {"before": before, "after": os.getloadavg()[0], "waited_s": waited}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -322,6 +334,8 @@ def parse_args(argv: list[str]) -> Namespace:
         help="run a repetition again where the 1-minute load average passed this",
     )
     p.add_argument("--reruns", type=int, default=3, help="at most this many times a repetition")
+    p.add_argument("--load-wait-s", type=float, default=240,
+                   help="before each way: wait at most this long for --max-load")  # fmt: skip
     p.add_argument("--start-timeout-s", type=float, default=900)
     args = p.parse_args(argv)
     args.ways = args.ways.split(",")
@@ -344,7 +358,7 @@ def main(argv: list[str]) -> None:
         for rep in range(args.reps):
             for attempt in range(args.reruns + 1):
                 got = repetition(rep, args)
-                peak = max(max(r["load_average"].values()) for r in got)
+                peak = max(r["load_average"]["before"] for r in got)
                 if peak <= args.max_load or attempt == args.reruns:
                     rows += got
                     break
