@@ -20,7 +20,7 @@ pip install -q torch==2.13.0 -e ".[test,mooncake,plot]"   # the CPU torch where 
 # checks): vLLM pulls torchvision, torchaudio and torchcodec built for another torch, which
 # nothing here needs and torchvision fails to import beside this one, hence the last line.
 pip install torch==2.13.0
-pip install -e '.[vllm]'
+pip install -e '.[vllm,mooncake]'
 pip uninstall -y torchvision torchaudio torchcodec
 # SGLang for its storage backend's tests, as docs/sglang.md gives it (tests/test_sglang_docs.py
 # checks): its storage path beside this torch, without its pins (torch 2.14.1 among them), and

@@ -168,6 +168,20 @@ def test_http_endpoint_on_loopback() -> None:
         serve(registry, port=70000)
 
 
+def test_a_metrics_port_another_process_holds_is_named() -> None:
+    """Two instances given one metrics port: the second is told which port, and what to do."""
+    first = serve(CollectorRegistry(), port=0)
+    try:
+        with pytest.raises(OSError) as err:
+            serve(CollectorRegistry(), port=first.port)
+    finally:
+        first.close()
+    assert str(err.value) == (
+        f"metrics port {first.port} on 127.0.0.1 is in use by another process: give "
+        "metrics.port another port, or 0 for any free one"
+    )
+
+
 def test_the_cache_exports_latency_histograms_after_a_scenario():
     e = FakeEngine(config())
     prompt = np.arange(40, dtype=np.int32)
