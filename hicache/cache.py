@@ -178,8 +178,9 @@ class HiCache:
                 self.metrics_server = serve(registry, config.metrics.port, config.metrics.addr)
             except OSError as err:
                 self.close()
-                at, why = f"{config.metrics.addr}:{config.metrics.port}", err.strerror or err
-                start = ConfigError(f"metrics.port: cannot serve at {at}: {why}")
+                at = f"{config.metrics.addr}:{config.metrics.port}"
+                why = f"cannot serve at {at}: {err.strerror}" if err.strerror else str(err)
+                start = ConfigError(f"metrics.port: {why}")
                 raise _in_file(config, start) from None
 
     def _prepare_copies(self, host: HostTier) -> None:

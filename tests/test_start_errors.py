@@ -199,5 +199,6 @@ def test_an_embedding_engine_gets_the_same_line_as_a_config_error(
         with pytest.raises(ConfigError) as err:
             start({"tiers": [{"type": "host", "size": "1MiB"}], "metrics": {"port": port}})
     assert (
-        str(err.value) == f"metrics.port: cannot serve at 127.0.0.1:{port}: Address already in use"
+        str(err.value) == f"metrics.port: metrics port {port} on 127.0.0.1 is in use by another "
+        "process: give metrics.port another port, or 0 for any free one"
     )

@@ -595,7 +595,7 @@ def test_a_start_error_is_logged_and_raised_as_one_line(caplog):
     def start():
         raise ValueError("size: 64 GiB is more than this machine has available (9 GiB)\nmore")
 
-    with caplog.at_level(logging.ERROR, logger="hicache.vllm"), pytest.raises(ConfigError) as err:
+    with caplog.at_level(logging.ERROR, logger="hicache"), pytest.raises(ConfigError) as err:
         in_one_line("TP rank 1", start)
     line = "hicache: TP rank 1: size: 64 GiB is more than this machine has available (9 GiB)"
     assert str(err.value) == line
