@@ -1,17 +1,20 @@
 """What makes a token's bits depend on how its prompt was chunked, and what the exact mode costs.
 
-    python bench/exact.py --json bench/results/exact_h100.json
+    python bench/exact.py --parts kernel_cost,gemm_rows,cost --contexts 2048,32768 \
+        --json bench/results/exact_h100.json
 
 On a GPU, Llama-3-8B's shapes in bfloat16 (random weights):
 
 - ``gemm_rows``: for each projection's shape, the largest difference between the rows of an
   M-row product and the same rows of the 8,192-row product, over M from 1 to 8,191, and the M
-  for which a row differed;
+  for which a row differed: cuBLAS (``F.linear``) and the exact mode's product;
 - ``rms_rows``: the same for RMSNorm, as transformers computes it and as the exact mode does;
 - ``attention``: the largest difference between the queries of a chunk (L queries ending at
   position E, keys 0..E) and the same queries in one causal pass over all positions, for
   SDPA as the engine calls it, FlashAttention 2 on the chunk's queries alone, and the exact
   mode's attention;
+- ``kernel_cost``: the exact mode's kernels against cuBLAS, SDPA and transformers' RMSNorm,
+  one call each at the model's shapes (CUDA events);
 - ``model``: the largest difference in the last token's logits and in the K/V between a prompt
   prefilled whole and prefilled in chunks (a suffix, decode-sized steps), mode off and on;
 - ``cost``: prefill tokens per second and decode step times, mode off and on, at a few context
@@ -83,14 +86,65 @@ def gemm_rows(cfg, gen: torch.Generator) -> dict[str, dict]:
     for name, (k, n) in shapes.items():
         x = torch.randn(8192, k, device="cuda", generator=gen).bfloat16()
         w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16()
-        full = F.linear(x, w)
-        diffs = {m: _diff(F.linear(x[:m], w), full[:m]) for m in ROWS}
-        out[name] = {
-            "max": max(diffs.values()),
-            "rows_that_differ": [m for m, d in diffs.items() if d],
-        }
+        for way, fn in (("cublas", F.linear), ("exact", exact.linear)):
+            full = fn(x, w)
+            diffs = {m: _diff(fn(x[:m], w), full[:m]) for m in ROWS}
+            out[f"{name}_{way}"] = {
+                "max": max(diffs.values()),
+                "rows_that_differ": [m for m, d in diffs.items() if d],
+            }
         del x, w, full
     return out
+
+
+def _kernel_time(fn, repeats: int = 20) -> float:
+    """Median seconds of `fn` over `repeats` calls timed with CUDA events, after a warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def kernel_cost(cfg, gen: torch.Generator) -> dict[str, dict]:
+    """The exact mode's kernels against what the engine calls without it, one call each: the
+    products at the model's shapes for a few row counts (cuBLAS), attention of a decode token
+    and of a 512-token suffix after a long context (SDPA), RMSNorm (as transformers does it)."""
+    hid, inter, H, Hk, D = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
+                            cfg.num_kv_heads, cfg.head_dim)  # fmt: skip
+    res: dict[str, dict] = {}
+    shapes = {"qkv": (hid, (H + 2 * Hk) * D), "o_proj": (H * D, hid),
+              "gate_up": (hid, 2 * inter), "down_proj": (inter, hid)}  # fmt: skip
+    for name, (k, n) in shapes.items():
+        w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16()
+        for m in (1, 16, 512, 8192):
+            x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+            base = _kernel_time(functools.partial(F.linear, x, w))
+            ours = _kernel_time(functools.partial(exact.linear, x, w))
+            res[f"{name}_m{m}"] = {"cublas_s": base, "exact_s": ours, "ratio": ours / base}
+    scale = D**-0.5
+    for ctx in (2048, 32768):
+        k = torch.randn(ctx + 512, Hk, D, device="cuda", generator=gen).bfloat16()
+        q = torch.randn(512, H, D, device="cuda", generator=gen).bfloat16()
+        for L in (1, 512):
+            qs, keys = q[:L], k[: ctx + L]
+            kr = keys.repeat_interleave(H // Hk, 1)
+            base = _kernel_time(functools.partial(_sdpa, qs, kr, kr, scale))
+            ours = _kernel_time(functools.partial(exact.attend, qs, keys, keys, ctx, 0, scale))
+            row = {"sdpa_s": base, "exact_s": ours, "ratio": ours / base}
+            res[f"attention_L{L}_ctx{ctx}"] = row
+    x = torch.randn(512, hid, device="cuda", generator=gen).bfloat16()
+    w = torch.ones(hid, device="cuda", dtype=torch.bfloat16)
+    for m in (1, 512):
+        base = _kernel_time(functools.partial(rms_norm, x[:m], w, 1e-5))
+        ours = _kernel_time(functools.partial(exact.rms_norm, x[:m], w, 1e-5))
+        res[f"rms_norm_m{m}"] = {"torch_s": base, "exact_s": ours, "ratio": ours / base}
+    return res
 
 
 def rms_rows(cfg, gen: torch.Generator) -> dict[str, float]:
@@ -228,7 +282,7 @@ def main() -> int:
     p.add_argument("--model", default="llama-8b")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--contexts", default="2048,8192,32768")
-    p.add_argument("--parts", default="gemm_rows,rms_rows,attention,model,cost")
+    p.add_argument("--parts", default="gemm_rows,rms_rows,attention,kernel_cost,model,cost")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -244,7 +298,12 @@ def main() -> int:
         "model": args.model,
     }
     parts = args.parts.split(",")
-    for name, fn in (("gemm_rows", gemm_rows), ("rms_rows", rms_rows), ("attention", attention)):
+    for name, fn in (
+        ("gemm_rows", gemm_rows),
+        ("rms_rows", rms_rows),
+        ("attention", attention),
+        ("kernel_cost", kernel_cost),
+    ):
         if name in parts:
             res[name] = fn(cfg, gen)
             print(name, json.dumps(res[name]), flush=True)

@@ -52,8 +52,6 @@ import json
 import os
 import platform
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -65,6 +63,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, command, commit, cpu_model
+from lmcache_peer import LMCacheServer
 
 from hicache.tools.mooncake_local import LocalMaster
 from hicache.tools.trace.workload import BLOCK_TOKENS, block_tokens_of
@@ -121,44 +120,6 @@ def workloads(args: argparse.Namespace) -> dict[str, list[list[list[int]]]]:
             no_reuse[-1].append(tokens(range(start, start + blocks), len(p), args.scale))
             start += blocks
     return {"reuse": reuse, "no_reuse": no_reuse, "second": reuse[:1]}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LMCacheServer:
-    """An `lmcache server` for one way's run (and its second instance): an L1 in memory and a
-    file-system L2, `chunk` tokens a chunk. Stopped (SIGINT, then SIGKILL) by `close`."""
-
-    def __init__(self, chunk: int, l1_bytes: int, disk: Path, log: Path) -> None:
-        self.port = free_port()
-        cmd = [
-            str(Path(sys.executable).with_name("lmcache")), "server",
-            "--host", "127.0.0.1", "--port", str(self.port), "--chunk-size", str(chunk),
-            "--l1-size-gb", f"{l1_bytes / 2**30:.4f}", "--eviction-policy", "LRU",
-            "--no-l1-use-lazy", "--supported-transfer-mode", "auto",
-            "--http-port", str(free_port()),
-            "--l2-adapter", json.dumps({"type": "fs", "base_path": str(disk)}),
-        ]  # fmt: skip
-        self.log = log
-        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while "cache server is running" not in log.read_text():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise SystemExit(f"lmcache server did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
-
-    def close(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def run_vllm(way: str, config: dict, workload: Path, out: Path, args: argparse.Namespace) -> dict:
@@ -328,6 +289,11 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["serve"]:  # vLLM's own client against its server: bench/vllm_serve.py
+        from vllm_serve import main as serve
+
+        serve(sys.argv[2:])
+        return
     args = parse_args()
     loads = workloads(args)
     every = [p for r in loads["reuse"] + loads["no_reuse"] for p in r]  # each prompt + answer

@@ -36,6 +36,7 @@ from hicache.config import HiCacheConfig, Layout, StoreTierConfig
 from hicache.core import native
 from hicache.core.keys import PrefixMemo, fingerprint
 from hicache.core.request import Match
+from hicache.errors import ConfigError, TierStartError
 from hicache.kernels import PagedBuffer, PoolRoutes, prepare
 from hicache.kernels.completions import DONE, Completion, Transfers
 from hicache.match import Matcher, Request
@@ -138,17 +139,25 @@ class HiCache:
         # the pool counts evictions anyway; the hook runs for an event sink or a write-back tier
         writes_back = any(c.write == "on_evict" for c in store_configs)
         evicted = self._evicted if events is not None or writes_back else None
-        self.host = HostTier(host_config, layout, evicted, self._prepare_copies)
+        try:
+            self.host = HostTier(host_config, layout, evicted, self._prepare_copies)
+        except TierStartError as err:
+            err.tier = 0
+            raise _in_file(config, err) from None
         self._hooks = states if layout.state_bytes else None
         self._transfers = Transfers(self.gpu.device, stream)
         memo = self.policy.prefix_memo
         self._memo = PrefixMemo(layout.page_tokens, memo) if memo else None
         self._chain: TierChain | None = None
         if store_configs:
-            self._chain = TierChain(
-                store_configs, self.host, layout, self.fingerprint, self.policy, self._stats,
-                events, wake, fence=self._transfers.fence,
-            )  # fmt: skip
+            try:
+                self._chain = TierChain(
+                    store_configs, self.host, layout, self.fingerprint, self.policy,
+                    self._stats, events, wake, fence=self._transfers.fence,
+                )  # fmt: skip
+            except TierStartError as err:
+                self.host.close()
+                raise _in_file(config, err) from None
         self._matcher = Matcher(
             layout, self.policy, self.host, self._chain, self._hooks, self._stats,
             self.fingerprint, self._memo,
@@ -165,7 +174,14 @@ class HiCache:
             from hicache.observability.metrics import register, serve
 
             registry, _ = register(self)
-            self.metrics_server = serve(registry, config.metrics.port, config.metrics.addr)
+            try:
+                self.metrics_server = serve(registry, config.metrics.port, config.metrics.addr)
+            except OSError as err:
+                self.close()
+                at = f"{config.metrics.addr}:{config.metrics.port}"
+                why = f"cannot serve at {at}: {err.strerror}" if err.strerror else str(err)
+                start = ConfigError(f"metrics.port: {why}")
+                raise _in_file(config, start) from None
 
     def _prepare_copies(self, host: HostTier) -> None:
         """The copy routes between the GPU pool and the host slots (cut into the pool's
@@ -341,6 +357,11 @@ class HiCache:
         if self.metrics_server is not None:
             self.metrics_server.close()
         self.host.close()
+
+
+def _in_file(config: HiCacheConfig, err: ConfigError) -> ConfigError:
+    """`err`, which names a field of `config`, naming the file it was read from too."""
+    return ConfigError(f"{config.source}: {err}") if config.source else err
 
 
 def _store_tiers(config: HiCacheConfig) -> list[StoreTierConfig]:

@@ -30,7 +30,7 @@ import os
 from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import yaml
 from pydantic import (
@@ -40,6 +40,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    PrivateAttr,
     SerializeAsAny,
     TypeAdapter,
     ValidationError,
@@ -290,6 +291,13 @@ class HiCacheConfig(_Strict):
     """How hits are taken and what gets stored."""
     metrics: MetricsConfig = MetricsConfig()
     """Prometheus metrics over HTTP (off by default)."""
+    _source: str = PrivateAttr(default="")
+
+    @property
+    def source(self) -> str:
+        """The file the configuration was read from by `load_config` ('' for a mapping); kept by
+        ``model_copy``. Errors raised when it starts name it."""
+        return self._source
 
     @field_validator("tiers", mode="before")
     @classmethod
@@ -362,14 +370,18 @@ def tier_name(tier: TierConfig) -> str:
 
 # -- loading -------------------------------------------------------------------------------------
 
+C = TypeVar("C", bound=HiCacheConfig)
+
 
 def load_config(
     source: str | os.PathLike[str] | Mapping[str, Any],
     env: Mapping[str, str] | None = None,
-) -> HiCacheConfig:
+    model: type[C] = HiCacheConfig,  # type: ignore[assignment]
+) -> C:
     """Load and validate a configuration from a YAML file or a mapping, with env overrides.
 
-    `env` defaults to ``os.environ``; pass ``{}`` to ignore the environment.
+    `env` defaults to ``os.environ``; pass ``{}`` to ignore the environment. `model`: the
+    configuration's model (an integration's subclass of `HiCacheConfig`, with rules of its own).
     Raises ConfigError with one line naming the file and the field.
     """
     where = ""
@@ -391,9 +403,11 @@ def load_config(
             raise ConfigError(f"{where}: the top level must be a mapping of sections")
     data = apply_env_overrides(data, os.environ if env is None else env, where)
     try:
-        return HiCacheConfig.model_validate(data)
+        config = model.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_describe(err, where)) from None
+    config._source = where
+    return config
 
 
 def apply_env_overrides(data: dict[str, Any], env: Mapping[str, str], where: str = "") -> dict:

@@ -12,3 +12,21 @@ class HiCacheError(RuntimeError):
 class StateHookError(HiCacheError):
     """The engine's state hook raised. The request is treated as a miss for what it concerned;
     the cache's books are unchanged by the failed call."""
+
+
+class TierStartError(ConfigError):
+    """A tier that cannot start on this machine as configured (a directory it cannot create or
+    lock, memory the machine does not have), raised by the tier's constructor or `start`:
+    `field` names the setting of the tier's section at fault, `reason` says why in one line.
+    Whoever builds the tiers of a configuration sets `tier`, the tier's index in its ``tiers``,
+    so that the message names the field as the file does (``tiers.1.path: ...``)."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(field, reason)
+        self.field = field
+        self.reason = reason
+        self.tier: int | None = None
+
+    def __str__(self) -> str:
+        where = "" if self.tier is None else f"tiers.{self.tier}."
+        return f"{where}{self.field}: {self.reason}"

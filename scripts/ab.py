@@ -6,8 +6,8 @@ Each round runs, in both trees (the order alternating from round to round), that
 `bench/trace.py match-latency --runs 200` and `bench/tiers.py engine-thread --rounds 1`, with
 the tree first on `PYTHONPATH`. Per row it records the medians of the statistic over the
 rounds for each tree, and the per-round ratio after / before (median and range): on a shared
-machine only a ratio measured side by side means something. Writes JSON with both trees'
-commits, the machine and this command.
+machine only a ratio measured side by side means something. Writes JSON with the after tree's
+commit (``commit``) and the before tree's (``commit_before``), the machine and this command.
 """
 
 from __future__ import annotations
@@ -87,12 +87,13 @@ def main() -> None:
         print(f"{name:60s} {rows[-1]['before']:9.1f} {rows[-1]['after']:9.1f} "
               f"{rows[-1]['ratio_median']}  {rows[-1]['ratio_range']}")  # fmt: skip
     result = {
-        "bench": "engine-thread cost of match and store, two trees interleaved",
+        "commit": commit(trees["after"]),
         "commit_before": commit(trees["before"]),
-        "commit_after": commit(trees["after"]),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, CPU only, shared with other jobs",
         "command": "python scripts/ab.py " + " ".join(sys.argv[1:]),
-        "note": "ratio = after / before per round; median and range over the rounds",
+        "bench": "engine-thread cost of match and store, two trees interleaved",
+        "note": "commit: the tree measured (after); commit_before: the tree it is compared with. "
+        "ratio = after / before per round; median and range over the rounds",
         "rows": rows,
     }
     if args.out is not None:

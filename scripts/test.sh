@@ -20,8 +20,17 @@ pip install -q torch==2.13.0 -e ".[test,mooncake,plot]"   # the CPU torch where 
 # checks): vLLM pulls torchvision, torchaudio and torchcodec built for another torch, which
 # nothing here needs and torchvision fails to import beside this one, hence the last line.
 pip install torch==2.13.0
-pip install -e '.[vllm]'
+pip install -e '.[vllm,mooncake]'
 pip uninstall -y torchvision torchaudio torchcodec
+# SGLang for its storage backend's tests, as docs/sglang.md gives it (tests/test_sglang_docs.py
+# checks): its storage path beside this torch, without its pins (torch 2.14.1 among them), and
+# the few modules it imports that vLLM's install lacks.
+pip install --no-deps sglang==0.5.23
+pip install orjson ipython gguf
 
-export HICACHE_REQUIRE_MOONCAKE=1 HICACHE_REQUIRE_VLLM=1   # never skip these tests here
+# The suite also runs with fewer extras (pip install -e '.[test]', with any of mooncake, vllm,
+# plot and SGLang's lines above): a test that needs a missing one skips, or fails where
+# HICACHE_REQUIRE_<EXTRA>=1, as here for everything installed above (tests/extras.py).
+export HICACHE_REQUIRE_MOONCAKE=1 HICACHE_REQUIRE_VLLM=1 HICACHE_REQUIRE_PLOT=1
+export HICACHE_REQUIRE_SGLANG=1
 ruff check . && python -m pytest -q

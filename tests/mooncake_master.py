@@ -16,7 +16,6 @@ Both skip when Mooncake is not installed, or fail under ``HICACHE_REQUIRE_MOONCA
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -24,10 +23,9 @@ from pathlib import Path
 from typing import Protocol
 
 import pytest
+from extras import require
 
 from hicache.tools.mooncake_local import LocalMaster, mooncake_missing
-
-REQUIRE_ENV = "HICACHE_REQUIRE_MOONCAKE"
 
 
 class _Closable(Protocol):
@@ -36,12 +34,7 @@ class _Closable(Protocol):
 
 def require_mooncake() -> None:
     """Skip the calling test (fail it under HICACHE_REQUIRE_MOONCAKE=1) without Mooncake."""
-    why = mooncake_missing()
-    if why is None:
-        return
-    if os.environ.get(REQUIRE_ENV) == "1":
-        pytest.fail(f"{REQUIRE_ENV}=1 but {why}", pytrace=False)
-    pytest.skip(why)
+    require("mooncake", mooncake_missing())
 
 
 class MooncakeMaster(LocalMaster):

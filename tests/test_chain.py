@@ -20,6 +20,7 @@ from fake_engine import FakeEngine, FakeStates, config, settle
 from memory_tier import MemoryTier
 
 from hicache import load_config
+from hicache.backends.breaker import CircuitBreaker
 from hicache.config import ConfigError
 
 pytestmark = pytest.mark.mooncake
@@ -346,7 +347,7 @@ def test_host_disk_mooncake_hits_from_each_tier_and_disk_survives_a_restart(
         """
     )
     out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, check=True
     )
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["hit"] == 40
@@ -423,10 +424,14 @@ def test_two_tiers_of_one_type_need_their_own_names(engines):
 def test_a_tier_without_a_breaker_of_its_own_gets_one_from_the_chain(engines):
     """The memory tier keeps no breaker: the chain opens one for it after `breaker_failures`
     failed calls in a row (it is then passed over, and offered no writes), and lets one call
-    through after `breaker_reprobe_s`; the call's success closes it."""
+    through after `breaker_reprobe_s`; the call's success closes it. The breaker reads a clock
+    of the test's (the chain's takes the same settings), so that the interval passes when the
+    test says, however long the calls take."""
     space = uuid.uuid4().hex
     e = engines(chain_config(memory(space, breaker_failures=3, breaker_reprobe_s=0.3)))
-    store = link(e, "memory").store
+    chain_link, now = link(e, "memory"), [0.0]
+    chain_link.breaker = CircuitBreaker(3, 0.3, clock=lambda: now[0])
+    store = chain_link.store
     store.fail = True
     for i in range(2):  # a failed get and a failed put, then a failed get that opens it
         e.run(f"f{i}", prompt(190 + i))
@@ -435,7 +440,7 @@ def test_a_tier_without_a_breaker_of_its_own_gets_one_from_the_chain(engines):
     assert (s["call_errors_memory"], s["puts_skipped_memory"], s["available_memory"]) == (3, 5, 0)
     e.run("f2", prompt(192))
     assert e.cache.stats()["skipped_down_memory"] == 1
-    time.sleep(0.35)
+    now[0] += 0.3
     store.fail = False
     e.run("f3", prompt(193))  # the probe: a get that answers (a miss), so the breaker closes
     settle(e)

@@ -128,7 +128,7 @@ def run_self(*args: str, rlimit_fsize: int | None = None, **kw) -> subprocess.Po
     )
 
 
-def finish(proc: subprocess.Popen, timeout: float = 120) -> dict:
+def finish(proc: subprocess.Popen, timeout: float = 600) -> dict:
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, err[-2000:]
     return json.loads(out.strip().splitlines()[-1])
@@ -486,7 +486,7 @@ def test_a_second_process_is_refused_the_directory_until_the_first_is_gone(tmp_p
     assert holder.stdout.readline().strip() == "ready", holder.stderr.read()
     other = finish(run_self("start", str(path)))
     assert other["error"] == (
-        f"disk tier at {path}: in use by another process (pid {holder.pid}); "
+        f"path: {path}: in use by another process (pid {holder.pid}); "
         "give each process its own path"
     )
     holder.send_signal(signal.SIGKILL)  # the lock dies with its process

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from extras import require_plot
 from test_vllm_docs import blocks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,7 +21,7 @@ COMMANDS = [(s, t) for doc in DOCS for s, lang, t in blocks(doc) if lang == "bas
 
 @pytest.mark.parametrize(("section", "text"), COMMANDS, ids=lambda v: str(v).split()[:3])
 def test_the_block_runs_as_written(tmp_path, section, text):
-    pytest.importorskip("matplotlib")  # the `plot` extra, for --plot
+    require_plot()
     for name in ("examples", "configs"):
         (tmp_path / name).symlink_to(ROOT / name)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}

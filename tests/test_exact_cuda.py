@@ -1,6 +1,7 @@
 """The reference engine's exact mode on a GPU: in bfloat16, a token's logits and K/V do not depend
-on how its prompt was chunked (FlashAttention's split-KV path for few queries included), and the
-engine alone and the engine with hicache (loads by layer) answer with identical logits.
+on how its prompt was chunked (the invariant Triton kernels of
+`hicache.tools.refengine.invariant`), and the engine alone and the engine with hicache (loads by
+layer) answer with identical logits.
 
 Run on a machine with CUDA (skipped elsewhere): ``pytest -m cuda tests/test_exact_cuda.py``.
 """
@@ -21,8 +22,8 @@ pytestmark = [
 ]
 
 GPU_SHAPES = {
-    # two layers of Llama-3-8B (32 query heads, 8 K/V, 128 wide: FlashAttention's path, split-KV
-    # included; its projections' shapes, for which GEMM_MIN_ROWS was measured)
+    # two layers of Llama-3-8B (32 query heads, 8 K/V, 128 wide; its projections' shapes, which
+    # cuBLAS rounds by row count for up to 240 rows on an H100 and 296 on an H200)
     "llama": ModelConfig(
         family="llama",
         vocab_size=4096,
@@ -36,7 +37,7 @@ GPU_SHAPES = {
         initializer_range=0.02,
         name="g-llama",
     ),
-    # sliding layers: the plain online softmax, on the GPU
+    # sliding layers: attention over a window
     "qwen3": SHAPES["qwen3"],
 }
 
@@ -51,7 +52,7 @@ def test_a_token_has_the_same_bits_however_its_prompt_is_chunked_only_in_exact_m
     differences = chunking_differences(model)
     if exact_mode:
         assert differences == []
-    elif family == "llama":  # the mode is needed: FlashAttention alone rounds by chunk shape
+    elif family == "llama":  # the mode is needed: cuBLAS and SDPA round by chunk shape
         assert differences, "no chunking changed a bit without the exact mode"
 
 

@@ -34,3 +34,17 @@ def test_rows_that_are_not_back_to_back_are_never_merged():
 def test_no_slots_no_pieces():
     pieces = group_pieces(BACK_TO_BACK, 4, [])
     assert (pieces.ptrs, pieces.sizes, pieces.span) == ([], [], None)
+
+
+# pages of several segments (an engine's layer-first pool: a row of each per page)
+TWO = [(1000, 100, 100), (5000, 64, 48)]  # back to back; spaced
+
+
+def test_segments_of_a_run_of_slots_are_a_piece_each_where_rows_lie_back_to_back():
+    from hicache.chain.jobs import segmented_pieces
+
+    pieces = segmented_pieces(TWO, 2, [4, 5, 7])
+    assert pieces.ptrs == [[1400, 5256, 5320], [1700, 5448]]
+    assert pieces.sizes == [[200, 48, 48], [100, 48]]
+    assert pieces.span == (1400, 5496)
+    assert (segmented_pieces(TWO, 2, []).ptrs, segmented_pieces(TWO, 2, []).span) == ([], None)

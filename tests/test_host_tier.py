@@ -13,7 +13,7 @@ LAYOUT = Layout(model="m", kv_dtype="uint8", page_tokens=4, page_bytes=4096)
 
 
 def test_a_pool_larger_than_the_machine_is_refused_at_construction():
-    with pytest.raises(ConfigError, match=r"^host tier size: .* is more than this machine has"):
+    with pytest.raises(ConfigError, match=r"^size: .* is more than this machine has"):
         HostTier(HostTierConfig(size=1 << 50), LAYOUT)
 
 

@@ -158,7 +158,7 @@ def test_http_endpoint_on_loopback() -> None:
     registry, _ = register(engine.cache)
     server = serve(registry, port=0)
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=60) as r:
             text = r.read().decode()
     finally:
         server.close()
@@ -166,6 +166,20 @@ def test_http_endpoint_on_loopback() -> None:
     assert 'hicache_pages_stored_total{tier="host"} 2.0' in text
     with pytest.raises(ValueError, match="port"):
         serve(registry, port=70000)
+
+
+def test_a_metrics_port_another_process_holds_is_named() -> None:
+    """Two instances given one metrics port: the second is told which port, and what to do."""
+    first = serve(CollectorRegistry(), port=0)
+    try:
+        with pytest.raises(OSError) as err:
+            serve(CollectorRegistry(), port=first.port)
+    finally:
+        first.close()
+    assert str(err.value) == (
+        f"metrics port {first.port} on 127.0.0.1 is in use by another process: give "
+        "metrics.port another port, or 0 for any free one"
+    )
 
 
 def test_the_cache_exports_latency_histograms_after_a_scenario():

@@ -55,7 +55,7 @@ def run_engine(master: LocalMaster, **env: str) -> tuple[dict, str]:
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         env={**os.environ, **env},
     )
     assert done.returncode == 0, done.stderr[-2000:]

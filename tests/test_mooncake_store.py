@@ -216,7 +216,9 @@ class FakeClient:
 
 
 def _fake_store(clients: list[FakeClient], **overrides: Any) -> MooncakeStore:
-    settings = dict(call_timeout_s=0.2, breaker_failures=2, breaker_reprobe_s=3600.0)
+    """A store over fake clients; calls are given 30 s (a loaded machine's calls are not
+    failures), the tests of the bound a short one of their own."""
+    settings = dict(call_timeout_s=30.0, breaker_failures=2, breaker_reprobe_s=3600.0)
     settings.update(overrides)
     made = iter(clients)
     store = MooncakeStore(MooncakeConfig(**settings), client_factory=lambda: next(made))
@@ -241,23 +243,23 @@ def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
 
 def test_a_call_out_past_the_bound_counts_as_a_failure_while_it_runs() -> None:
     fake = FakeClient()
-    store = _fake_store([fake], breaker_failures=5)
+    store = _fake_store([fake], breaker_failures=5, call_timeout_s=0.2)
     try:
-        assert store.wait_ready(5)
+        assert store.wait_ready(60)
         mem = torch.zeros(64 * KiB, dtype=torch.uint8)
         store.register(mem)
         fake.gate.clear()  # Mooncake holds the call (and the buffer)
         thread, out = _in_thread(
             lambda: store.get_into(["k"], Buffers.of([[(mem.data_ptr(), 4 * KiB)]]))
         )
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60
         while store.stats().timeouts == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert store.stats().timeouts == 1  # counted at 0.2 s, while the call is still out
         assert store.breaker.stats().consecutive_failures == 1
         assert thread.is_alive() and out == []
         fake.gate.set()
-        thread.join(5)
+        thread.join(60)
         assert out == [[4 * KiB]]  # its answer still arrives, and is a good one
         assert store.stats().timeouts == 1
     finally:
@@ -267,12 +269,12 @@ def test_a_call_out_past_the_bound_counts_as_a_failure_while_it_runs() -> None:
 
 def test_hanging_calls_open_the_breaker_and_further_calls_are_refused_at_once() -> None:
     fake = FakeClient()
-    store = _fake_store([fake])  # breaker_failures=2, call_timeout_s=0.2
+    store = _fake_store([fake], call_timeout_s=0.2)  # and breaker_failures=2
     try:
-        assert store.wait_ready(5)
+        assert store.wait_ready(60)
         fake.gate.clear()
         hung = [_in_thread(lambda: store.exists(["k"])) for _ in range(2)]
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60
         while store.breaker.state is BreakerState.CLOSED and time.monotonic() < deadline:
             time.sleep(0.01)
         assert store.breaker.state is BreakerState.OPEN  # both calls are still out
@@ -283,7 +285,7 @@ def test_hanging_calls_open_the_breaker_and_further_calls_are_refused_at_once() 
         assert store.stats().refused == 1
         fake.gate.set()
         for thread, out in hung:
-            thread.join(5)
+            thread.join(60)
             assert out == [[True]]
     finally:
         fake.gate.set()
@@ -294,7 +296,7 @@ def test_unreachable_codes_raise_only_when_no_key_was_answered() -> None:
     fake = FakeClient(codes=[StoreCode.RPC_FAIL, StoreCode.RPC_FAIL])
     store = _fake_store([fake], breaker_failures=5)
     try:
-        assert store.wait_ready(5)
+        assert store.wait_ready(60)
         with pytest.raises(StoreUnavailable, match="RPC_FAIL"):
             store.exists(["a", "b"])
         fake.codes = [1, StoreCode.RPC_TIMEOUT]
@@ -319,7 +321,7 @@ def test_failed_setup_is_retried_and_memory_is_registered_on_the_new_client() ->
         store.exists(["k"])
     store.start()
     try:
-        assert store.wait_ready(5)
+        assert store.wait_ready(60)
         assert store.state is StoreState.READY
         assert failing.closed and failing.registered == []
         assert working.registered == [(mem.data_ptr(), 4 * KiB)]
@@ -372,7 +374,7 @@ def _store(master: MooncakeMaster, **overrides: Any) -> MooncakeStore:
         master_address=master.address,
         global_segment_size=16 * MiB,
         local_buffer_size=1 * MiB,
-        call_timeout_s=1.0,
+        call_timeout_s=30.0,  # a loaded machine's calls are not failures; the bound's tests: 1 s
         breaker_failures=2,
         breaker_reprobe_s=0.5,
         reconnect_backoff_s=0.2,
@@ -490,9 +492,9 @@ from hicache.backends.mooncake.config import MooncakeConfig
 from hicache.backends.mooncake.tier import MooncakeStore
 address, keys, size = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 store = MooncakeStore(MooncakeConfig(master_address=address, global_segment_size=0,
-                                     local_buffer_size=1 << 20, call_timeout_s=5.0))
+                                     local_buffer_size=1 << 20, call_timeout_s=30.0))
 store.start()
-if not store.wait_ready(20):
+if not store.wait_ready(120):
     raise SystemExit("reader did not connect")
 mem = torch.zeros(size * len(keys), dtype=torch.uint8)
 store.register(mem)
@@ -529,7 +531,7 @@ def test_another_process_reads_what_this_one_put(
         [sys.executable, "-c", _READER, mooncake_master.address, json.dumps(keys), str(size)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=600,
         cwd=REPO,
         env=env,
         check=False,
@@ -592,7 +594,7 @@ def test_killed_master_opens_the_breaker_and_a_restart_is_found_again(
     master = start_mooncake_master()
     # a call to the dead master is out for up to ~4.3 s (the watchdog counts it at 1 s): the
     # breaker must still be open when the second one has returned, so it re-probes after 6 s
-    store = _store(master, global_segment_size=16 * MiB, breaker_reprobe_s=6.0)
+    store = _store(master, call_timeout_s=1.0, breaker_reprobe_s=6.0)
     stores.append(store)
     mem = _memory(MiB, seed=7)
     store.register(mem)
@@ -636,7 +638,7 @@ def test_a_stalled_master_never_holds_a_caller_past_the_bound_and_service_resume
     start_mooncake_master: Callable[..., MooncakeMaster], stores: list[MooncakeStore]
 ) -> None:
     master = start_mooncake_master()
-    store = _store(master, global_segment_size=16 * MiB, breaker_failures=5)
+    store = _store(master, call_timeout_s=1.0, breaker_failures=5)
     stores.append(store)
     mem = _memory(MiB, seed=8)
     store.register(mem)

@@ -248,7 +248,7 @@ e.cache.close()
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
         env={**os.environ, "PYTHONHASHSEED": "7"},
     )
     assert done.returncode == 0, done.stderr[-2000:]
@@ -493,10 +493,12 @@ def test_no_engine_thread_call_lets_go_of_the_gil(mooncake_master, engines):
 def test_fetches_behind_a_stalled_store_are_bounded(start_mooncake_master):
     """A master that stops answering holds the fetch worker's call until its timeout; new
     requests do not pile fetch jobs up behind it: beyond fetch_queue_depth they take their
-    host hit at once, counted, and fetching resumes once the calls return."""
+    host hit at once, counted, and fetching resumes once the calls return. The calls are given
+    longer than the test can take (a held call that timed out in the middle of it would free a
+    place), and return when the master resumes."""
     master = start_mooncake_master()
     cfg = mooncake_config(master, fetch_pending="host_only")
-    cfg["tiers"][1].update(fetch_queue_depth=2, call_timeout_s=2.0)
+    cfg["tiers"][1].update(fetch_queue_depth=2, call_timeout_s=60.0)
     e = FakeEngine(cfg)
     try:
         e.run("warm", prompt(60))

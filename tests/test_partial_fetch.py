@@ -17,6 +17,7 @@ import time
 import uuid
 
 import pytest
+from fake_engine import PATIENT_WAIT_MS
 from memory_tier import MemoryTier
 from test_refengine_hicache import PAGE, SHAPES
 from test_refengine_layerwise import _outputs, _spec
@@ -71,7 +72,7 @@ def _config(space: str, read_gbps: float, tier: dict | None = None) -> dict:
             {"type": "host", "size": "32MiB"},
             {**tier, "group_pages": GROUP, "read_gbps": read_gbps},
         ],
-        "policy": {"prefill_tokens_per_s": PREFILL, "fetch_max_wait_ms": 5000},
+        "policy": {"prefill_tokens_per_s": PREFILL, "fetch_max_wait_ms": PATIENT_WAIT_MS},
     }
 
 
@@ -98,7 +99,7 @@ def _reader(model, space: str, x: float, monkeypatch, tier: dict | None = None, 
 
 def _clean(eng) -> dict:
     """Check that the reader settles with nothing held, then close it; its last stats."""
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 120
     while not eng.cache.tiers_idle:  # the reader's own stores are put behind to the tier
         assert time.monotonic() < deadline, "the store tier did not settle in time"
         eng.cache.poll()
@@ -171,7 +172,7 @@ def test_a_planned_hit_cannot_be_loaded_from_below_its_head(model, convs, space,
     m = cache.match("r", prompt, partial=True)
     k = m.head_tokens
     assert m.pending and k > 0
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 120
     while m.pending:
         assert time.monotonic() < deadline, "the tier did not answer in time"
         time.sleep(0.005)

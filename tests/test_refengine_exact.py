@@ -142,21 +142,6 @@ def test_exact_mode_answers_with_identical_logits_with_the_cache_on_and_off(fami
     assert on_off_differences(SHAPES[family], "cpu", exact_mode=True) == []
 
 
-def test_rows_added_to_a_step_change_no_bit_of_the_real_ones(monkeypatch):
-    """The padding CUDA steps get (`exact.step_padding`), run here on the CPU, whose products
-    round a row alike with or without it: the same logits and K/V, added rows writing none."""
-    model = Transformer.random(SHAPES["llama"], seed=3, dtype=torch.bfloat16)
-    model.exact = True
-    tokens = list(range(1, 301))
-    plain = chunked_run(model, tokens, [100, 199, 1])
-    monkeypatch.setattr(exact, "PADDED_DEVICES", ("cuda", "cpu"))
-    assert exact.step_padding(100, torch.device("cpu")) == exact.GEMM_MIN_ROWS - 100
-    padded = chunked_run(model, tokens, [100, 199, 1])
-    assert torch.equal(padded[0], plain[0])
-    assert torch.equal(padded[1], plain[1])
-    assert chunking_differences(model) == []
-
-
 def test_replay_runs_in_exact_mode_by_default_in_bf16_and_not_in_float32(tmp_path):
     import json
 

@@ -151,7 +151,7 @@ def test_named_shapes_run_with_the_cache():
     assert all(conv[1].hit_tokens >= 256 for conv in on)
 
 
-def _wait_for_l3(engine, timeout_s: float = 20.0) -> None:
+def _wait_for_l3(engine, timeout_s: float = 120.0) -> None:
     """The store connects in the background, and lookups skip it until then: wait for it."""
     if not engine.cache.wait_ready(timeout_s):
         pytest.fail(f"the host tier or the L3 store was not ready within {timeout_s} s")

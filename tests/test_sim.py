@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from extras import require
 
 from hicache.backends import envelope
 from hicache.core import marks
@@ -60,8 +61,8 @@ def test_the_ci_seeds_pass_and_reach_every_coverage_mark():
 
 @pytest.mark.parametrize("canary", sorted(canaries.CANARIES))
 def test_each_canary_fails_the_ci_seeds_for_its_own_reason(canary):
-    if canary in canaries.VLLM and not _has_vllm():
-        pytest.skip("vLLM is not installed: no seed runs vLLM's side")
+    if canary in canaries.VLLM:
+        require("vllm", None if _has_vllm() else "vLLM is not installed: no seed runs its side")
     error = run_seed(CATCHERS[canary], CI_OPS, canary, 0).error
     assert error is not None and re.search(canaries.EXPECT[canary], error), error
 
@@ -124,10 +125,10 @@ def drawn(seeds: list[int]) -> str:
     return repr(out)
 
 
-@pytest.mark.skipif(not _has_vllm(), reason="vLLM is not installed")
 def test_two_of_the_images_fold_to_one_word_on_a_page_of_one_token():
     """The premise of the images-fold-31-bits canary: the last two images give their page the
     same folded word (only the rest of their hashes tells them apart)."""
+    require("vllm", None if _has_vllm() else "vLLM is not installed")
     from hicache.testing import vllm_world
 
     assert len(vllm_world.IMAGES) == IMAGE_COUNT
@@ -304,10 +305,10 @@ STEP_WAIT_WORLD = Setup(
 )  # fmt: skip
 
 
-@pytest.mark.skipif(not _has_vllm(), reason="vLLM is not installed")
 def test_the_store_answers_while_the_vllm_worker_waits_in_step_for_a_fetch(monkeypatch):
     """The simulation serves parked store calls while the engine thread waits for them (it
     once waited for the next operation to release them: a stall of fetch_max_wait_ms)."""
+    require("vllm", None if _has_vllm() else "vLLM is not installed")
     from hicache.testing import vllm_world
 
     waits = []

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from extras import require_plot
 
 from hicache import load_config
 from hicache.tools.trace.cli import main, parse_host_size
@@ -199,7 +200,7 @@ def test_parse_host_size() -> None:
 
 
 def test_cli_writes_the_report(trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    pytest.importorskip("matplotlib")
+    require_plot()
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     rc = main(
         [
@@ -321,18 +322,3 @@ def test_cli_takes_the_configs_host_size_over_its_page_size(
     out = tmp_path / "r.json"
     assert main([str(trace), "--config", str(config), "--limit", "50", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["host_pages"] == 40  # 40 MiB of 1 MiB pages
-
-
-def test_cli_fails_at_once_on_a_store_master_that_does_not_answer(
-    trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
-    from hicache.tools.mooncake_local import free_port
-
-    config = tmp_path / "c.yaml"
-    config.write_text(
-        "tiers:\n  - {type: host, size: 40MiB}\n"
-        f"  - {{type: mooncake, master_address: '127.0.0.1:{free_port()}'}}\n"
-    )
-    assert main([str(trace), "--config", str(config)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "does not answer" in err and len(err.splitlines()) == 1

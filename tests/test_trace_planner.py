@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from extras import require_plot
 from test_trace import make_trace
 
 from hicache import load_config
@@ -77,7 +78,7 @@ def test_ttft_estimate_by_hand() -> None:
 def test_planner_cli_writes_tiers_ttft_and_the_plot(
     trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    pytest.importorskip("matplotlib")
+    require_plot()
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
     argv = [str(trace), "--model", "llama-8b", "--tier", "host=3GiB", "--tier", "disk=8GiB"]
     assert main([*argv, "--json", str(out), "--plot", str(png)]) == 0

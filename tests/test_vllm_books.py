@@ -31,7 +31,6 @@ from hicache.integrations.vllm.connector import (  # noqa: E402
     for_rank,
     in_one_line,
     node_index,
-    probe_wait_s,
 )
 from hicache.integrations.vllm.inputs import refuse_unsupported  # noqa: E402
 from hicache.integrations.vllm.meta import (  # noqa: E402
@@ -45,6 +44,7 @@ from hicache.integrations.vllm.meta import (  # noqa: E402
 )
 from hicache.integrations.vllm.probe import StoreProbe  # noqa: E402
 from hicache.integrations.vllm.scheduler import SchedulerBooks  # noqa: E402
+from hicache.integrations.vllm.settings import probe_wait_s  # noqa: E402
 from hicache.integrations.vllm.view import RankNews  # noqa: E402
 from hicache.integrations.vllm.worker import WorkerCache  # noqa: E402
 from hicache.registry import register_tier  # noqa: E402
@@ -595,7 +595,7 @@ def test_a_start_error_is_logged_and_raised_as_one_line(caplog):
     def start():
         raise ValueError("size: 64 GiB is more than this machine has available (9 GiB)\nmore")
 
-    with caplog.at_level(logging.ERROR, logger="hicache.vllm"), pytest.raises(ConfigError) as err:
+    with caplog.at_level(logging.ERROR, logger="hicache"), pytest.raises(ConfigError) as err:
         in_one_line("TP rank 1", start)
     line = "hicache: TP rank 1: size: 64 GiB is more than this machine has available (9 GiB)"
     assert str(err.value) == line
@@ -1108,7 +1108,7 @@ def test_each_fp8_format_keys_pages_of_its_own(tiny_llama, tmp_path):
 
     def fp8_worker(fmt: str) -> WorkerCache:
         vllm_config = VllmConfig(model_config=model, cache_config=CacheConfig(cache_dtype=fmt))
-        w = WorkerCache(config, layout_fields(vllm_config, uint8_cache(), {}, 0, 1))
+        w = WorkerCache(config, layout_fields(vllm_config, uint8_cache(), None, 0, 1))
         kv = {f"layer.{i}": torch.randint(0, 255, (2, 16, P, 8), dtype=torch.uint8) for i in (0, 1)}
         w.register(kv, 16)
         return w
@@ -1162,7 +1162,7 @@ def test_a_speculative_drafters_weights_are_in_the_page_keys(tiny_llama, tmp_pat
         config = VllmConfig(
             model_config=target, parallel_config=parallel, speculative_config=drafting
         )
-        return layout_fields(config, kv, {}, 0, 1)["model"]
+        return layout_fields(config, kv, None, 0, 1)["model"]
 
     alone = model()
     drafted = model(method="draft_model", model=str(first))

@@ -26,10 +26,10 @@ from pydantic import Field, field_validator
 
 from hicache.backends.base import PoolTier
 from hicache.backends.memory import Cancelled, HostMemory, available_bytes, describe
-from hicache.config import Bytes, ConfigError, Layout, TierConfig
+from hicache.config import Bytes, Layout, TierConfig
 from hicache.core.eviction import DEFAULT_POLICY, make_policy
 from hicache.core.slots import EvictHook, SlotPool
-from hicache.errors import HiCacheError
+from hicache.errors import HiCacheError, TierStartError
 from hicache.kernels import PagedBuffer
 from hicache.registry import register_tier
 
@@ -87,18 +87,20 @@ class HostTier(PoolTier):
     ) -> None:
         """`on_ready` runs on the allocating thread once the pools exist, before the tier reads
         `ready` (the cache prepares its copies there); if it raises, the tier stays unready
-        with the error in `error`, which `wait_ready` raises. ConfigError for pools larger than
-        the memory this machine has available, or smaller than one page."""
+        with the error in `error`, which `wait_ready` raises. TierStartError (field ``size``)
+        for pools larger than the memory this machine has available, or smaller than one page."""
         self.config = config
         self.layout = layout
         try:
             config.check_machine()  # touching more would wake the OOM killer, not raise
         except ValueError as err:
-            raise ConfigError(f"host tier {err}") from None
+            field, _, reason = str(err).partition(": ")
+            raise TierStartError(field, reason) from None
         slots = config.size // layout.page_size
         if slots == 0:
-            raise ConfigError(
-                f"host tier size {config.size} is smaller than one page ({layout.page_size} bytes)"
+            raise TierStartError(
+                "size",
+                f"{describe(config.size)} is smaller than one page ({describe(layout.page_size)})",
             )
         self.page_slots = SlotPool(slots, on_evict, policy=config.policy)
         self.state_slots = SlotPool(config.state_slots if layout.state_bytes else 0)

@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -22,13 +22,13 @@ import torch
 from hicache.backends import codec as codecs
 from hicache.backends.base import Buffers, StoreTier
 from hicache.backends.envelope import CORRUPT, HEADER, RAW, Envelopes, gather, seed
-from hicache.backends.host import HostTier
 from hicache.core import marks
 from hicache.core.checksum import checksum
 from hicache.core.keys import page_keys, store_key
 from hicache.core.marks import mark
 from hicache.core.slots import Lease
 from hicache.errors import HiCacheError
+from hicache.kernels import PagedBuffer
 from hicache.kernels.completions import DONE, Completion
 
 _NO_BUFFERS = Buffers([], [])  # a probe's (read by nobody)
@@ -39,6 +39,28 @@ READ_CHUNK_BYTES = 64 << 20
 calls of about this many bytes (of their buffers; at least one object each), one call after
 another; each call's objects decode on the codec threads while the next call reads. With one
 codec thread a get is one call, decoded on the worker thread after it."""
+
+
+class Slots(Protocol):
+    capacity: int
+
+
+class SlotMemory(Protocol):
+    """The memory a `JobRunner` finds its objects' bytes in: page slot ``i`` is page ``i`` of
+    `pages` (read once the memory exists, at the first job), state slot ``i`` is `state(i)`;
+    `page_slots.capacity` and `state_slots.capacity` count them. `HostTier` is one; an engine's
+    own host pool is another (`hicache.integrations.sglang`)."""
+
+    @property
+    def pages(self) -> PagedBuffer: ...
+
+    def state(self, slot: int) -> torch.Tensor: ...
+
+    @property
+    def page_slots(self) -> Slots: ...
+
+    @property
+    def state_slots(self) -> Slots: ...
 
 
 @dataclass
@@ -97,7 +119,7 @@ class JobRunner:
     def __init__(
         self,
         store: StoreTier,
-        host: HostTier,
+        host: SlotMemory,
         key_prefix: str,
         fingerprint: bytes,
         group_pages: int,
@@ -139,9 +161,9 @@ class JobRunner:
         staging memory that a put encodes into (made now: the host pools exist by then)."""
         if self.codec is None:
             return [self.envelopes.memory]
-        rows = self._page_rows
         state = self.host.state(0).numel() if self.states else 0
-        slot = -(-max(self.G * rows[2], state) // codecs.ALIGN) * codecs.ALIGN
+        page = self.host.pages.page_bytes
+        slot = -(-max(self.G * page, state) // codecs.ALIGN) * codecs.ALIGN
         raw = torch.empty(STAGED_OBJECTS * slot + codecs.ALIGN, dtype=torch.uint8)
         skip = -raw.data_ptr() % codecs.ALIGN  # aligned, so that the disk tier can use O_DIRECT
         self._staging = raw[skip : skip + STAGED_OBJECTS * slot].view(STAGED_OBJECTS, slot)
@@ -292,10 +314,10 @@ class JobRunner:
             job.buffers = self._buffers(job.page_slots, job.state_slots)
 
     @cached_property
-    def _page_rows(self) -> tuple[int, int, int]:
-        """Address of host slot 0, bytes between slots, bytes of a page (once the pool exists)."""
-        rows = self.host.pages.segments[0]
-        return rows.data_ptr(), rows.stride(0), rows.shape[1]
+    def _page_rows(self) -> list[tuple[int, int, int]]:
+        """Per segment of the pages: address of slot 0's row, bytes between slots, bytes of a
+        row (once the pool exists)."""
+        return [(s.data_ptr(), s.stride(0), s.shape[1]) for s in self.host.pages.segments]
 
     def _buffers(self, page_slots: list[int], state_slots: list[int] | tuple[()] = ()) -> Buffers:
         """Where the objects lie: each its header (`envelopes`), then its bytes in the host
@@ -303,7 +325,11 @@ class JobRunner:
         `group_pieces`; the last may be a tail, shorter), then one state per entry of
         `state_slots`."""
         G = self.G
-        pieces = group_pieces(self._page_rows, G, page_slots)
+        rows = self._page_rows
+        if len(rows) == 1:
+            pieces = group_pieces(rows[0], G, page_slots)
+        else:
+            pieces = segmented_pieces(rows, G, page_slots)
         header = self.envelopes.page_header
         # by its last slot: groups that share their first page (prompts that part in the
         # group) are put at once from the same first slot, but a last page names its group
@@ -399,3 +425,36 @@ def group_pieces(rows: tuple[int, int, int], G: int, slots: list[int]) -> Buffer
     # min/max of the ints, not numpy reductions (each costs more than the loop here)
     low, high = min(slots), max(slots)
     return Buffers(ptrs, sizes, (base + stride * low, base + stride * high + size))
+
+
+def segmented_pieces(rows: list[tuple[int, int, int]], G: int, slots: list[int]) -> Buffers:
+    """As `group_pieces`, for pages made of several segments (a row of each; `rows` gives
+    each segment's address of slot 0, bytes between slots and bytes of a row): a group's
+    bytes are segment by segment, each segment's rows of the group's pages in order, so that
+    a segment whose rows lie back to back gives one piece for a group in consecutive slots
+    (else a piece per page). The span covers every piece (None for no slots)."""
+    if not slots:
+        return Buffers([], [])
+    ptrs: list[list[int]] = []
+    sizes: list[list[int]] = []
+    for i in range(0, len(slots), G):
+        group = slots[i : i + G]
+        first, k = group[0], len(group)
+        run = group == list(range(first, first + k))
+        obj_ptrs: list[int] = []
+        obj_sizes: list[int] = []
+        for base, stride, size in rows:
+            if run and stride == size:
+                obj_ptrs.append(base + stride * first)
+                obj_sizes.append(k * size)
+            else:
+                obj_ptrs += [base + stride * slot for slot in group]
+                obj_sizes += [size] * k
+        ptrs.append(obj_ptrs)
+        sizes.append(obj_sizes)
+    low, high = min(slots), max(slots)
+    span = (
+        min(base + stride * low for base, stride, _ in rows),
+        max(base + stride * high + size for base, stride, size in rows),
+    )
+    return Buffers(ptrs, sizes, span)

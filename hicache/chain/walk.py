@@ -35,6 +35,7 @@ from hicache.core.cost import Rate
 from hicache.core.keys import KeyChain
 from hicache.core.marks import mark
 from hicache.core.plan import PrefillSpeed, plan_fetch
+from hicache.errors import TierStartError
 from hicache.kernels.completions import Completion
 from hicache.observability.events import EventSink
 from hicache.observability.stats import Stats
@@ -58,7 +59,9 @@ class TierChain:
         *,
         fence: Callable[[], Completion],
     ) -> None:
-        """`fence`: a completion of every copy enqueued so far on the engine's stream
+        """`configs`: the configuration's tiers after the host tier (``tiers.1`` on), each
+        started here; a TierStartError names its tier after the tiers started before it are
+        closed. `fence`: a completion of every copy enqueued so far on the engine's stream
         (`hicache.kernels.completions.Transfers.fence`); every put waits for one made when it
         was queued."""
         self.policy = policy
@@ -69,29 +72,34 @@ class TierChain:
         self._stats = stats
         self.links: list[StoreLink] = []
         self._close_timeouts: list[float] = []
-        for cfg in configs:
-            store: StoreTier = tier_class(cfg.type)(cfg)
-            cpus = frozenset(cfg.worker_cpus)
-            settings = LinkSettings(
-                name=tier_name(cfg),
-                group_pages=cfg.group_pages,
-                key_prefix=store.object_prefix(cfg.key_prefix, cfg.codec),
-                queue_depth=cfg.write_queue_depth,
-                fetch_depth=cfg.fetch_queue_depth,
-                fetch_workers=cfg.fetch_workers or threads.fetch_workers(cpus),
-                reserve_pages=cfg.fetch_reserve // layout.page_size,
-                worker_cpus=cpus,
-                write=cfg.write,
-                read_gbps=cfg.read_gbps or store.read_gbps,
-                breaker_failures=cfg.breaker_failures,
-                breaker_reprobe_s=cfg.breaker_reprobe_s,
-                codec=codecs.for_dtype(layout.kv_dtype) if cfg.codec == "lossless" else None,
-                codec_threads=cfg.codec_threads,
-            )
-            link = StoreLink(
-                store, settings, host, layout, fingerprint, policy, self.prefill,
-                clock=clock, events=events, wake=wake, on_done=self._walk_on, fence=fence,
-            )  # fmt: skip
+        for i, cfg in enumerate(configs):
+            try:
+                store: StoreTier = tier_class(cfg.type)(cfg)
+                cpus = frozenset(cfg.worker_cpus)
+                settings = LinkSettings(
+                    name=tier_name(cfg),
+                    group_pages=cfg.group_pages,
+                    key_prefix=store.object_prefix(cfg.key_prefix, cfg.codec),
+                    queue_depth=cfg.write_queue_depth,
+                    fetch_depth=cfg.fetch_queue_depth,
+                    fetch_workers=cfg.fetch_workers or threads.fetch_workers(cpus),
+                    reserve_pages=cfg.fetch_reserve // layout.page_size,
+                    worker_cpus=cpus,
+                    write=cfg.write,
+                    read_gbps=cfg.read_gbps or store.read_gbps,
+                    breaker_failures=cfg.breaker_failures,
+                    breaker_reprobe_s=cfg.breaker_reprobe_s,
+                    codec=codecs.for_dtype(layout.kv_dtype) if cfg.codec == "lossless" else None,
+                    codec_threads=cfg.codec_threads,
+                )
+                link = StoreLink(
+                    store, settings, host, layout, fingerprint, policy, self.prefill,
+                    clock=clock, events=events, wake=wake, on_done=self._walk_on, fence=fence,
+                )  # fmt: skip
+            except TierStartError as err:
+                err.tier = i + 1  # configs are the configuration's tiers after the host
+                self.close()  # the tiers started before it
+                raise
             self.links.append(link)
             self._close_timeouts.append(cfg.close_timeout_s)
             stats.tiers[link.name] = link.stats

@@ -24,6 +24,7 @@ Usage::
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -305,7 +306,15 @@ class MetricsServer:
     """An HTTP endpoint serving one registry in the Prometheus text format."""
 
     def __init__(self, registry: CollectorRegistry, port: int, addr: str) -> None:
-        self._server, self._thread = start_http_server(port, addr=addr, registry=registry)
+        try:
+            self._server, self._thread = start_http_server(port, addr=addr, registry=registry)
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                raise
+            raise OSError(
+                f"metrics port {port} on {addr} is in use by another process: give "
+                "metrics.port another port, or 0 for any free one"
+            ) from None
 
     @property
     def port(self) -> int:

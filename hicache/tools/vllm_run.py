@@ -107,6 +107,14 @@ def make_model(path: Path, arch: str, size: str = "tiny") -> None:
     model.save_pretrained(path, safe_serialization=True)
 
 
+def make(path: Path, arch: str, size: str = "tiny") -> None:
+    """The model and its tokenizer in `path`, unless they are there already."""
+    if not Path(path, "config.json").exists():
+        make_model(path, arch, size)
+    if not Path(path, "tokenizer.json").exists():  # checkpoints made before it had one
+        make_tokenizer(path)
+
+
 def make_adapters(model: Path, root: Path, count: int, rank: int = 8) -> list[Path]:
     """`count` LoRA adapters of the model (q and v projections, random A and B, so that each
     changes the answers), in PEFT's format that vLLM loads."""
@@ -252,13 +260,15 @@ def run_workload(args: argparse.Namespace) -> dict:
         answers.append([list(o.outputs[0].token_ids) for o in outs])
         ttft.append([float(o.metrics.first_token_latency) for o in outs])
     elapsed = time.perf_counter() - started
-    return {
+    result = {
         "answers": answers,
         "ttft_s": ttft,
         "elapsed_s": elapsed,
         "vllm_metrics": vllm_metrics(llm),
         "omp_threads": threads,
     }
+    shut_down(llm)
+    return result
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -343,7 +353,16 @@ def run(args: argparse.Namespace) -> dict:
     if args.metrics_port:  # each TP rank serves its own metrics, on the port plus its rank
         ranks = [settle(llm, args.metrics_port + rank) for rank in range(args.tp)]
         result["hicache"], result["hicache_by_rank"] = ranks[0], ranks
+    shut_down(llm)
     return result
+
+
+def shut_down(llm) -> None:
+    """Stop vLLM's engine now, its connector with it (hicache's store tiers finish their writes,
+    which a later instance reads), not at the interpreter's exit: with the engine core in this
+    process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) that runs as the interpreter is torn down, too
+    late for the disk tier's writer threads."""
+    llm.llm_engine.engine_core.shutdown()
 
 
 def _model_id(args: argparse.Namespace) -> dict:
@@ -390,10 +409,7 @@ def main() -> None:
     p.add_argument("--kill-after-turn", type=int, default=0, help="...after this turn")
     args = p.parse_args()
     if args.make_model:
-        if not Path(args.model, "config.json").exists():
-            make_model(Path(args.model), args.make_model, args.size)
-        if not Path(args.model, "tokenizer.json").exists():  # checkpoints made before it had one
-            make_tokenizer(Path(args.model))
+        make(Path(args.model), args.make_model, args.size)
         if not args.out:
             return
     result = run_workload(args) if args.workload else run(args)

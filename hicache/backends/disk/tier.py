@@ -57,6 +57,7 @@ from hicache.backends.disk.lru import LruBook
 from hicache.backends.regions import Regions, check_keys, checked_tensor
 from hicache.config import Layout
 from hicache.core.marks import mark
+from hicache.errors import TierStartError
 from hicache.registry import register_tier
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,11 @@ _Object = tuple[list[memoryview], list[int]]
 """An object's pieces as memoryviews, and their addresses."""
 
 
-class DiskTierError(RuntimeError):
+class DiskTierError(TierStartError):
     """The directory cannot be used (raised by `start`, with one line naming path and cause)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__("path", reason)
 
 
 @dataclass(frozen=True)
@@ -155,7 +159,7 @@ class DiskTier(StoreTier):
             raise RuntimeError("DiskTier.start after close")
         if self._pool is not None:
             return
-        where = f"disk tier at {self.root}"
+        where = str(self.root)
         try:
             self.root.mkdir(exist_ok=True)
             self._objects.mkdir(exist_ok=True)
@@ -491,6 +495,10 @@ def _lock(path: Path, where: str) -> int:
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
+        if holder == str(os.getpid()):
+            raise DiskTierError(
+                f"{where}: in use by another tier of this process; give each its own path"
+            ) from None
         raise DiskTierError(
             f"{where}: in use by another process (pid {holder}); give each process its own path"
         ) from None

@@ -23,9 +23,7 @@ section: the layout comes from vLLM.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -37,17 +35,20 @@ from vllm.distributed.parallel_state import (
     get_tensor_model_parallel_world_size,
 )
 
-from hicache.config import ConfigError, HiCacheConfig, load_config
+from hicache.config import tier_name
+from hicache.integrations.common import for_rank, in_one_line
 from hicache.integrations.vllm.inputs import refuse_unsupported
 from hicache.integrations.vllm.meta import HiCacheStats, StepMeta
 from hicache.integrations.vllm.probe import StoreProbe
 from hicache.integrations.vllm.ranks import tp_agreement
 from hicache.integrations.vllm.scheduler import SchedulerBooks
+from hicache.integrations.vllm.settings import Settings
 from hicache.integrations.vllm.worker import WorkerCache, layout_fields
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -56,76 +57,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("hicache.vllm")
-T = TypeVar("T")
-
-RANK = "{rank}"
-"""In a store tier's `path`: replaced by the worker's index on its node (`node_index`; else
-each worker gets a subdirectory)."""
-
-
-def in_one_line(what: str, start: Callable[[], T]) -> T:
-    """Run a step of the connector's start; a configuration or machine error in it reaches the
-    operator as one line: logged at error level (before vLLM's traceback), and raised as a
-    ConfigError with that line as its message (the cause chained)."""
-    try:
-        return start()
-    except (ValueError, RuntimeError, OSError) as err:
-        text = str(err).strip()
-        cause = text.splitlines()[0] if text else type(err).__name__
-        line = cause if cause.startswith("hicache") else f"hicache: {what}: {cause}"
-        log.error("%s", line)
-        raise ConfigError(line) from err
-
-
-def hicache_config(extra: dict[str, Any]) -> HiCacheConfig:
-    """The hicache config named by the connector's extra config (`config` or `hicache`)."""
-    if ("config" in extra) == ("hicache" in extra):
-        raise ConfigError(
-            "hicache: kv_connector_extra_config needs exactly one of 'config' (a YAML file) "
-            "and 'hicache' (the config inline)"
-        )
-    config = load_config(extra["config"] if "config" in extra else extra["hicache"])
-    if config.layout is not None:
-        raise ConfigError(
-            "hicache: under vLLM the config has no 'layout' section: the layout comes from "
-            "vLLM's model, block size, KV dtype and TP rank"
-        )
-    return config
-
-
-def pin_share(extra: dict[str, Any]) -> float:
-    """The extra config's `pin_share`: a number in (0, 1]."""
-    share = extra.get("pin_share", 0.5)
-    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
-        raise ConfigError(f"hicache: pin_share must be a number in (0, 1], got {share!r}")
-    return float(share)
-
-
-def answer_in_step(extra: dict[str, Any]) -> bool:
-    """The extra config's `answer_in_step` (default true): answer from the scheduler's view of
-    the workers' tiers where it can tell, instead of asking the workers every time."""
-    value = extra.get("answer_in_step", True)
-    if not isinstance(value, bool):
-        raise ConfigError(f"hicache: answer_in_step must be true or false, got {value!r}")
-    return value
-
-
-def probe_wait_s(extra: dict[str, Any]) -> float:
-    """The extra config's `probe_wait_ms` (default 5), in seconds: a number in [0, 1000]."""
-    wait = extra.get("probe_wait_ms", 5)
-    if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 1000:
-        raise ConfigError(f"hicache: probe_wait_ms must be a number in [0, 1000], got {wait!r}")
-    return wait / 1e3
-
-
-def rank_path(path: str, rank: int) -> str:
-    """A store tier's directory for the worker of index `rank`: `{rank}` in `path` replaced, or
-    else the subdirectory ``rank<r>`` of `path` (`path` made here if absent: its parent must
-    exist)."""
-    if RANK in path:
-        return path.replace(RANK, str(rank))
-    Path(path).mkdir(exist_ok=True)
-    return str(Path(path) / f"rank{rank}")
 
 
 def node_index(vllm_config: VllmConfig, tp_rank: int, tp_size: int) -> int:
@@ -140,22 +71,6 @@ def node_index(vllm_config: VllmConfig, tp_rank: int, tp_size: int) -> int:
     return dp * tp_size + tp_rank
 
 
-def for_rank(config: HiCacheConfig, rank: int) -> HiCacheConfig:
-    """The config of the worker of index `rank` on its node (`node_index`): each store tier
-    with a directory gets one of its own (one process a directory), and the metrics are on the
-    configured port plus the index."""
-    tiers = [
-        tier.model_copy(update={"path": rank_path(tier.path, rank)})
-        if isinstance(getattr(tier, "path", None), str)
-        else tier
-        for tier in config.tiers
-    ]
-    update: dict[str, Any] = {"tiers": tiers}
-    if config.metrics.port and rank:
-        update["metrics"] = config.metrics.model_copy(update={"port": config.metrics.port + rank})
-    return config.model_copy(update=update)
-
-
 class HiCacheConnector(KVConnectorBase_V1):
     """hicache under vLLM. Loads are enqueued before the forward, layer by layer on a copy
     stream (each attention layer waits, on the device, for its own layer); stores are enqueued
@@ -168,27 +83,29 @@ class HiCacheConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self._books: SchedulerBooks | None = None
         self._worker: WorkerCache | None = None
-        in_one_line("configuration", lambda: self._start(vllm_config, role, kv_cache_config))
+        start = lambda: self._start(vllm_config, role, kv_cache_config)  # noqa: E731
+        in_one_line("configuration", start, log)
 
     def _start(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        config = hicache_config(extra)  # in both roles: a bad config stops vLLM at start
-        share, in_step = pin_share(extra), answer_in_step(extra)
+        settings = Settings.read(extra)  # in both roles: a bad config stops vLLM at start
+        config = settings.config
         refuse_unsupported(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             block = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
             ranks = vllm_config.parallel_config.tensor_parallel_size
             reprefillable = max(0, vllm_config.num_prefill_lookahead_tokens - 1)
             floor = config.policy.min_recompute_tokens
-            wait = probe_wait_s(extra)
+            in_step, wait = settings.answer_in_step, settings.probe_wait_s
             probe = StoreProbe.for_config(config, wait) if in_step and wait else None
             self._books = SchedulerBooks(block, ranks, reprefillable, floor, in_step, probe)
         else:
             rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-            fields = layout_fields(vllm_config, kv_cache_config, extra, rank, size)
+            fields = layout_fields(vllm_config, kv_cache_config, settings.model_id, rank, size)
             index = node_index(vllm_config, rank, size)
+            share = settings.pin_share
             self._worker = WorkerCache(for_rank(config, index), fields, share, tp_agreement())
 
     @property
@@ -200,7 +117,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         worker = self._worker_side()
         blocks = self._kv_cache_config.num_blocks
-        in_one_line(f"TP rank {worker.rank}", lambda: worker.register(kv_caches, blocks))
+        in_one_line(f"TP rank {worker.rank}", lambda: worker.register(kv_caches, blocks), log)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -234,6 +151,20 @@ class HiCacheConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HiCacheStats | None:
         return HiCacheStats(dict(data)) if data is not None else None
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:  # fmt: skip
+        """hicache's counters on vLLM's /metrics (`hicache.integrations.vllm.prom`)."""
+        from hicache.integrations.vllm.prom import HiCacheProm
+
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        tiers = [tier_name(t) for t in Settings.read(extra).config.tiers[1:]]
+        return HiCacheProm(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues, store_tiers=tiers
+        )
 
     def shutdown(self) -> None:
         if self._worker is not None:

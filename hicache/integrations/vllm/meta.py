@@ -111,6 +111,13 @@ class Answers(KVConnectorWorkerMetadata):
         return Answers(merged, resync, news)
 
 
+REPORTED = (
+    "hit_tokens_host", "pages_loaded", "pages_stored", "pages_dropped", "pages_evicted",
+)  # fmt: skip
+"""The counters of `HiCache.stats` a worker reports to vLLM, besides each store tier's
+``hit_tokens_<tier>``."""
+
+
 @dataclass
 class HiCacheStats(KVConnectorStats):
     """hicache's counters for vLLM's periodic "KV Transfer metrics" log line: what changed

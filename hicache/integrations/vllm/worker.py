@@ -31,6 +31,7 @@ from hicache.core.marks import mark
 from hicache.core.request import Match
 from hicache.errors import HiCacheError
 from hicache.integrations.vllm.meta import (
+    REPORTED,
     Answer,
     Answers,
     HiCacheStats,
@@ -48,10 +49,6 @@ from hicache.observability.events import KVEvent
 log = logging.getLogger("hicache.vllm")
 
 #: The counters of `HiCache.stats` reported to vLLM's connector stats, as increases.
-REPORTED = (
-    "hit_tokens_host", "pages_loaded", "pages_stored", "pages_dropped", "pages_evicted",
-)  # fmt: skip
-
 FETCH_WAIT_MARGIN_S = 0.05
 """A load waits for its fetch at most the policy's `fetch_max_wait_ms` plus this (the fetch
 gives up at its deadline by itself; this bounds the wait should a tier's thread stall)."""
@@ -479,7 +476,7 @@ class PrefillClock:
 
 
 def layout_fields(
-    vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any], tp_rank: int, tp_size: int
+    vllm_config: Any, kv_cache_config: Any, model_id: str | None, tp_rank: int, tp_size: int
 ) -> dict:
     """hicache's layout from vLLM's configs, all but the segment sizes (those come from the
     tensors vLLM registers): the model (`model_identity`, or the extra config's `model_id`)
@@ -496,7 +493,7 @@ def layout_fields(
         raise ValueError("hicache: pipeline parallelism is not supported")
     spec = groups[0].kv_cache_spec
     dtype = str(spec.dtype).removeprefix("torch.")
-    name = extra.get("model_id") or model_identity(vllm_config.model_config)
+    name = model_id or model_identity(vllm_config.model_config)
     return {
         "model": f"{name}|{kv_format(vllm_config, dtype)}",
         "kv_dtype": dtype,

@@ -7,15 +7,14 @@ on a GPU and on the CPU (in float32 the CPU's GEMMs round a row differently by r
 the mode does not make float32 CPU runs exact). Elementwise ops are invariant by nature; the
 reductions are what this module makes invariant:
 
-- a step on CUDA gets at least `GEMM_MIN_ROWS` rows (`step_padding`; `linear` for a product
-  outside it): cuBLAS picks other kernels (other reduction orders) for fewer rows, and rounds a
-  row alike for any count above;
-- `rms_norm` sums the squares by a fixed pairwise tree of elementwise adds, so a row's sum does
-  not depend on how many rows the reduction kernel sees;
-- `attend` computes every query over keys in fixed blocks aligned at absolute positions, in the
-  same order whatever the chunk: on CUDA in half precision, FlashAttention 2 (bottom-right causal)
-  with at least `flash_rows` query rows, so that its split-KV path (taken for few queries) is never
-  used; elsewhere, a plain online softmax in float32 over `KV_BLOCK`-key blocks.
+- on CUDA, by construction: `hicache.tools.refengine.invariant`'s Triton kernels reduce each
+  output element in one program, in an order fixed by the code and the weights' shapes (tiles
+  chosen from the weight, no split over K; attention over keys cut at absolute positions), so
+  no row count and no GPU model changes a row's bits;
+- on the CPU: products are `F.linear` (bfloat16 products round a row alike for any row count
+  there); `rms_norm` sums the squares by a fixed pairwise tree of elementwise adds; `attend`
+  is a plain online softmax in float32 over `KV_BLOCK`-key blocks aligned at absolute
+  positions, in the same order whatever the chunk.
 
 docs/decisions/exact-mode.md records what differed, on which device, and what the mode costs.
 """
@@ -27,42 +26,35 @@ import math
 import torch
 
 KV_BLOCK = 256
-"""Keys per block of the plain online softmax (blocks start at multiples of it)."""
+"""Keys per block of the CPU's online softmax (blocks start at multiples of it)."""
 
 Q_TILE = 16
-"""Queries per matrix product of the plain online softmax."""
-
-GEMM_MIN_ROWS = 256
-"""Rows below which a CUDA step is padded (on an H100, bf16 products of Llama-3-8B's shapes
-rounded a row differently for up to 240 rows, alike from 241 to 8,191; other shapes may need
-more: bench/exact.py measures it)."""
-
-_SPLIT_FREE_SHARE = 1.6
-"""FlashAttention 2 runs without splitting the keys once heads x 64-row query blocks reach this
-share of the multiprocessors (its ``num_splits_heuristic``: 0.8 of twice their number)."""
-
-PADDED_DEVICES = ("cuda",)
-"""Device types whose products get `GEMM_MIN_ROWS` rows (the CPU's bfloat16 products round a
-row alike for any count)."""
+"""Queries per matrix product of the CPU's online softmax."""
 
 
-def step_padding(rows: int, device: torch.device) -> int:
-    """Rows to add to a step of `rows` rows on `device` so that its products have enough."""
-    return max(0, GEMM_MIN_ROWS - rows) if device.type in PADDED_DEVICES else 0
+def _kernels(t: torch.Tensor):
+    """The invariant Triton kernels where `t` is on CUDA (imported there only), else None."""
+    if not t.is_cuda:
+        return None
+    from hicache.tools.refengine import invariant
+
+    return invariant
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` with `step_padding` zero rows added (their results dropped)."""
-    n, pad = x.shape[0], step_padding(x.shape[0], x.device)
-    if not pad:
+    """``F.linear`` whose rows do not depend on each other's presence."""
+    kernels = _kernels(x)
+    if kernels is None:
         return torch.nn.functional.linear(x, w, b)
-    padded = torch.cat((x, x.new_zeros(pad, *x.shape[1:])))
-    return torch.nn.functional.linear(padded, w, b)[:n]
+    return kernels.matmul(x, w, b)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, as transformers computes it (float32, then cast), with the mean
-    of squares summed by `tree_sum`."""
+    of squares summed by `tree_sum` (on CUDA, one program per row)."""
+    kernels = _kernels(x)
+    if kernels is not None:
+        return kernels.rms_norm(x, w, eps)
     h = x.to(torch.float32)
     ms = tree_sum(h * h) / h.shape[-1]
     return w * (h * torch.rsqrt(ms + eps)[..., None]).to(x.dtype)
@@ -81,12 +73,6 @@ def tree_sum(x: torch.Tensor) -> torch.Tensor:
     return x[..., 0]
 
 
-def flash_rows(heads: int, device: torch.device) -> int:
-    """Query rows from which FlashAttention 2 keeps every key block of a head in one pass."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return 64 * math.ceil(_SPLIT_FREE_SHARE * sms / heads)
-
-
 def attend(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -97,26 +83,19 @@ def attend(
     window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of queries ``q [L, H, D]`` at positions ``qpos0 ..`` over ``keys``/``vals``
-    ``[E, H, D]`` at positions ``kpos0 ..`` (the last key is the last query's position); with
-    `window`, a query sees only its last `window` positions. Returns ``[L, H, D]`` in q's dtype."""
+    ``[E, Hk, D]`` at positions ``kpos0 ..`` (the last key is the last query's position; a group
+    of ``H / Hk`` query heads reads one K/V head); with `window`, a query sees only its last
+    `window` positions. Returns ``[L, H, D]`` in q's dtype."""
     L, E = q.shape[0], keys.shape[0]
     if kpos0 + E != qpos0 + L:
         raise ValueError(f"keys end at {kpos0 + E}, queries at {qpos0 + L}")
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and window is None and kpos0 == 0:
-        return _flash(q, keys, vals, scale)
+    kernels = _kernels(q)
+    if kernels is not None:
+        return kernels.attention(q, keys, vals, qpos0, kpos0, scale, window)
+    rep = q.shape[1] // keys.shape[1]
+    if rep > 1:
+        keys, vals = keys.repeat_interleave(rep, dim=1), vals.repeat_interleave(rep, dim=1)
     return _blocked(q, keys, vals, qpos0, kpos0, scale, window)
-
-
-def _flash(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float) -> torch.Tensor:
-    L, H, D = q.shape
-    rows = max(L, flash_rows(H, q.device))
-    if rows > L:  # unused queries in front: bottom-right alignment keeps the real ones in place
-        q = torch.cat((q.new_zeros(rows - L, H, D), q))
-    qt, kt, vt = (t.transpose(0, 1)[None] for t in (q, keys, vals))
-    out = torch.ops.aten._scaled_dot_product_flash_attention(
-        qt, kt, vt, 0.0, True, False, scale=scale
-    )[0]
-    return out[0, :, rows - L :].transpose(0, 1)
 
 
 def _blocked(

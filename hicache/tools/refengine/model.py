@@ -142,22 +142,17 @@ class Transformer:
         cfg, w, dev = self.cfg, self.w, self.device
         lens = [len(it.tokens) for it in items]
         T = sum(lens)
-        # exact mode: rows added (token 0 at position 0) so that every product has as many rows
-        # as its invariance needs; the added rows are in no item and write no K/V
-        pad = exact_ops.step_padding(T, dev) if self.exact else 0
-        ids = torch.tensor([t for it in items for t in it.tokens] + [0] * pad, device=dev)
+        ids = torch.tensor([t for it in items for t in it.tokens], device=dev)
         spans = [torch.arange(it.start, it.start + n) for it, n in zip(items, lens)]
-        pos = torch.cat([*spans, torch.zeros(pad, dtype=torch.int64)])
-        pos_d = pos.to(dev)
+        pos_d = torch.cat(spans).to(dev)
         P = memory.page_tokens
         blocks = torch.cat([it.table[(span // P).to(dev)] for it, span in zip(items, spans)])
-        offsets = pos_d[:T] % P
+        offsets = pos_d % P
         freqs = pos_d[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(self.dtype)[:, None, :]
         sin = emb.sin().to(self.dtype)[:, None, :]
 
-        R = T + pad
         H, Hk, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         norm = exact_ops.rms_norm if self.exact else rms_norm
         h = F.embedding(ids, w["model.embed_tokens.weight"])
@@ -168,23 +163,20 @@ class Transformer:
                 for load in loads:
                     load.wait_layer(memory.full_index[layer])  # the stream waits, not the host
             x = norm(h, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-            q = self._lin(x, p + "self_attn.q_proj").view(R, H, D)
-            k = self._lin(x, p + "self_attn.k_proj").view(R, Hk, D)
-            v = self._lin(x, p + "self_attn.v_proj").view(R, Hk, D)
+            q = self._lin(x, p + "self_attn.q_proj").view(T, H, D)
+            k = self._lin(x, p + "self_attn.k_proj").view(T, Hk, D)
+            v = self._lin(x, p + "self_attn.v_proj").view(T, Hk, D)
             if cfg.qk_norm:
                 q = norm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
                 k = norm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            q, k, v = q[:T], k[:T], v[:T]
             if layer in memory.full_index:
                 memory.write_full(layer, blocks, offsets, k, v)
             outs = []
             for it, qi, ki, vi in zip(items, q.split(lens), k.split(lens), v.split(lens)):
                 outs.append(self._attend(layer, it, qi, ki, vi, memory))
-            if pad:
-                outs.append(q.new_zeros(pad, H, D))
-            o = torch.cat(outs).reshape(R, H * D)
+            o = torch.cat(outs).reshape(T, H * D)
             h = h + self._lin(o, p + "self_attn.o_proj")
             x = norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             gate = F.silu(self._lin(x, p + "mlp.gate_proj"))
@@ -198,7 +190,8 @@ class Transformer:
         return linear(hl, self.lm_head).float()
 
     def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+        linear = exact_ops.linear if self.exact else F.linear
+        return linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
     def _attend(
         self,
@@ -227,7 +220,6 @@ class Transformer:
         rep = self.cfg.num_heads // self.cfg.num_kv_heads
         scale = self.cfg.head_dim**-0.5
         if self.exact:
-            keys, vals = keys.repeat_interleave(rep, dim=1), vals.repeat_interleave(rep, dim=1)
             window = None if layer in memory.full_index else memory.window
             return exact_ops.attend(q, keys, vals, s, s + L - keys.shape[0], scale, window)
         qt = q.transpose(0, 1)[None]

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from hicache.backends.mooncake.tier import SHOW_NATIVE_LOG
-from hicache.config import ConfigError, load_config
+from hicache.config import load_config
 from hicache.errors import HiCacheError
 from hicache.tools.mooncake_local import LocalMaster
 from hicache.tools.refengine.build import EngineSpec, build_engine, load_model
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             return _main(args, argv, args.config or DEFAULT_CACHE)
         with LocalMaster(segment_bytes=LOCAL_STORE_BYTES) as master:  # --store local
             return _main(args, argv, {"tiers": [*DEFAULT_CACHE["tiers"], master.engine_tier()]})
-    except (ConfigError, HiCacheError) as err:  # e.g. a host tier larger than this machine has
+    except HiCacheError as err:  # e.g. host memory that could not be allocated after all
         print(f"hicache replay: {err}", file=sys.stderr)
         return 2
 

@@ -10,7 +10,8 @@ import torch
 
 from hicache.backends.mooncake.tier import SHOW_NATIVE_LOG
 from hicache.config import ConfigError, load_config
-from hicache.tools.mooncake_local import master_problem, mooncake_missing
+from hicache.tools.mooncake_local import mooncake_missing
+from hicache.tools.preflight import start_problem
 from hicache.tools.trace.report import write_problem
 
 __all__ = ["DEFAULT_CACHE", "find_problem", "parser"]
@@ -159,24 +160,17 @@ def find_problem(args: argparse.Namespace) -> str | None:
         return "--pool-share must be above 0 and --prefix-share in [0, 1]"
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         return "--device cuda but CUDA is not available"
-    if args.config is None and args.store == "local":
-        problem = mooncake_missing()
-        if problem:
-            return problem
-    try:
+    if args.config is not None and args.store == "local":
+        return "--store local adds a store to the default tiers: with --config, name it there"
+    try:  # the configuration first, then what the flags need beside it
         config = load_config(args.config or DEFAULT_CACHE)
-        config.check_machine(args.config or "")
     except ConfigError as err:
         return str(err)
-    if args.dp is not None:
+    problem = start_problem(config, args.config or "")
+    if problem is None and args.store == "local":
+        problem = mooncake_missing()
+    if problem is None and args.dp is not None:
         from hicache.tools.refengine.dp import dp_problem
 
         problem = dp_problem(args.dp, config, args.device)
-        if problem:
-            return problem
-    for tier in config.tiers:  # a store that does not answer fails now, not in 120 s
-        address = getattr(tier, "master_address", None)
-        problem = address and master_problem(address)
-        if problem:
-            return f"{args.config}: {problem}"
-    return None
+    return problem

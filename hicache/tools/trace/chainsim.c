@@ -202,6 +202,10 @@ static void walk(Host *h, Store *st, int n_stores, const int32_t *pages, int64_t
         int64_t run = 0;
         while (run < groups && s->objects.in[pages[(first + run + 1) * G - 1]]) run++;
         if (run == groups && tail && s->objects.in[pages[n - 1]]) run++;
+        for (int64_t o = run; o < objects; o++) { /* Fetcher._forget_missing */
+            int32_t end = o < groups ? pages[(first + o + 1) * G - 1] : pages[n - 1];
+            if (!s->objects.in[end]) s->known[end] = 0;
+        }
         int64_t want = run > groups ? groups * G + tail : run * G;
         if (run) {
             int64_t got = reserve(h, want);

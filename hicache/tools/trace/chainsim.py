@@ -21,7 +21,9 @@ hicache/chain/fetch.py, hicache/chain/writes.py), in their order:
 3. load (the hit's pages released), store (the prompt's held pages pinned, its new pages placed
    as far as room allows, then released: the new ones, then the held ones), and the puts of
    every `write: behind` tier: each full group of the prompt, and its tail, that the link has
-   not put or fetched before (its books of the tier never learn of the tier's evictions).
+   not put or fetched before, or that a fetch since found missing (its books of the tier learn
+   of the tier's evictions only so; the link's re-offer of what it put more than
+   `HELD_TRUST_S` ago, on a shared or persistent tier, is not modelled).
 
 A store tier holds objects of `group_pages` pages and tails (`hicache.core.span`), named by
 their last page, least recently used first (disk: a get touches, a put of a held object does
@@ -263,6 +265,7 @@ class ChainSim:
             run = 0
             while run < len(ends) and ends[run] in tier.objects:
                 run += 1
+            tier.known.difference_update(e for e in ends[run:] if e not in tier.objects)
             if run:
                 got = self.host.reserve(span.pages_of(run))
                 if got < span.pages_of(run):  # the whole groups that fit

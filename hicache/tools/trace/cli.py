@@ -18,7 +18,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from hicache.config import Bytes, ConfigError, HiCacheConfig, load_config
 from hicache.core.eviction import DEFAULT_POLICY, policy_names
-from hicache.tools.mooncake_local import master_problem
+from hicache.tools.preflight import start_problem
 from hicache.tools.trace import plancli
 from hicache.tools.trace.cluster_report import add_arguments as add_cluster_arguments
 from hicache.tools.trace.cluster_report import run as run_cluster
@@ -186,12 +186,12 @@ def _problem(args: argparse.Namespace, base: HiCacheConfig | None) -> str | None
         problem = write_problem(path, what)
         if problem:
             return problem
+    if base is not None and args.instances:
+        return (
+            "--instances sizes the tiers by --host-size, --disk-size and --store-size, not --config"
+        )
     if base is not None and not (plancli.wanted(args) or args.simulate_only):
-        for tier in base.tiers:  # a store that does not answer fails now, not in minutes
-            address = getattr(tier, "master_address", None)
-            problem = address and master_problem(address)
-            if problem:
-                return f"{args.config}: {problem}"
+        return start_problem(base, str(args.config))  # the real cache starts it here
     return None
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from hicache import HiCacheConfig, Layout, load_config
 from hicache.backends.host import HostTierConfig
+from hicache.config import MetricsConfig
 from hicache.core.eviction import DEFAULT_POLICY, make_policy, policy_names
 from hicache.tools.trace.engine import ReplayEngine, Timings
 from hicache.tools.trace.fastsim import OFFLINE, simulate
@@ -87,7 +88,10 @@ class ReplaySetup:
             else t
             for t in self.base.tiers
         ]
-        return HiCacheConfig(tiers=tuple(tiers), policy=self.base.policy)
+        # the base's tiers and policy (and the file they came from), no layout or metrics
+        return self.base.model_copy(
+            update={"tiers": tuple(tiers), "layout": None, "metrics": MetricsConfig()}
+        )
 
 
 @dataclass

@@ -1,0 +1,247 @@
+"""`HiCacheBackend`: hicache's store tiers as SGLang's HiCache storage backend (its L3).
+
+    python -m sglang.launch_server --model-path MODEL --page-size 64 \\
+        --enable-hierarchical-cache --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "hicache",
+          "module_path": "hicache.integrations.sglang", "class_name": "HiCacheBackend",
+          "interface_v1": 1, "config": "configs/sglang/disk.yaml"}'
+
+SGLang builds it as ``HiCacheBackend(storage_config, kwargs)``, hands it the host pool
+(`register_mem_pool_host`) and calls it from its cache controller's threads: `batch_exists`
+(the prefetch thread), `batch_get_v1` (the prefetch I/O thread), `batch_set_v1` (the backup
+thread). The work is `hicache.integrations.sglang.tiers.StoreTiers`'s; this class adds what
+SGLang's contract asks: the settings (`hicache.integrations.sglang.settings`), the namespace
+of the pages (`layout`), the refusals at start, SGLang's storage metrics and hicache's own.
+
+Hybrid models (SWA, Mamba: SGLang's v2 calls with `PoolTransfer`s) are refused at start: SGLang
+keeps their states in pools of their own, with hit rules (trailing pages, block groups) that
+hicache's tiers do not hold yet.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolName,
+)
+
+from hicache.config import ConfigError, Layout
+from hicache.core.keys import model_digest, weights_digest
+from hicache.integrations.common import for_rank, in_one_line
+from hicache.integrations.sglang.pool import EnginePages
+from hicache.integrations.sglang.settings import Settings, settings
+from hicache.integrations.sglang.tiers import StoreTiers
+from hicache.registry import tier_class
+
+log = logging.getLogger("hicache.sglang")
+
+
+class HiCacheBackend(HiCacheStorage):
+    """hicache under SGLang's host pool. A best-effort cache: a page that failed to store is a
+    future miss; a page that failed to arrive is recomputed by SGLang (only the leading pages
+    that arrived whole and verified count)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
+        self.storage_config = storage_config
+        self.settings: Settings = in_one_line(
+            "configuration", lambda: settings(storage_config.extra_config), log
+        )
+        self.tiers: StoreTiers | None = None
+        self._metrics: Any = None
+
+    # -- start ------------------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        if self.tiers is None:
+            rank = f"TP rank {self.storage_config.tp_rank}"
+            self.tiers = in_one_line(rank, lambda: self._start(mem_pool_host), log)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        if host_pool_name != PoolName.KV:
+            line = (
+                f"hicache: SGLang's {host_pool_name} pool (a hybrid model's states) is not "
+                "supported: hicache stores full-attention KV pages only"
+            )
+            log.error("%s", line)
+            raise ConfigError(line)
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+    def _start(self, pool: Any) -> StoreTiers:
+        cfg = self.storage_config
+        if cfg.dcp_size > 1 or cfg.should_split_heads:
+            raise ValueError("decode context parallelism and tp_lcm_size are not supported")
+        pages = EnginePages(pool)
+        layout = Layout(
+            model=f"{self._model()}|{pages.description}|{_shard(cfg)}",
+            kv_dtype=str(pool.dtype).removeprefix("torch."),
+            page_tokens=pages.page_tokens,
+            segments=pages.pages.seg_bytes,
+            tp_rank=cfg.tp_rank,
+            tp_size=cfg.tp_size,
+            kv_head_sharded=not cfg.is_mla_model,
+        )
+        self.settings.config.check_machine()  # a directory that cannot serve, named
+        config = for_rank(self.settings.config, process_index(cfg))
+        if cfg.is_mla_model and cfg.tp_size > 1:
+            for i, tier in enumerate(config.tiers):
+                if not tier_class(tier.type).shared:
+                    raise ValueError(
+                        f"tiers.{i}: an MLA model on {cfg.tp_size} TP ranks stores its pages "
+                        f"from one rank and reads them on every rank: a {tier.type} tier is "
+                        "one process's; use a shared tier (mooncake)"
+                    )
+        tiers = StoreTiers(
+            config.tiers, pages, layout, cfg.is_storage_writer, cfg.enable_storage_metrics
+        )
+        if not tiers.wait_ready():
+            log.warning("hicache: a store tier does not answer yet; SGLang's calls skip it")
+        if config.metrics.port is not None:
+            from hicache.observability.metrics import register, serve
+
+            registry, _ = register(tiers)
+            self._metrics = serve(registry, config.metrics.port, config.metrics.addr)
+        log.info("hicache: %d store tiers under SGLang's %s", len(config.tiers), pages.description)
+        return tiers
+
+    def _model(self) -> str:
+        """The weights' name in the page keys: `model_id`, or SGLang's model name with, where
+        SGLang published its model settings, what else changes the KV (its dtype, KV cache
+        dtype, quantization, revision, overrides) and a digest of a local model's weights."""
+        name = self.settings.model_id or self.storage_config.model_name
+        if not name:
+            raise ValueError('SGLang gave no model name: give "model_id" in the extra config')
+        if self.settings.model_id:
+            return name
+        fields = _server_model_fields()
+        folder = fields.get("model_path") or name
+        fields["weights"] = weights_digest(folder) if Path(str(folder)).is_dir() else ""
+        return f"{name}:{model_digest(fields)}"
+
+    # -- SGLang's calls ---------------------------------------------------------------------------
+
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        return self._started().exists(keys)
+
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        return self._started().get(keys, host_indices)
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        return self._started().put(keys, host_indices)
+
+    def exists(self, key: str) -> bool:
+        return self._started().exists([key]) == 1
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        raise NotImplementedError(_V1)
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None):
+        raise NotImplementedError(_V1)
+
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
+        raise NotImplementedError(_V1)
+
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:  # fmt: skip
+        raise NotImplementedError(_V1)
+
+    def clear(self) -> None:
+        """SGLang's "clear the storage" asks every store tier to drop what it holds: hicache's
+        tiers have no such call (a disk tier's directory is removed while SGLang is stopped; a
+        Mooncake Store's objects are the store's), so nothing is dropped, and it says so."""
+        log.warning("hicache: clear is not supported: the store tiers keep their objects")
+
+    # -- stats and the end ------------------------------------------------------------------------
+
+    def get_stats(self) -> Any:
+        """SGLang's storage metrics since its last read (pages and GB/s of each get and put),
+        where SGLang asks for them (``--enable-hicache-storage-metrics``); hicache's own
+        counters are `stats` (and its metrics endpoint, ``metrics.port``)."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        out = StorageMetrics()
+        calls = self.tiers.calls if self.tiers is not None else None
+        while calls:
+            call = calls.popleft()
+            pages = out.prefetch_pgs if call.kind == "get" else out.backup_pgs
+            rates = out.prefetch_bandwidth if call.kind == "get" else out.backup_bandwidth
+            pages.append(call.pages)
+            rates.append(call.nbytes / max(call.seconds, 1e-9) / 1e9)
+        return out
+
+    def stats(self) -> dict[str, int]:
+        """hicache's counters of each store tier (see `StoreTiers.stats`)."""
+        return self._started().stats()
+
+    def close(self) -> None:
+        """Close the tiers and the metrics endpoint (SGLang calls it when it detaches)."""
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
+
+    def _started(self) -> StoreTiers:
+        if self.tiers is None:
+            raise RuntimeError("hicache: SGLang has not registered its host pool yet")
+        return self.tiers
+
+
+_V1 = 'hicache: only the zero-copy calls: give "interface_v1": 1 in the extra config'
+
+
+def process_index(cfg: HiCacheStorageConfig) -> int:
+    """This process's index among SGLang's processes of one node with a store backend (its
+    attention DP, PP, TP and context-parallel ranks): each gets a directory of its own."""
+    index = cfg.dp_rank * cfg.pp_size + cfg.pp_rank
+    index = index * cfg.tp_size + cfg.tp_rank
+    return index * cfg.attn_cp_size + cfg.attn_cp_rank
+
+
+def _shard(cfg: HiCacheStorageConfig) -> str:
+    """What part of the model's KV this rank holds beyond its TP rank: its pipeline stage and
+    its context-parallel slice."""
+    return f"pp{cfg.pp_rank}/{cfg.pp_size}|cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}"
+
+
+MODEL_FIELDS = (
+    "model_path", "revision", "dtype", "kv_cache_dtype", "quantization",
+    "json_model_override_args",
+)  # fmt: skip
+"""SGLang's model settings that change the KV a prompt gives."""
+
+
+def _server_model_fields() -> dict[str, Any]:
+    """`MODEL_FIELDS` from SGLang's published server settings; empty where SGLang has not
+    published them (a controller made outside a server, as in tests)."""
+    try:
+        from sglang.srt.runtime_context import get_model
+
+        model = get_model()
+        return {name: str(getattr(model, name, None)) for name in MODEL_FIELDS}
+    except (ImportError, ValueError, RuntimeError):
+        return {}

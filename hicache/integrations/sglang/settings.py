@@ -1,0 +1,99 @@
+"""What SGLang's ``--hicache-storage-backend-extra-config`` tells the backend, checked at start
+with one-line errors. Imports no SGLang.
+
+The extra config is SGLang's own JSON (or ``@file``): SGLang reads ``backend_name``,
+``module_path``, ``class_name``, ``interface_v1`` and its prefetch keys; hicache reads
+``config`` (a hicache YAML file) or ``hicache`` (the same, inline) and ``model_id`` (names the
+weights in the page keys instead of SGLang's model name). The hicache config lists the store
+tiers only: SGLang's host pool is the host tier, sized by SGLang's flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import model_validator
+
+from hicache.config import ConfigError, HiCacheConfig, load_config, tier_name
+from hicache.integrations.common import config_source
+
+SGLANG_KEYS = frozenset({
+    "backend_name", "module_path", "class_name", "interface_v1", "prefetch_threshold",
+    "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+    "hicache_storage_pass_prefix_keys", "tp_lcm_size",
+})  # fmt: skip
+"""Keys of the extra config that SGLang reads itself."""
+HICACHE_KEYS = frozenset({"config", "hicache", "model_id"})
+FLAG = "--hicache-storage-backend-extra-config"
+
+
+class SGLangConfig(HiCacheConfig):
+    """hicache's configuration under SGLang: the store tiers below SGLang's host pool, in walk
+    order, and hicache's metrics. No host tier (SGLang's ``--hicache-ratio`` or
+    ``--hicache-size`` size SGLang's), no ``layout`` (it comes from SGLang's host pool) and no
+    ``policy`` (SGLang's ``--hicache-write-policy`` and prefetch policy decide when pages move).
+    A tier's ``write`` is ``behind`` (every page SGLang stores) or ``off`` (read only); an
+    object is one SGLang page (``group_pages: 1``)."""
+
+    @model_validator(mode="after")
+    def _tier_order(self) -> SGLangConfig:  # replaces HiCacheConfig's rule of the same name
+        if "policy" in self.model_fields_set:
+            raise ValueError(
+                "policy: under SGLang, SGLang's flags decide when pages are stored and fetched "
+                "(--hicache-write-policy, --hicache-storage-prefetch-policy)"
+            )
+        if self.layout is not None:
+            raise ValueError("layout: under SGLang the layout comes from SGLang's host pool")
+        for i, tier in enumerate(self.tiers):
+            where = f"tiers.{i}"
+            if tier.type == "host":
+                raise ValueError(
+                    f"{where}: under SGLang the host tier is SGLang's own (--hicache-ratio or "
+                    "--hicache-size): list the store tiers only"
+                )
+            if getattr(tier, "write", "behind") == "on_evict":
+                raise ValueError(
+                    f"{where}.write: on_evict is not for SGLang, whose --hicache-write-policy "
+                    "decides when pages are stored: use behind or off"
+                )
+            if getattr(tier, "group_pages", 1) > 1 and "group_pages" in tier.model_fields_set:
+                raise ValueError(
+                    f"{where}.group_pages: under SGLang an object is one SGLang page (its "
+                    "--page-size tokens; SGLang's batches do not say where a page lies in its "
+                    "prompt): set --page-size instead"
+                )
+        names = [tier_name(t) for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"each tier needs its own name (give 'name:'), got {names}")
+        return self
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The backend's settings from SGLang's extra config."""
+
+    config: SGLangConfig
+    model_id: str | None
+    """Names the weights in the page keys; None: SGLang's model name."""
+
+
+def settings(extra: dict[str, Any] | None) -> Settings:
+    """The settings in SGLang's extra config; ConfigError (one line) for a missing or bad one."""
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - SGLANG_KEYS - HICACHE_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"hicache: unknown key {unknown[0]!r} in {FLAG} (hicache reads "
+            f"{', '.join(sorted(HICACHE_KEYS))})"
+        )
+    if not extra.get("interface_v1"):
+        raise ConfigError(
+            f'hicache: give "interface_v1": 1 in {FLAG} (hicache moves pages straight between '
+            "SGLang's host pool and its tiers)"
+        )
+    model_id = extra.get("model_id")
+    if model_id is not None and (not isinstance(model_id, str) or not model_id):
+        raise ConfigError(f"hicache: model_id must be a non-empty string, got {model_id!r}")
+    source = config_source(extra, FLAG)
+    return Settings(load_config(source, model=SGLangConfig), model_id)
