@@ -129,7 +129,7 @@ def draw_setup(rng: random.Random, skip: frozenset[str] = frozenset()) -> Setup:
     prefix_reads = rng.random() < 0.5
     policy = rng.choice(POLICIES)
     stores = []
-    for _ in range(rng.choice((0, 1, 1, 2, 2))):
+    for _ in range(rng.choice((0, 1, 1, 1, 2, 2, 2))):
         disk = not any(s[0] == "disk" for s in stores) and rng.random() < 0.4
         kind = "disk" if disk else rng.choice(("memory", "memory", "private"))
         write = rng.choice(("behind", "behind", "on_evict", "on_evict", "off"))
@@ -140,7 +140,7 @@ def draw_setup(rng: random.Random, skip: frozenset[str] = frozenset()) -> Setup:
     if stores and all(write == "off" for _, write, _ in stores):  # some tier is written
         stores[0] = (stores[0][0], "behind", stores[0][2])
     widest = max((G for _, _, G in stores), default=1)
-    host_pages = max(4 * widest, rng.choice((128, 160, 192, 256)) // P)
+    host_pages = max(4 * widest, rng.choice((48, 64, 96, 128)) // P)
     disk_objects = rng.choice((8, 128, 512))
     common = dict(
         page_tokens=P,
@@ -184,7 +184,7 @@ def draw_setup(rng: random.Random, skip: frozenset[str] = frozenset()) -> Setup:
         page_bytes=4096 if compressible else 64,
         state_bytes=rng.choice(states),
         history_tokens=8 * P,
-        state_boundaries=rng.choice((2, 8)),
+        state_boundaries=rng.choice((4, 8)),
         layers=rng.choice((0, 0, 2)),
         stores=tuple(stores),
     )
@@ -232,11 +232,11 @@ def operations(rng: random.Random, setup: Setup, count: int) -> list[Op]:
     for _ in range(count):
         kind = rng.choices(kinds, weights)[0]
         if kind == "ask" or (kind in ("again", "load", "store", "release") and not live):
-            if specs and rng.random() < 0.85:
+            if specs and rng.random() < 0.9:
                 # a follow-up: often the next turn of the conversation that just ended (in the
                 # token buffer it leaves behind), or of an older one, mostly one stored
                 just_ended = released is not None and rng.random() < 0.15
-                older = stored[-RECENT:] if stored and rng.random() < 0.9 else specs
+                older = (stored[-RECENT:] if rng.random() < 0.2 else stored) if stored else specs
                 old = released if just_ended else rng.choice(older)
                 spec = _follow_up(rng, old)
             else:
@@ -346,7 +346,7 @@ def vllm_operations(rng: random.Random, setup: Setup, count: int) -> list[Op]:
     for i in range(count):
         kind = rng.choices(kinds, weights)[0]
         if kind == "ask" or (kind in ("decode", "preempt", "grow", "release") and not live):
-            if specs and rng.random() < 0.6:
+            if specs and rng.random() < 0.8:
                 old = rng.choice(specs)
                 spec = (*_follow_up(rng, old[:5]), *old[5:])
                 if rng.random() < 0.3:  # the same text under another namespace
