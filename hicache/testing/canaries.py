@@ -341,9 +341,3 @@ NEEDS = {
     "drop-superseded-question": {"cache-grows"},
 }
 """The parts of the workload a canary needs (`--skip` does not leave them out for it)."""
-
-VLLM = {
-    "lora-not-in-key", "raw-salt-namespace", "failed-load-stored", "drop-superseded-question",
-    "fp8-formats-share-keys", "stored-over-another-ranks-failed-load", "images-fold-31-bits",
-}  # fmt: skip
-"""Canaries of vLLM's side: only seeds whose engine is vLLM's can catch them."""
