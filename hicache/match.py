@@ -29,6 +29,7 @@ from hicache.chain.fetch import Fetch
 from hicache.chain.walk import TierChain, adopt_keys
 from hicache.config import Layout, Policy
 from hicache.core.keys import KeyChain, PrefixMemo, as_tokens, chain_seed
+from hicache.core.marks import mark
 from hicache.core.request import Match
 from hicache.core.slots import Lease
 from hicache.observability.stats import Stats
@@ -141,6 +142,7 @@ class Matcher:
         and loads with ``from_token=k`` (the final answer keeps k; its hit_tokens >= k). Where
         the host tier holds more than k tokens, nothing is planned: the host part is fast.
         """
+        mark("cache.match")
         started = time.perf_counter()
         tokens = as_tokens(tokens)
         n, P = tokens.shape[0], self.layout.page_tokens

@@ -35,6 +35,7 @@ import torch
 
 from hicache.backends.codec import Codec, view
 from hicache.core.checksum import checksum
+from hicache.core.marks import mark
 
 _FIELDS = struct.Struct("<4sBBHQQQ")  # magic, version, codec, flags, raw, stored, checksum
 HEADER = _FIELDS.size
@@ -105,9 +106,18 @@ class Envelopes:
                 return CORRUPT
         elif flags or codec is None or not _decode(codec, kind, ptrs[1:], sizes[1:], stored):
             return CORRUPT
+        else:
+            mark("codec.decoded")
         if value != checksum(ptrs[1:], sizes[1:], seed(name)):
+            mark("checksum.mismatch")
             return CORRUPT
         return payload
+
+    def encoded(self, at: int) -> bool:
+        """Whether the header at `at` (one of this object's, verified) says its payload was
+        stored encoded."""
+        kind, flags = self._view[at - self._base + 5], self._view[at - self._base + 6]
+        return kind != CODEC_NONE and flags != RAW
 
 
 def gather(codec: Codec, ptrs: list[int], sizes: list[int], nbytes: int) -> np.ndarray:

@@ -28,6 +28,7 @@ from hicache.chain.jobs import Job
 from hicache.config import Layout, Policy
 from hicache.core.cost import Rate, Verdict
 from hicache.core.keys import KeyChain
+from hicache.core.marks import mark
 from hicache.core.slots import Lease
 from hicache.core.span import Span
 from hicache.observability.events import EventSink, emit
@@ -339,6 +340,12 @@ class Fetcher:
                 self.stats.get_failed += run - ok
             states = [state_ok] if fetch.state_lease is not None else []
             self._forget_missing(job.ends[:run], whole, job.state_ends, states)
+            mark("store.get.keys-back", sum(whole) + state_ok)
+        mark("store.get.keys", len(job.ends) + len(job.state_ends))
+        if 0 < ok < run:
+            mark("store.get.partial")
+        if state_ok and ok < run:
+            mark("fetch.middle-lost-state-present")
         if fetch.state_lease is not None and not (state_ok and ok == run):
             # the state is the whole run's end: without it, or with a group before it missing,
             # the run can't be resumed from (and the state is no other boundary's)
@@ -381,7 +388,8 @@ class Fetcher:
             (self._states_held, state_ends, states_found),
         ):
             for key, here in zip(keys, flags):
-                if not here:
+                if not here and key in held:
+                    mark("store.forgot-missing")
                     held.discard(key)
 
     def _submit_fetch(self, job: Job) -> None:

@@ -22,8 +22,10 @@ import torch
 from hicache.backends import codec as codecs
 from hicache.backends.base import Buffers, StoreTier
 from hicache.backends.envelope import CORRUPT, HEADER, RAW, Envelopes, gather, seed
+from hicache.core import marks
 from hicache.core.checksum import checksum
 from hicache.core.keys import page_keys, store_key
+from hicache.core.marks import mark
 from hicache.core.slots import Lease
 from hicache.errors import HiCacheError
 from hicache.kernels import PagedBuffer
@@ -193,6 +195,7 @@ class JobRunner:
         if job.kind == "probe":
             return [c != 0 for c in _answer(self.store.exists(job.names), job)]
         if job.kind == "get":
+            mark("store.get")
             if self.codec is not None and self._pool is not None:
                 return self._get_overlapped(job, self._pool)
             return self._check(job, _answer(self.store.get_into(job.names, job.buffers), job))
@@ -230,6 +233,8 @@ class JobRunner:
         if codec is None or staging is None:  # memory() made it before the first put
             raise RuntimeError("a put before the staging memory was registered")
         raw = sum(sizes) - HEADER
+        if raw % 2:
+            mark("codec.odd-size")
         value = checksum(ptrs[1:], sizes[1:], seed(name))
         out = staging[k, :raw].numpy()
         stored = codec.encode(gather(codec, ptrs[1:], sizes[1:], raw), out)
@@ -273,7 +278,14 @@ class JobRunner:
         return checked
 
     def _check_one(self, name: str, ptrs: list[int], sizes: list[int], code: int) -> int:
-        return self.envelopes.check(name, ptrs, sizes, code, self.decoder)
+        out = self.envelopes.check(name, ptrs, sizes, code, self.decoder)
+        if out >= 0 and marks.active():  # instances with and without a codec on one store
+            encoded = self.envelopes.encoded(ptrs[0])
+            if encoded and self.codec is None:
+                mark("codec.encoded-read-without-codec")
+            elif not encoded and self.codec is not None:
+                mark("codec.raw-read-with-codec")
+        return out
 
     def _hash(self, job: Job) -> None:
         """Hash the pages of a fetch that the engine thread left (`hash_from`). The hashing

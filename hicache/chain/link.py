@@ -46,6 +46,7 @@ from hicache.chain.jobs import Job, JobRunner
 from hicache.chain.writes import WriteBehind
 from hicache.config import Layout, Policy
 from hicache.core.cost import Rate
+from hicache.core.marks import mark
 from hicache.errors import HiCacheError
 from hicache.kernels.completions import Completion
 from hicache.observability.events import EventSink
@@ -284,6 +285,8 @@ class StoreLink:
             try:
                 outcome: object = self._runner.run(job)
             except BaseException as err:  # reported to the engine thread as a failed job
+                if not isinstance(err, Exception):
+                    mark("plugin.base-exception")
                 if not isinstance(err, StoreUnavailable):
                     log.warning("hicache tier %s: %s failed: %r", self.name, job.kind, err)
                 outcome = err

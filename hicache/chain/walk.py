@@ -33,6 +33,7 @@ from hicache.chain.link import LinkSettings, StoreLink
 from hicache.config import Layout, Policy, StoreTierConfig, tier_name
 from hicache.core.cost import Rate
 from hicache.core.keys import KeyChain
+from hicache.core.marks import mark
 from hicache.core.plan import PrefillSpeed, plan_fetch
 from hicache.errors import TierStartError
 from hicache.kernels.completions import Completion
@@ -105,6 +106,7 @@ class TierChain:
         self._index = {id(link.fetcher): i for i, link in enumerate(self.links)}
         self._write_back = [link for link in self.links if link.settings.write == "on_evict"]
         self._behind = [link for link in self.links if link.settings.write == "behind"]
+        self._off = any(link.settings.write == "off" for link in self.links)
         self.group_pages = sorted({link.G for link in self.links})
         """The group sizes of the tiers (a state at a group end of each can be fetched)."""
 
@@ -182,6 +184,7 @@ class TierChain:
             return False
         if self.clock() <= fetch.deadline:
             return True
+        mark("fetch.deadline-missed")
         for part in fetch.parts():
             if part.phase != "done" and not part.abandoned:
                 part.source.stats.timeouts += 1
@@ -217,6 +220,8 @@ class TierChain:
         too, to the `write: behind` tiers). `ready`: a fence made after the host copy (what
         `Transfers.then` returned for it)."""
         n = len(keys)
+        if self._off:
+            mark("write.off")
         for link in self._behind:
             link.writer.write_behind(keys, n, range(link.G, n + 1, link.G), ready, slots, tail)
         for link in self._write_back:

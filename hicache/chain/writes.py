@@ -25,6 +25,7 @@ from hicache.backends.host import HostTier
 from hicache.chain.fetch import Held
 from hicache.chain.jobs import Job
 from hicache.config import Layout
+from hicache.core.marks import mark
 from hicache.kernels.completions import Completion
 from hicache.observability.events import EventSink, emit
 from hicache.observability.stats import TierStats
@@ -115,6 +116,7 @@ class WriteBehind:
         if not self.usable():  # not connected, or the breaker is open: offer nothing
             self.stats.puts_skipped += n_groups
             return
+        mark("write.behind")
         held, now = self._groups_held, self.clock()
         held.expire(now)
         self._states_held.expire(now)
@@ -195,6 +197,7 @@ class WriteBehind:
         pool = self.host.page_slots
         if not force and pool.free >= pool.capacity // 8:
             return
+        mark("write.on_evict")
         batch = [dirty.popitem(last=False) for _ in range(min(WRITE_BACK_GROUPS, len(dirty)))]
         flat = [key for _, group in batch for key in group]
         found = pool.lookup(flat)

@@ -26,6 +26,7 @@ import numpy as np
 
 from hicache.config import Layout
 from hicache.core import native
+from hicache.core.marks import mark
 
 FORMAT_VERSION = 1
 """hicache's own format version: bump it when the bytes of a page or a state change meaning."""
@@ -169,6 +170,8 @@ def features_salt(
     first of them."""
     if not features or FOLD_BITS * page_tokens >= FEATURE_BITS:
         return salt
+    if page_tokens == 1:
+        mark("keys.images-on-one-token-pages")
     h = hashlib.sha256(b"hicache-mm-request\x00")
     for offset, length, identifier in sorted(features):
         at = offset.to_bytes(8, "little", signed=True) + length.to_bytes(8, "little")

@@ -3,32 +3,54 @@
 Every call a tier's worker thread makes parks at the world's `Gate` until the simulation
 releases it, with the fault it draws (or none): so calls complete late, out of order, or only at
 close. Behind the gate is a real store: an in-memory object store shared by every instance that
-names the same `space` (a second instance, a reopened one), or the real disk tier in a directory
-(`disk`). Faults at a call: the store unreachable, an exception, code lists too short, too long
-or of the wrong type, per-key failures, wrong byte counts. Faults at rest (`Space`): objects
-lost, truncated or replaced, the store full, down and back, a restart that loses its contents.
+names the same `space` (other instances at the same time, a reopened one), or the real disk
+tier in a directory (`disk`, `KillableDisk`). Faults at a call: the store unreachable, an
+exception, a BaseException (asyncio's CancelledError, as a plugin's asyncio code raises), code
+lists too short, too long or of the wrong type, per-key failures (of the first object and every
+other one, or of every other one between the first and the last: groups in the middle of a
+run, the state at its end kept), wrong byte counts. Faults at rest (`Space.damage`,
+`damage_disk`: on the real disk tier's record files): objects lost, truncated, replaced, or one
+byte of their payload changed (their headers intact: only the payload's checksum can tell); the
+store full, down and back, a restart that loses its contents; the process of a disk tier killed
+at a point of a record's write.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
 
 from hicache.backends.base import Buffers, StoreTier, StoreUnavailable
+from hicache.backends.disk import records
+from hicache.backends.disk.tier import DiskTier
+from hicache.backends.envelope import HEADER
 from hicache.config import StoreTierConfig
+from hicache.core.marks import mark
 from hicache.registry import register_tier
+from hicache.testing.oracle import Violation
 
 MISSING = -2
 
 CALL_FAULTS = (
-    "unavailable", "exception", "short", "long", "wrong_type", "per_key", "wrong_bytes",
+    "unavailable", "exception", "cancelled", "short", "long", "wrong_type", "per_key",
+    "per_key_odd", "wrong_bytes",
 )  # fmt: skip
 """What a released call may be made to do instead of answering (see `_faulty`)."""
+AT_REST = ("lost", "truncated", "replaced", "payload", "stray")
+"""What `Space.damage` and `damage_disk` do to an object at rest."""
+DAMAGED_AMONG = 8
+"""Damage at rest lands on one of the objects put (or, on a disk, used) last: those a request
+is likely to read soon."""
+KILL_POINTS = ("writing", "written", "renamed")
+"""Where in a record's write a disk tier's process can die (see `KillableDisk`)."""
 
 
 @dataclass
@@ -39,8 +61,8 @@ class Call:
     tier: str
     names: tuple[str, ...]
     order: tuple[Any, ...]
-    """Sorts the parked calls the same way in every run (names, then where the buffers lie in
-    the registered memory)."""
+    """Sorts the parked calls the same way in every run (names, then, for a get, where its
+    buffers lie in the registered memory)."""
     released: bool = False
     fault: str | None = None
     thread: str = field(default_factory=lambda: threading.current_thread().name)
@@ -86,6 +108,15 @@ class Gate:
             self._cond.notify_all()
             return chosen
 
+    def release_call(self, call: Call, fault: str | None) -> None:
+        """Release `call` (one of `sorted`'s, if still parked) and its twins, with `fault`."""
+        with self._cond:
+            for parked in list(self.parked):
+                if parked.order == call.order:
+                    parked.released, parked.fault = True, fault
+                    self.parked.remove(parked)
+            self._cond.notify_all()
+
     def open(self) -> None:
         """Let every call through from now on."""
         with self._cond:
@@ -101,11 +132,25 @@ class Space:
     objects: dict[str, bytes] = field(default_factory=dict)
     down: bool = False
     capacity: int = 1 << 30
-    on_put: Callable[[str, bytes, Sequence[tuple[int, int]]], None] | None = None
-    """The oracle's check of each object put (name, bytes, its pieces)."""
+    on_put: Callable[[str, bytes, Sequence[tuple[int, int]], int], None] | None = None
+    """The oracle's check of each object put (name, bytes, its pieces, the putting node)."""
     registered: int = 0
     """Host memory registrations not yet dropped by close (the leak check reads it)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    last_writer: int | None = None
+    """The node whose put reached the store last."""
+    writers: set[int] = field(default_factory=set)
+    """The nodes whose tiers on this store are open now."""
+    damaged: set[str] = field(default_factory=set)
+    """Objects damaged at rest since they were put."""
+    remote: list[str] = field(default_factory=list)
+    """Objects put to a real store behind this space's tiers (Mooncake), oldest first."""
+    raising: bool = False
+    """The store's `available` raises (a plugin with a bug)."""
+    clock: Callable[[], float] = lambda: 0.0
+    """The world's clock (when a tier said it lacks an object)."""
+    report: Callable[[Exception], None] = lambda err: None
+    """Records a violation found on a worker thread (the world raises it at its next check)."""
 
     def restart(self) -> None:
         """The store node restarts: its contents are lost."""
@@ -113,20 +158,114 @@ class Space:
             self.objects.clear()
 
     def damage(self, index: int, how: str) -> str | None:
-        """Lose, truncate or replace the object at `index` (mod their number, in name order)."""
+        """Do `how` (`AT_REST`; a stray entry is a disk's only) to the object at `index` among
+        the `DAMAGED_AMONG` put last (mod their number, newest first)."""
         with self.lock:
-            names = sorted(self.objects)
+            names = list(self.objects)[::-1][:DAMAGED_AMONG]
             if not names:
                 return None
             name = names[index % len(names)]
             data = self.objects[name]
+            self.damaged.add(name)
             if how == "lost":
                 del self.objects[name]
             elif how == "truncated":
                 self.objects[name] = data[: len(data) // 2]
-            else:  # replaced by other bytes of the same length
+            elif how == "replaced":  # by other bytes of the same length
                 self.objects[name] = bytes(b ^ 0x5A for b in data)
+            elif how == "payload" and len(data) > HEADER:  # one byte, the header intact
+                at = HEADER + index % (len(data) - HEADER)
+                self.objects[name] = data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1 :]
             return name
+
+
+def damage_disk(
+    path: str, index: int, how: str, read: Callable[[str], bool] = lambda name: True
+) -> str | None:
+    """Do `how` (`AT_REST`) to the record file of the disk tier at `path` at `index` (mod their
+    number) among the `DAMAGED_AMONG` used last of those whose object `read` says a request may
+    read from it (its instance's host tier lacks the object's pages), under the running tier:
+    lost (the file removed), truncated (to half
+    its length), replaced (every byte changed: its header no longer verifies), payload (one
+    byte past the record's header block changed: the record verifies, its object does not) or
+    stray (a file that is no record put beside the shards: the tier's next listing meets it)."""
+    if how == "stray":  # an entry that is no record (a file beside the shards)
+        stray = Path(path, "objects", f"stray.{index}")
+        stray.write_bytes(b"not a record")
+        return stray.name
+    files = [f for f in sorted(Path(path, "objects").glob("*/*")) if read(_record_key(f))]
+    files.sort(key=lambda f: -f.stat().st_mtime_ns)  # the tier stamps each use, in order
+    files = files[:DAMAGED_AMONG]
+    if not files:
+        return None
+    file = files[index % len(files)]
+    data = file.read_bytes()
+    if how == "lost":
+        file.unlink()
+    elif how == "truncated":
+        os.truncate(file, len(data) // 2)
+    elif how == "replaced":
+        file.write_bytes(bytes(b ^ 0x5A for b in data))
+    elif how == "payload" and len(data) > records.HEADER:
+        at = records.HEADER + index % (len(data) - records.HEADER)
+        with open(file, "r+b") as f:
+            f.seek(at)
+            f.write(bytes([data[at] ^ 0x01]))
+    return file.name
+
+
+def _record_key(file: Path) -> str:
+    """The name of the object a disk tier's record file holds ('' where it does not say)."""
+    with open(file, "rb") as f:
+        found = records.parse_header(
+            memoryview(bytearray(f.read(records.HEADER)).ljust(records.HEADER, b"\0"))
+        )
+    return "" if found is None else found[0]
+
+
+class Killed(Exception):
+    """The simulated process of a disk tier died at a write point (`KillableDisk`)."""
+
+
+class KillableDisk(DiskTier):
+    """The real disk tier, whose process the simulation kills at a point of the next record it
+    writes once armed (`kill_at`, one of `KILL_POINTS`): while writing it (half the temporary
+    file written), once written (whole in ``tmp``, not renamed into place), or once in place
+    (the put never answers). The put raises `Killed`; the tier is dead from then on. One I/O
+    thread, so that which records of a call were written before the death does not depend on
+    how threads ran."""
+
+    kill_at: str | None = None
+
+    def _write(self, tmp: Path, key: str, views: Any, addresses: Any, nbytes: int) -> None:
+        super()._write(tmp, key, views, addresses, nbytes)
+        if self.kill_at == "writing":
+            os.truncate(tmp, (records.HEADER + nbytes) // 2)
+        if self.kill_at in ("writing", "written"):
+            self._killed()
+
+    def _put_one(self, key: str, obj: Any) -> int:
+        if self.kill_at == "dead":
+            raise Killed("dead")
+        held = records.file_name(key) in self.book
+        code = super()._put_one(key, obj)
+        if self.kill_at == "renamed" and code == 0 and not held:
+            self._killed()
+        return code
+
+    def _killed(self) -> None:
+        """Die here: nothing after this point runs (the call's later objects neither)."""
+        point, self.kill_at = self.kill_at, "dead"
+        raise Killed(point)
+
+    def die(self) -> None:
+        """What the kernel does when the process dies: its lock goes (its file descriptor
+        closes), its threads stop taking work; its files stay as they are."""
+        self.kill_at = "dead"
+        self._closed = True
+        self._unlock()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
 
 SPACES: dict[str, Space] = {}
@@ -144,6 +283,18 @@ class SimTierConfig(StoreTierConfig):
     private: bool = False
     """In memory, declared neither shared nor persistent: it starts empty and only this
     instance writes it (the tier chain, and vLLM's scheduler, trust their own books of it)."""
+    node: int = 0
+    """The world's node (one cache) whose tier this is."""
+    prefix: bool = False
+    """In memory: reads objects shorter than their buffers whatever its codec, as the disk tier
+    does (the codec stays out of the objects' names). Otherwise only with a codec, as Mooncake
+    does."""
+    mooncake: str | None = None
+    """A Mooncake master's address: the store behind the gate is a real Mooncake client of it
+    (`MooncakeStore`), not the space's objects."""
+    probe: bool = False
+    """vLLM's scheduler's client of the store (`StoreProbe`): its `exists` answers at once,
+    past the gate, with no fault."""
 
 
 @register_tier("sim", SimTierConfig)
@@ -161,17 +312,26 @@ class SimTier(StoreTier):
         self.reads_prefix = config.codec != "none"  # the disk tier's always does
         self.space = SPACES[config.space]
         self.name = config.name or config.type
-        self.inner: StoreTier | None = None
+        self.inner: Any = None
+        self.dead = False
+        """Its disk tier's process was killed (`KillableDisk`): every call fails."""
         if config.disk is not None:
             from hicache.backends.disk.config import DiskTierConfig
-            from hicache.backends.disk.tier import DiskTier
 
-            cfg = DiskTierConfig(path=config.disk, size=config.disk_size, io_threads=2, sync=False)
-            self.inner = DiskTier(cfg)
+            cfg = DiskTierConfig(path=config.disk, size=config.disk_size, io_threads=1, sync=False)
+            self.inner = KillableDisk(cfg)
             self.shared, self.persistent = DiskTier.shared, DiskTier.persistent
             self.missing_code = DiskTier.missing_code
+        elif config.mooncake is not None:
+            self.inner = _mooncake(config.mooncake, config.codec)
+            self.missing_code, self.reads_prefix = self.inner.missing_code, self.inner.reads_prefix
         elif config.private:
             self.shared = False
+        if config.prefix:
+            self.reads_prefix, self.prefix_with_codec = True, False
+        self.said_absent: dict[str, float] = {}
+        """Objects this tier said it lacks (an exists or a get that reached the engine thread
+        unfaulted), and when: the link's books must not keep them as held from before."""
         self._registered = 0
         self._regions: list[tuple[int, int]] = []  # (address, bytes) of each registered tensor
 
@@ -179,12 +339,31 @@ class SimTier(StoreTier):
         return self.config.private
 
     def start(self) -> None:
+        with self.space.lock:
+            self.space.writers.add(self.config.node)
         if self.inner is not None:
             self.inner.start()
 
+    def lose(self, index: int) -> str | None:
+        """Remove the object at `index` (mod their number, in the order they were put) from the
+        real store behind this tier (Mooncake)."""
+        with self.space.lock:
+            names = self.space.remote
+            name = names.pop(index % len(names)) if names else None
+        if name is not None and self.inner is not None:
+            self.inner.remove([name], force=True)
+        return name
+
+    def arm(self, point: str) -> None:
+        """Kill this tier's process at `point` of the next record its disk tier writes."""
+        if isinstance(self.inner, KillableDisk) and not self.dead:
+            self.inner.kill_at = point
+
     @property
     def available(self) -> bool:
-        if self.space.down:
+        if self.space.raising:
+            raise RuntimeError("sim store: available raised")
+        if self.space.down or self.dead:
             return False
         return self.inner is None or self.inner.available
 
@@ -201,6 +380,7 @@ class SimTier(StoreTier):
         with self.space.lock:
             self.space.registered -= self._registered
             self._registered = 0
+            self.space.writers.discard(self.config.node)
         if self.inner is not None:
             self.inner.close()
 
@@ -214,23 +394,37 @@ class SimTier(StoreTier):
         return -1, 0
 
     def _enter(self, op: str, keys: Sequence[str], buffers: Buffers | None) -> str | None:
-        at = tuple(tuple(map(self._where, p)) for p in buffers.ptrs) if buffers else ()
+        # a put's objects are its names (an encoded one lies in staging memory that the tier
+        # chain aligns within its allocation: where depends on the allocation's address)
+        at = tuple(tuple(map(self._where, p)) for p in buffers.ptrs) if op == "get" else ()
         order = (self.name, op, tuple(keys), at)
         fault = self.space.gate.enter(Call(op, self.name, tuple(keys), order))
-        if self.space.down or fault == "unavailable":
+        if self.space.down or self.dead or fault == "unavailable":
             raise StoreUnavailable(f"sim store {self.config.space!r} is down")
         if fault == "exception":
             raise RuntimeError("sim store: the client library raised")
+        if fault == "cancelled":  # a plugin's asyncio code, cancelled: not an Exception
+            raise asyncio.CancelledError("sim store: the client's task was cancelled")
         return fault
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
+        if self.config.probe:
+            with self.space.lock:
+                return [k in self.space.objects for k in keys]
         fault = self._enter("exists", keys, None)
         if self.inner is not None:
             out = self.inner.exists(keys)
         else:
             with self.space.lock:
                 out = [k in self.space.objects for k in keys]
+        self._absent(fault, keys, [not here for here in out])
         return _faulty(out, fault, False)  # type: ignore[return-value]
+
+    def _absent(self, fault: str | None, keys: Sequence[str], absent: list[bool]) -> None:
+        """Note the objects the tier lacks, where its answer reaches the link as it is."""
+        if fault is None:
+            now = self.space.clock()
+            self.said_absent.update((k, now) for k, gone in zip(keys, absent) if gone)
 
     def get_into(self, keys: Sequence[str], buffers: Buffers) -> list[int]:
         fault = self._enter("get", keys, buffers)
@@ -238,6 +432,7 @@ class SimTier(StoreTier):
             out = self.inner.get_into(keys, buffers)
         else:
             out = [self._get_one(k, buffers.ptrs[i], buffers.sizes[i]) for i, k in enumerate(keys)]
+        self._absent(fault, keys, [code == self.missing_code for code in out])
         if fault == "wrong_bytes" and out:
             out = [n - 1 if n > 0 else n for n in out]
         return _faulty(out, fault, -5)
@@ -247,7 +442,13 @@ class SimTier(StoreTier):
             data = self.space.objects.get(key)
         if data is None:
             return MISSING
-        if len(data) > sum(sizes) or (len(data) < sum(sizes) and not self.reads_prefix):
+        shorter = len(data) < sum(sizes)
+        if shorter and not self.reads_prefix and key not in self.space.damaged:
+            self.space.report(
+                Violation(f"a tier without a codec cannot read the encoded object {key[-16:]} "
+                          "another instance put under a name it reads")
+            )  # fmt: skip
+        if len(data) > sum(sizes) or (shorter and not self.reads_prefix):
             return -1
         at = 0
         for ptr, size in zip(ptrs, sizes, strict=True):
@@ -258,27 +459,57 @@ class SimTier(StoreTier):
 
     def put_from(self, keys: Sequence[str], buffers: Buffers) -> list[int]:
         fault = self._enter("put", keys, buffers)
-        on_put = self.space.on_put
+        space, node = self.space, self.config.node
+        on_put = space.on_put
         if on_put is not None:  # what the put reads, checked by the oracle
             for i, key in enumerate(keys):
                 pieces = list(zip(buffers.ptrs[i], buffers.sizes[i], strict=True))
                 data = b"".join(ctypes.string_at(p, n) for p, n in pieces)
-                on_put(key, data, pieces)
+                on_put(key, data, pieces, node)
+        with space.lock:
+            if space.last_writer not in (None, node) and space.last_writer in space.writers:
+                mark("sim.two-writers")
+            space.last_writer = node
         if self.inner is not None:
-            out = self.inner.put_from(keys, buffers)
+            try:
+                out = self.inner.put_from(keys, buffers)
+            except Killed:
+                self.dead = True
+                self.inner.die()
+                raise StoreUnavailable("sim: the disk tier's process was killed") from None
+            if self.config.mooncake is not None:
+                with space.lock:
+                    space.remote.extend(k for k, code in zip(keys, out) if code == 0)
         else:
             out = [self._put_one(k, buffers.ptrs[i], buffers.sizes[i]) for i, k in enumerate(keys)]
         return _faulty(out, fault, -28)
 
     def _put_one(self, key: str, ptrs: list[int], sizes: list[int]) -> int:
+        """Put an object unless the store holds one of that name already (as Mooncake does:
+        the put answers 0 and writes nothing)."""
         data = b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs, sizes, strict=True))
         with self.space.lock:
             objects = self.space.objects
-            held = sum(len(v) for v in objects.values())
-            if key not in objects and held + len(data) > self.space.capacity:
+            if key in objects:
+                return 0
+            if sum(len(v) for v in objects.values()) + len(data) > self.space.capacity:
                 return -28
             objects[key] = data
+            self.space.damaged.discard(key)
         return 0
+
+
+def _mooncake(address: str, codec: str) -> Any:
+    """A Mooncake client of the master at `address`, with no segment of its own (the store
+    node beside the master holds the objects), as an engine's."""
+    from hicache.backends.mooncake.config import MooncakeConfig
+    from hicache.backends.mooncake.tier import MooncakeStore
+
+    config = MooncakeConfig(
+        master_address=address, global_segment_size=0, local_buffer_size=16 << 20,
+        call_timeout_s=30.0, reconnect_backoff_s=0.2, codec=codec,
+    )  # fmt: skip
+    return MooncakeStore(config)
 
 
 def _faulty(out: list[Any], fault: str | None, bad: Any) -> Any:
@@ -291,4 +522,6 @@ def _faulty(out: list[Any], fault: str | None, bad: Any) -> Any:
         return None if len(out) % 2 else tuple(str(v) for v in out)
     if fault == "per_key" and out:
         return [bad if i % 2 == 0 else v for i, v in enumerate(out)]
+    if fault == "per_key_odd" and out:  # a run's middle objects lost, its first and last not
+        return [bad if i % 2 == 1 and i < len(out) - 1 else v for i, v in enumerate(out)]
     return out

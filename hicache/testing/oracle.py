@@ -1,12 +1,15 @@
 """What the right bytes are, and the record of what went wrong.
 
 A page's KV is a function of its namespace (tenant salt, LoRA adapter, the multimodal features
-that start before its end) and of its tokens up to its end, as a model's is; a state likewise at
-its boundary. The simulation's engine writes exactly that (`page`, `state`), and checks every
-byte it loads against it. The oracle also learns which page key the cache gave each page it
-stored (`learn`): a key that two different pages got is a violation at once (namespaces or
-prompts alias), and every object put to a store tier is checked against the pages its name
-says it holds (`check_put`).
+that start before its end), of what the engine's bytes depend on beyond the request (its KV
+format, its TP rank's shard: `Content.identity`) and of its tokens up to its end, as a model's
+is; a state likewise at its boundary. The simulation's engine writes exactly that (`page`,
+`state`), and checks every byte it loads against it. Every byte of a page depends on all of
+these and on its offset in the page (so on its layer and on K or V): a page whose layers, halves
+or bytes were moved reads wrong. The oracle also learns which page key the cache gave each page
+it stored (`learn`): a key that two different pages got is a violation at once (namespaces or
+prompts alias), and every object put to a store tier is checked against the pages its name says
+it holds (`check_put`).
 """
 
 from __future__ import annotations
@@ -36,10 +39,13 @@ class Content:
     lora: str | None = None
     images: tuple[tuple[str, int, int], ...] = ()
     """(content hash, offset, length) of each multimodal feature."""
+    identity: str = ""
+    """What the engine's bytes depend on beyond the request: its KV format, its TP rank's
+    shard of the heads (two engines that differ here write other bytes for the same prompt)."""
 
     def digest(self, end: int) -> bytes:
         """The identity of the page (or state) ending at token `end`."""
-        h = hashlib.sha256(repr((self.salt, self.lora)).encode())
+        h = hashlib.sha256(repr((self.salt, self.lora, self.identity)).encode())
         for image in self.images:
             if image[1] < end:
                 h.update(repr(image).encode())
@@ -47,29 +53,61 @@ class Content:
         return h.digest()
 
     def extended(self, more: Sequence[int]) -> Content:
-        return Content(self.tokens + tuple(more), self.salt, self.lora, self.images)
+        return Content(self.tokens + tuple(more), self.salt, self.lora, self.images, self.identity)
 
 
-def expand(digest: bytes, size: int, tag: bytes = b"") -> np.ndarray:
-    """`size` bytes drawn from `digest` (never all zeros, so a page never written shows)."""
-    seed = hashlib.sha256(tag + digest).digest()
-    return np.frombuffer((seed * (-(-size // 32)))[:size], dtype=np.uint8)
+COMPRESSIBLE_HIGH = 0x3C
+"""In a compressible world, the high byte of every 16-bit value is this or one of the next
+three (as bf16 KV's sign and exponent bytes take few values), so that the codec's byte planes
+shrink it; the low bytes stay as drawn."""
+
+
+def expand(digest: bytes, size: int, tag: bytes = b"", compressible: bool = False) -> np.ndarray:
+    """`size` bytes drawn from `digest` by an extendable-output hash: each depends on the digest
+    and on its offset, with no period (a byte moved anywhere else in the page reads wrong). Never
+    all zeros, so a page never written shows. `compressible`: the odd bytes are narrowed to 4
+    values (`COMPRESSIBLE_HIGH`), still drawn from the digest and the offset. Read-only."""
+    out = np.frombuffer(hashlib.shake_128(tag + digest).digest(size), dtype=np.uint8)
+    if compressible:
+        out = out.copy()
+        out[1::2] = COMPRESSIBLE_HIGH | (out[1::2] & 3)
+        out.flags.writeable = False
+    return out
+
+
+MADE_PAGES = 4096
+"""Pages the oracle keeps once made (the oldest made goes first)."""
 
 
 class Oracle:
     """Expected bytes by page key, learnt from the stores; `page_bytes` / `state_bytes` sizes."""
 
-    def __init__(self, page_bytes: int, state_bytes: int, page_tokens: int) -> None:
+    def __init__(
+        self, page_bytes: int, state_bytes: int, page_tokens: int, compressible: bool = False
+    ) -> None:
         self.page_bytes, self.state_bytes, self.P = page_bytes, state_bytes, page_tokens
+        self.compressible = compressible
+        self._made: dict[bytes, np.ndarray] = {}  # pages made lately, by digest (read-only)
         self.pages: dict[bytes, bytes] = {}  # page key -> digest of the page
         self.prev: dict[bytes, bytes] = {}  # page key -> the key of the page before it
         self.depth: dict[bytes, int] = {}  # page key -> its page index
 
     def page(self, content: Content, end: int) -> np.ndarray:
-        return expand(content.digest(end), self.page_bytes)
+        return self._page(content.digest(end))
 
     def state(self, content: Content, end: int) -> np.ndarray:
-        return expand(content.digest(end), self.state_bytes, b"state")
+        return self._state(content.digest(end))
+
+    def _page(self, digest: bytes) -> np.ndarray:
+        page = self._made.get(digest)
+        if page is None:
+            if len(self._made) >= MADE_PAGES:
+                self._made.pop(next(iter(self._made)))
+            page = self._made[digest] = expand(digest, self.page_bytes, b"", self.compressible)
+        return page
+
+    def _state(self, digest: bytes) -> np.ndarray:
+        return expand(digest, self.state_bytes, b"state", self.compressible)
 
     def learn(self, keys: Sequence[bytes], content: Content, what: str) -> None:
         """The cache keyed the pages of `content` with `keys` (page i ends at (i+1)*P)."""
@@ -88,11 +126,11 @@ class Oracle:
 
     def expected_page(self, key: bytes) -> np.ndarray | None:
         digest = self.pages.get(key)
-        return None if digest is None else expand(digest, self.page_bytes)
+        return None if digest is None else self._page(digest)
 
     def expected_state(self, key: bytes) -> np.ndarray | None:
         digest = self.pages.get(key)
-        return None if digest is None else expand(digest, self.state_bytes, b"state")
+        return None if digest is None else self._state(digest)
 
     def check_put(self, name: str, data: bytes) -> None:
         """An object put to a store tier holds what its name says: a group of pages ending at

@@ -56,6 +56,7 @@ from hicache.backends.disk.config import DiskTierConfig, os_reason
 from hicache.backends.disk.lru import LruBook
 from hicache.backends.regions import Regions, check_keys, checked_tensor
 from hicache.config import Layout
+from hicache.core.marks import mark
 from hicache.errors import TierStartError
 from hicache.registry import register_tier
 
@@ -196,6 +197,7 @@ class DiskTier(StoreTier):
         objects/, not a record's file in a shard) is skipped, left alone and counted `stray`.
         False where the tier was closed meanwhile (then nothing is trimmed)."""
         for leftover in self._tmp.iterdir():
+            mark("disk.leftover-removed")
             leftover.unlink(missing_ok=True)
         found, stray = [], 0
         with os.scandir(self._objects) as shards:
@@ -214,6 +216,7 @@ class DiskTier(StoreTier):
                         st = entry.stat()
                         found.append((st.st_mtime_ns, f"{shard.name}/{name}", st.st_size))
         if stray:
+            mark("disk.stray-skipped")
             log.warning(
                 "hicache disk: %d entries in %s are not records: skipped", stray, self._objects
             )
@@ -374,6 +377,7 @@ class DiskTier(StoreTier):
             os.close(fd)
         found = rec.parse_header(head) if got >= rec.HEADER else None
         if found is None or found[0] != key:
+            mark("disk.record-damaged")
             return MISSING
         kept = found[2]
         if found[1] > after or kept.nbytes != (inline.nbytes if inline is not None else 0):
@@ -381,6 +385,7 @@ class DiskTier(StoreTier):
         if inline is not None:
             inline[:] = kept
         if got != rec.HEADER + found[1]:  # shorter: a torn record
+            mark("disk.record-damaged")
             return MISSING
         return nbytes - after + found[1]
 
@@ -395,6 +400,8 @@ class DiskTier(StoreTier):
             return -errno.ENOSPC
         if victims is None:
             return 0
+        if victims:
+            mark("disk.evicted")
         self._remove(victims, "evicted")
         with self._count_lock:
             self._seq += 1

@@ -25,6 +25,7 @@ import numpy as np
 
 from hicache.core import native
 from hicache.core.eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
+from hicache.core.marks import mark
 from hicache.core.native.index import KEY_BYTES, KeyIndex, _bad_keys, _TableIndex
 
 __all__ = [
@@ -183,6 +184,7 @@ class CompiledBooks:
         lease = Lease(self, self._out[:got].tolist())  # before the hook, which may call us
         evicted = self._n_evicted.value
         if evicted:
+            mark("host.evict.lru")
             self.evicted += evicted
             if self.on_evict is not None:  # the keys are made only for a hook that takes them
                 self.on_evict(self._evicted[:evicted].tolist())
@@ -244,6 +246,7 @@ class PythonBooks:
         self._published = np.zeros(capacity, dtype=bool)
         self._lru: OrderedDict[int, None] = OrderedDict()  # published slots, oldest first
         self._free: list[int] = list(range(capacity - 1, -1, -1))
+        self._evict_mark = "host.evict.lru"
 
     def lease(self, slots: list[int]) -> Lease:
         self._pin(slots)
@@ -283,6 +286,7 @@ class PythonBooks:
             slots += chosen
         self._pin(slots)
         if evicted:
+            mark(self._evict_mark)
             self.evicted += len(evicted)
             if self.on_evict is not None:
                 self.on_evict(evicted)
@@ -367,6 +371,7 @@ class PolicyBooks(PythonBooks):
     ) -> None:
         super().__init__(capacity, index, on_evict)
         self._policy = policy
+        self._evict_mark = f"host.evict.{policy.name}"
         self._fresh: set[int] = set()  # published, not yet idle
         self._slot_of: dict[bytes, int] = {}  # the slot of each published key
 

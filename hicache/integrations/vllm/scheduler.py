@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hicache.core.marks import mark
 from hicache.integrations.vllm.inputs import keyed_tokens, request_salt, with_features
 from hicache.integrations.vllm.meta import Answer, Answers, Load, Lookup, StepMeta, Store
 from hicache.integrations.vllm.probe import StoreProbe
@@ -120,6 +121,8 @@ class SchedulerBooks:
             if found is None:
                 return None
             pages, host = found
+            if pages > host:
+                mark("vllm.store-hit-granted-in-step")
             sources = (("p2p", (pages - host) * self._page),)
         else:
             host = pages

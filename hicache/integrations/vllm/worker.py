@@ -27,6 +27,7 @@ import torch
 from hicache.cache import HiCache
 from hicache.config import HiCacheConfig, Layout
 from hicache.core.keys import model_digest, weights_digest
+from hicache.core.marks import mark
 from hicache.core.request import Match
 from hicache.errors import HiCacheError
 from hicache.integrations.vllm.meta import (
@@ -199,7 +200,9 @@ class WorkerCache:
         self._await_fetches(loading)
         filled = [self._load(one) for one in loading]
         if self._agree is not None and loading:  # every rank's step has these loads, in order
-            filled = self._agree(filled)
+            own, filled = filled, self._agree(filled)
+            if filled != own:
+                mark("tp.load-failed-on-another-rank")
         for load, upto in zip(step.loads, filled):
             self._failed(load, upto)
         for lookup in step.lookups:
