@@ -27,6 +27,19 @@ class TierStartError(ConfigError):
         self.reason = reason
         self.tier: int | None = None
 
+    def __reduce__(self) -> tuple[object, ...]:
+        """Pickled with its fields, whatever a subclass's constructor takes (a pool of worker
+        processes sends it back to the parent)."""
+        return _restored, (type(self), self.__dict__)
+
     def __str__(self) -> str:
         where = "" if self.tier is None else f"tiers.{self.tier}."
         return f"{where}{self.field}: {self.reason}"
+
+
+def _restored(cls: type[TierStartError], fields: dict[str, object]) -> TierStartError:
+    """A `TierStartError` of class `cls` with `fields` (unpickled)."""
+    err = cls.__new__(cls)
+    err.__dict__.update(fields)
+    err.args = (err.field, err.reason)
+    return err

@@ -12,6 +12,7 @@ import errno
 import hashlib
 import json
 import os
+import pickle
 import resource
 import signal
 import subprocess
@@ -431,6 +432,10 @@ def test_unusable_paths_fail_at_start_with_one_line_naming_them(tmp_path):
             tier.start()
         assert str(path) in str(err.value) and why in str(err.value)
         assert "\n" not in str(err.value)
+        # it crosses a process boundary whole (a pool of worker processes pickles it)
+        err.value.tier = 1
+        back = pickle.loads(pickle.dumps(err.value))
+        assert type(back) is DiskTierError and str(back) == str(err.value)
         with pytest.raises(StoreUnavailable):
             tier.exists(["a"])
     # a file size limit below one block: nothing can be written (root ignores permissions)

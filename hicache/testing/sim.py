@@ -59,8 +59,13 @@ def replay(seed: int, setup: Setup, ops: list[Op]) -> tuple[int, str | None]:
     gc.collect()
     gc.freeze()  # what the process held before (vLLM's modules): not scanned at each collection
     gc.disable()  # collections at fixed steps only (`GC_EVERY`), so that a seed reproduces
-    world = World(setup, f"sim-{seed}")
     done, error = 0, None
+    try:
+        world = World(setup, f"sim-{seed}")
+    except Exception as err:  # a seed whose world cannot open is a failure of that seed
+        gc.enable()
+        gc.unfreeze()
+        return 0, f"the world did not open: {type(err).__name__}: {err}"
     try:
         for op in ops:
             world.step(op)
