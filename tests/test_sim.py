@@ -364,6 +364,18 @@ def test_the_store_answers_while_the_vllm_worker_waits_in_step_for_a_fetch(monke
     assert waits, "the worker never waited for a fetch in its step"
 
 
+def test_a_vllm_world_of_two_ranks_on_disk_tiers_opens():
+    """Each rank's disk tier has its directory, and the scheduler asks no disk tier itself (it
+    is no store any process can ask): the scheduler's probe once opened rank 0's directory a
+    second time, so that the world did not open (seed 127 of the long run)."""
+    require("vllm", None if _has_vllm() else "vLLM is not installed")
+    world = Setup(
+        page_bytes=512, host_pages=24, stores=(("disk", "behind", 2),), engine="vllm", tp=2,
+        features=frozenset(FEATURES),
+    )  # fmt: skip
+    assert replay(127, world, [("step",)] * 3) == (3, None)
+
+
 SHARED_FIRST_PAGE_OPS = [
     ("space", "down", 15),
     ("ask", "r32", (1, 1, 7, 3, 21), 0, False),

@@ -269,6 +269,8 @@ class VllmWorld(World):
         tiers = inst.ranks[0].config.tiers[1:]
         if len(tiers) != 1 or tiers[0].space != self.name or tiers[0].mooncake is not None:
             return None
+        if tiers[0].disk is not None:  # each rank's own directory: no process asks another's
+            return None
         probe = SimTier(tiers[0].model_copy(update={"probe": True, "node": -1}))
         return StoreProbe(probe, tiers[0], PROBE_WAIT_S)
 
