@@ -79,9 +79,21 @@ MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 
+POOL_BASE = "sglang.srt.mem_cache.pool_host.base"
+HOST_BUDGET = 1 << 30
+"""Bytes the host pools a test builds may take (each takes a few MiB)."""
+
+
 def host_pool(device: Any, layout: str, ratio: float = 2.0) -> Any:
-    """SGLang's host pool for `device` in `layout`, as SGLang builds it (unpinned: no CUDA)."""
+    """SGLang's host pool for `device` in `layout`, as SGLang builds it (unpinned: no CUDA),
+    booked against `HOST_BUDGET` rather than the machine's free memory less SGLang's 10 GiB
+    reserve (which refused a pool of a few MiB beside other tests on a 24 GiB machine)."""
     info = device.get_device_pool_infos()[0].buffer_info
+    with importlib.import_module(POOL_BASE).host_memory_budget_scope(HOST_BUDGET):
+        return _host_pool(device, info, layout, ratio)
+
+
+def _host_pool(device: Any, info: Any, layout: str, ratio: float) -> Any:
     common = dict(
         pin_memory=False, device="cpu", device_capacity_tokens=device.size, start_layer=0,
         end_layer=device.layer_num,
