@@ -33,4 +33,7 @@ pip install orjson ipython gguf
 # HICACHE_REQUIRE_<EXTRA>=1, as here for everything installed above (tests/extras.py).
 export HICACHE_REQUIRE_MOONCAKE=1 HICACHE_REQUIRE_VLLM=1 HICACHE_REQUIRE_PLOT=1
 export HICACHE_REQUIRE_SGLANG=1
-ruff check . && python -m pytest -q
+# Two pytest-xdist workers, a test file to a worker (a file's module fixtures, such as its vLLM
+# runs, start once), in the order tests/conftest.py gives them (the slow files first): most of
+# the suite's time is spent waiting for processes and servers to start.
+ruff check . && python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
