@@ -22,10 +22,9 @@ import torch
 from hicache.backends import codec as codecs
 from hicache.backends.base import Buffers, StoreTier
 from hicache.backends.envelope import CORRUPT, HEADER, RAW, Envelopes, gather, seed
-from hicache.core import marks
 from hicache.core.checksum import checksum
 from hicache.core.keys import page_keys, store_key
-from hicache.core.marks import mark
+from hicache.core.marks import active, mark
 from hicache.core.slots import Lease
 from hicache.errors import HiCacheError
 from hicache.kernels import PagedBuffer
@@ -279,7 +278,7 @@ class JobRunner:
 
     def _check_one(self, name: str, ptrs: list[int], sizes: list[int], code: int) -> int:
         out = self.envelopes.check(name, ptrs, sizes, code, self.decoder)
-        if out >= 0 and marks.active():  # instances with and without a codec on one store
+        if out >= 0 and active():  # instances with and without a codec on one store
             encoded = self.envelopes.encoded(ptrs[0])
             if encoded and self.codec is None:
                 mark("codec.encoded-read-without-codec")
