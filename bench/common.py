@@ -2,42 +2,20 @@
 
 from __future__ import annotations
 
-import os
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
+from hicache.tools import provenance
+from hicache.tools.provenance import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
+
+__all__ = ["ROOT", "command", "commit", "cpu_model"]
 
 
 def commit() -> str:
-    """The checked-out commit, with "+changes" if the tracked files differ from it; "unknown"
-    outside a git checkout. ``HICACHE_BENCH_COMMIT`` names it for a copy of the tree without
-    its git folder (a run on another machine)."""
-    if os.environ.get("HICACHE_BENCH_COMMIT"):
-        return os.environ["HICACHE_BENCH_COMMIT"]
-
-    def git(*args: str) -> str:
-        try:
-            run = subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT)
-        except OSError:
-            return ""
-        return run.stdout.strip()
-
-    head = git("rev-parse", "HEAD") or "unknown"
-    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
-
-
-def cpu_model() -> str:
-    """The host CPU's model name, for a result's machine line."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+    """The repository's checked-out commit (`hicache.tools.provenance.commit`)."""
+    return provenance.commit(ROOT)
 
 
 def command() -> str:

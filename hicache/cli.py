@@ -2,13 +2,18 @@
 
     hicache config check FILE     validate a configuration (--strict: and that it fits here)
     hicache config check --kv-transfer-config JSON   the same for vLLM's connector argument
-    hicache trace FILE ...        replay a request trace through the cache (hicache.tools.trace)
+    hicache trace FILE ...        replay a request trace through the cache; --sweep, the
+                                  planner (--model, --tier) and --instances are its modes
+    hicache trace import DIR OUT  turn a folder of kv-cache-tester sessions into a trace
     hicache replay ...            multi-turn replay on the reference engine (refengine)
+    hicache COMMAND --help        a command's options
 
 Subcommands other than `config` are found through the ``hicache.commands`` entry-point group, so
 packages built on hicache (such as the reference engine) add commands without hicache importing
 them. A ConfigError a subcommand raises (a configuration that cannot be used, or a tier of it that
-cannot start here) is one line on stderr and exit status 2.
+cannot start here) is one line on stderr and exit status 2. ``--version`` and every ``--help``
+answer without importing torch (each command imports what it runs only once its arguments are
+parsed).
 """
 
 from __future__ import annotations
@@ -17,10 +22,7 @@ import argparse
 import sys
 from importlib.metadata import entry_points
 
-import yaml
-
 from hicache import __version__
-from hicache.config import ConfigError, load_config
 
 
 def _config_check(argv: list[str]) -> int:
@@ -41,6 +43,10 @@ def _config_check(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if (args.file is None) == (args.kv_transfer_config is None):
         ap.error("give FILE or --kv-transfer-config")
+    import yaml
+
+    from hicache.config import ConfigError, load_config
+
     try:
         if args.file is not None:
             config, where = load_config(args.file), args.file
@@ -72,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not argv or argv[0] in ("-h", "--help"):
         doc = (__doc__ or "").splitlines()
-        commands = [line.strip() for line in doc if line.startswith("    ")]
+        commands = [line[4:] for line in doc if line.startswith("    ")]
         print(usage + "\n\n" + "\n".join(commands))
         return 0 if argv else 2
     if argv[0] in ("-V", "--version"):
@@ -80,11 +86,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command == "config":
+        if rest[:1] in (["-h"], ["--help"]):
+            return _config_check(["--help"])
         if not rest or rest[0] != "check":
-            print("usage: hicache config check FILE", file=sys.stderr)
+            print(
+                "usage: hicache config check FILE | hicache config check --kv-transfer-config JSON",
+                file=sys.stderr,
+            )
             return 2
         return _config_check(rest[1:])
     if command in plugins:
+        from hicache.config import ConfigError
+
         try:
             return int(plugins[command].load()(rest) or 0)  # type: ignore[attr-defined]
         except ConfigError as err:  # e.g. a tier that cannot start here: one line, no traceback

@@ -4,6 +4,7 @@ stderr and exit status 2 within seconds, never a traceback after minutes."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 TINY = [
     "--model", "tiny-llama", "--conversations", "1", "--turns", "2", "--first-tokens", "256",
-    "--message-tokens", "8", "--answer-tokens", "2", "--quiet",
+    "--message-tokens", "8", "--answer-tokens", "2", "--repeats", "1", "--quiet",
 ]  # fmt: skip
 
 
@@ -82,13 +83,21 @@ def test_off_a_terminal_each_phase_is_a_line_on_stderr_and_l3_is_still_understoo
     tmp_path: Path,
 ):
     tiny = [a for a in TINY if a != "--quiet"]
-    done = hicache("replay", *tiny, "--l3", "off", cwd=tmp_path)
+    done = hicache("replay", *tiny, "--repeats", "2", "--l3", "off", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    lines = [line.split(" in ")[0] for line in done.stderr.splitlines()]
-    assert lines == [
-        "hicache replay: engine / + hicache (by turn): 4 requests",
-        "hicache replay: engine / + hicache (by turn): done",
+    # a long phase also prints how far it got every 30 s: a busy machine may show such lines
+    lines = [
+        line.split(" in ")[0]
+        for line in done.stderr.splitlines()
+        if not re.search(r": [0-9]+/4 requests in [0-9]+ s$", line)
     ]
+    assert lines == [
+        "hicache replay: engine / + hicache (by turn) 1/2: 4 requests",
+        "hicache replay: engine / + hicache (by turn) 1/2: done",
+        "hicache replay: engine / + hicache (by turn) 2/2: 4 requests",
+        "hicache replay: engine / + hicache (by turn) 2/2: done",
+    ]
+    assert "median of 2 repetitions [smallest–largest]" in done.stdout
     assert "matplotlib" not in done.stdout + done.stderr
     assert list(tmp_path.iterdir()) == []
 
@@ -110,3 +119,34 @@ def test_version_flag(flag):
 
     done = hicache(flag)
     assert (done.returncode, done.stdout) == (0, f"hicache {package.__version__}\n")
+
+
+LIGHT = [
+    ["--help"], ["--version"], ["config", "--help"], ["config", "check", "--help"],
+    ["replay", "--help"], ["trace", "--help"], ["trace", "import", "--help"],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", LIGHT, ids=" ".join)
+def test_help_and_version_answer_without_importing_torch(argv):
+    """`--help` and `--version` answer at once: neither hicache's cache nor torch is imported
+    for them (torch alone takes seconds to import on a busy machine)."""
+    code = (
+        "import sys\nfrom hicache.cli import main\n"
+        "try:\n    status = main(sys.argv[1:])\nexcept SystemExit as e:\n    status = e.code\n"
+        "print(status, 'torch' in sys.modules, file=sys.stderr)"
+    )
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
+    assert done.stderr.splitlines()[-1] == "0 False", done.stderr
+    assert done.stdout.strip()
+
+
+def test_the_command_list_names_every_command_and_config_help_names_its_flag():
+    listed = hicache("--help").stdout
+    from importlib.metadata import entry_points
+
+    names = [ep.name for ep in entry_points(group="hicache.commands")]
+    lines = [line for line in listed.splitlines() if line.startswith("hicache ")]
+    assert sorted({line.split()[1] for line in lines}) == sorted({"config", "COMMAND", *names})
+    assert any(line.startswith("hicache trace import DIR OUT") for line in lines)
+    assert "--kv-transfer-config" in hicache("config", "--help").stdout

@@ -150,8 +150,8 @@ def test_replay_runs_in_exact_mode_by_default_in_bf16_and_not_in_float32(tmp_pat
 
     out = tmp_path / "r.json"
     args = ["--model", "tiny-llama", "--conversations", "2", "--turns", "2", "--first-tokens",
-            "128", "--message-tokens", "16", "--answer-tokens", "2", "--quiet",
-            "--json", str(out)]  # fmt: skip
+            "128", "--message-tokens", "16", "--answer-tokens", "2", "--repeats", "1",
+            "--quiet", "--json", str(out)]  # fmt: skip
     for extra, expected in ((["--dtype", "bfloat16"], True), ([], False)):
         assert main([*args, *extra]) == 0
         res = json.loads(out.read_text())

@@ -184,16 +184,22 @@ def test_replay_compares_the_engine_with_its_prefix_cache_against_it_plus_hicach
     out = tmp_path / "r.json"
     args = ["--model", "tiny-llama", "--conversations", "3", "--turns", "3", "--first-tokens",
             "128", "--message-tokens", "16", "--answer-tokens", "2", "--plot", "", "--quiet",
-            "--no-prefix-row", "--json", str(out)]  # fmt: skip
+            "--no-prefix-row", "--repeats", "2", "--json", str(out)]  # fmt: skip
     assert main(args) == 0
     res = json.loads(out.read_text())
     assert (res["baseline"], res["by_layer"]) == ("gpu_prefix_cache", False)  # CPU: whole loads
-    assert res["identical"] and res["requests"] == 9
+    # two repetitions of 9 requests, each figure their median with its range beside it
+    assert (res["repeats"], res["requests"], res["identical_requests"]) == (2, 18, 18)
+    assert res["identical"] and len(res["per_repeat"]) == 2
+    for key, (lo, hi) in res["range"].items():
+        assert lo <= res[key] <= hi and sorted(r[key] for r in res["per_repeat"]) == [lo, hi]
+    assert res["command"].startswith("hicache replay --model tiny-llama")
+    assert res["commit"] and res["machine"]
     off, on, none = res["off"], res["on"], res["no_prefix_cache"]
     assert none["cached_tokens_gpu"] == 0
     # the pool holds 60 % of the working set: the GPU prefix cache serves part of the reuse,
     # hicache's host tier what it lost
     assert off["cached_tokens_gpu"] > 0 and on["cached_tokens_host"] > 0
     assert res["setup"]["num_blocks"] < res["setup"]["working_set_blocks"]
-    assert main([*args, "--prefix-share", "0"]) == 0
+    assert main([*args, "--prefix-share", "0", "--repeats", "1"]) == 0
     assert json.loads(out.read_text())["baseline"] == "no_prefix_cache"

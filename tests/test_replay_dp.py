@@ -21,7 +21,7 @@ GROUP_TOKENS = 4 * 32  # the store's group of pages, in tokens
 ANSWER = 2
 WORKLOAD = [
     "--model", "tiny-llama", "--conversations", "2", "--turns", "3", "--first-tokens", "256",
-    "--message-tokens", "200", "--answer-tokens", str(ANSWER), "--quiet",
+    "--message-tokens", "200", "--answer-tokens", str(ANSWER), "--repeats", "1", "--quiet",
 ]  # fmt: skip
 # a message of 150 to 250 tokens: each turn adds at least one full group to the store
 

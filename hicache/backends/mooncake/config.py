@@ -8,6 +8,9 @@ from pydantic import Field, field_validator
 
 from hicache.config import Bytes, StoreTierConfig
 
+SHOW_NATIVE_LOG = "HICACHE_MOONCAKE_LOG"
+"""Set (to anything but ``0``) to let Mooncake's own log lines through to stderr."""
+
 _MIN_SEGMENT = 16 << 20  # Mooncake 0.3.13 fails setup (INVALID_PARAMS) below this
 
 # -- configuration -------------------------------------------------------------------------------

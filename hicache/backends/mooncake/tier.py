@@ -47,7 +47,7 @@ from hicache import threads
 from hicache.backends.base import Buffers, StoreTier, StoreUnavailable
 from hicache.backends.breaker import BreakerState, CircuitBreaker
 from hicache.backends.mooncake.codes import UNREACHABLE, StoreState, StoreStats, code_name
-from hicache.backends.mooncake.config import MooncakeConfig
+from hicache.backends.mooncake.config import SHOW_NATIVE_LOG, MooncakeConfig
 from hicache.backends.regions import Region, Regions, check_keys
 from hicache.config import Layout
 from hicache.registry import register_tier
@@ -70,9 +70,6 @@ def _close_at_exit(timeout_s: float = 5.0) -> None:
 T = TypeVar("T")
 
 # -- environment ---------------------------------------------------------------------------------
-
-SHOW_NATIVE_LOG = "HICACHE_MOONCAKE_LOG"
-"""Set (to anything but ``0``) to let Mooncake's own log lines through to stderr."""
 
 
 def _quiet_native_log() -> None:

@@ -20,20 +20,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 
-from hicache.backends.mooncake.tier import SHOW_NATIVE_LOG
+from hicache.backends.mooncake.config import SHOW_NATIVE_LOG
 from hicache.config import load_config
 from hicache.errors import HiCacheError
 from hicache.tools.mooncake_local import LocalMaster
+from hicache.tools.provenance import commit, machine
 from hicache.tools.refengine.build import EngineSpec, build_engine, load_model
 from hicache.tools.refengine.engine import Engine, Request
 from hicache.tools.refengine.replay_args import DEFAULT_CACHE, find_problem, parser
 from hicache.tools.refengine.replay_measure import floor_rows, run_interleaved, second_instance
+from hicache.tools.refengine.replay_repeats import fold
 from hicache.tools.refengine.replay_report import report
 from hicache.tools.refengine.runs import LOCAL_STORE_BYTES, warmup
 from hicache.tools.refengine.workload import Conversation, make_workload
@@ -100,16 +103,27 @@ class _Runs:
 
 
 def _main(args: argparse.Namespace, argv: list[str] | None, cache_config: Any) -> int:
-    """One replay with hicache's tiers `cache_config`: the runs, the extra measurements asked
-    for, the report. Exit status 2 for a workload or model that cannot be made, 1 for a
+    """One replay with hicache's tiers `cache_config`: the runs (``--repeats`` times, folded
+    into medians and ranges), the extra measurements asked for (on the last repetition's
+    engine), the report. Exit status 2 for a workload or model that cannot be made, 1 for a
     data-parallel rank that failed, 0 otherwise."""
     try:
         setup = _setup(args, cache_config)
     except ValueError as err:
         print(f"hicache replay: {err}", file=sys.stderr)
         return 2
-    runs = _compare(setup)
-    res = _results(setup, runs, argv)
+    runs, reps = None, []
+    for i in range(args.repeats):
+        if runs is not None:  # the last repetition's engine stays open for the extras
+            runs.on_engine.cache.close()
+            runs = None  # its pools go before the next repetition's are made
+        runs = _compare(setup, f" {i + 1}/{args.repeats}" if args.repeats > 1 else "")
+        reps.append(_results(runs))
+    res = {**_provenance(setup, argv), **fold(reps), "setup": _setup_record(setup, argv)}
+    res["load_average"] = {  # over all the repetitions
+        "before": reps[0]["load_average"]["before"],
+        "after": reps[-1]["load_average"]["after"],
+    }
     status = _extras(setup, runs, res)
     if status != 0:
         return status
@@ -167,11 +181,11 @@ def _pool_blocks(convs: list[Conversation], page: int, share: float) -> int:
     return max(max(pages) + 2, int(share * sum(pages)))
 
 
-def _compare(s: _Setup) -> _Runs:
-    """The runs, interleaved turn by turn so that other work on the machine loads them alike
-    (`run_interleaved`), each engine warmed up first: with ``--no-prefix-row`` an engine with no
-    prefix cache, the engine alone, and the engine with hicache. The load average is read
-    before and after."""
+def _compare(s: _Setup, label: str = "") -> _Runs:
+    """One repetition of the runs (`label` names it in the progress lines), interleaved turn by
+    turn so that other work on the machine loads them alike (`run_interleaved`), each engine
+    built anew and warmed up first: with ``--no-prefix-row`` an engine with no prefix cache, the
+    engine alone, and the engine with hicache. The load average is read before and after."""
     if s.cuda:
         torch.cuda.synchronize()
     with s.engine_stream():
@@ -183,15 +197,16 @@ def _compare(s: _Setup) -> _Runs:
         for engine in engines.values():
             warmup(engine)
         before = os.getloadavg()
-        runs = run_interleaved(engines, s.convs, s.args.quiet)
+        runs = run_interleaved(engines, s.convs, s.args.quiet, label)
         load = {"before": list(before), "after": list(os.getloadavg())}
     (off, done_off), (on, done_on) = runs["engine"], runs["+ hicache"]
     none = runs["no prefix"][0] if "no prefix" in runs else None
     return _Runs(off, on, none, done_off, done_on, engines["+ hicache"], load)
 
 
-def _results(s: _Setup, runs: _Runs, argv: list[str] | None) -> dict[str, Any]:
-    """The comparison of the runs (what the JSON file holds, before the extra measurements)."""
+def _results(runs: _Runs) -> dict[str, Any]:
+    """One repetition's comparison of the runs (what the JSON file holds, folded over the
+    repetitions, before the setup and the extra measurements)."""
     off, on = runs.off, runs.on
     pairs = [
         (a.output, b.output) for ca, cb in zip(runs.done_off, runs.done_on) for a, b in zip(ca, cb)
@@ -199,7 +214,7 @@ def _results(s: _Setup, runs: _Runs, argv: list[str] | None) -> dict[str, Any]:
     cached = on["cached_tokens_gpu"] + on["cached_tokens_host"] + on["cached_tokens_store"]
     res: dict[str, Any] = {
         "baseline": "gpu_prefix_cache" if runs.on_engine.prefix is not None else "no_prefix_cache",
-        "by_layer": s.spec.by_layer,
+        "by_layer": runs.on_engine.by_layer,
         "store": len(runs.on_engine.cache.config.tiers) > 1,
         "identical": all(a == b for a, b in pairs),
         "identical_requests": sum(a == b for a, b in pairs),
@@ -212,14 +227,30 @@ def _results(s: _Setup, runs: _Runs, argv: list[str] | None) -> dict[str, Any]:
         "gpu_cached_share_off": off["cached_tokens_gpu"] / max(off["prompt_tokens"], 1),
         "off": off,
         "on": on,
+        "ttft_p50_speedup": off["ttft_p50_s"] / max(on["ttft_p50_s"], 1e-12),
+        "last_turn_ttft_off_s": off["ttft_per_turn_s"][-1],
+        "last_turn_ttft_on_s": on["ttft_per_turn_s"][-1],
         "last_turn_speedup": off["ttft_per_turn_s"][-1] / max(on["ttft_per_turn_s"][-1], 1e-12),
+        "e2e_off_s": off["e2e_s"],
+        "e2e_on_s": on["e2e_s"],
         "interleaved": "by turn",
         "load_average": runs.load_average,
-        "setup": _setup_record(s, argv),
     }
     if runs.none is not None:
         res["no_prefix_cache"] = runs.none
     return res
+
+
+def _provenance(s: _Setup, argv: list[str] | None) -> dict[str, str]:
+    """What every result file records first: the commit (of the working directory's checkout),
+    the machine and the command that re-creates it."""
+    gpu = torch.cuda.get_device_name() if s.cuda else None
+    words = list(sys.argv[1:] if argv is None else argv)
+    return {
+        "commit": commit(),
+        "machine": machine(gpu),
+        "command": " ".join(["hicache", "replay", *map(shlex.quote, words)]),
+    }
 
 
 def _setup_record(s: _Setup, argv: list[str] | None) -> dict[str, Any]:

@@ -1,20 +1,19 @@
-"""``hicache replay``'s arguments: the parser (flags, defaults, help) and the checks made of them
-before anything runs (`find_problem`)."""
+"""``hicache replay``'s arguments: the parser (flags, defaults, help), the checks made of them
+before anything runs (`find_problem`), and the command's entry point (`main`), which answers
+``--help`` and a bad flag before torch and the engine are imported."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 
-import torch
-
-from hicache.backends.mooncake.tier import SHOW_NATIVE_LOG
+from hicache.backends.mooncake.config import SHOW_NATIVE_LOG
 from hicache.config import ConfigError, load_config
 from hicache.tools.mooncake_local import mooncake_missing
 from hicache.tools.preflight import start_problem
 from hicache.tools.trace.report import write_problem
 
-__all__ = ["DEFAULT_CACHE", "find_problem", "parser"]
+__all__ = ["DEFAULT_CACHE", "find_problem", "main", "parser"]
 
 DEFAULT_CACHE = {"tiers": [{"type": "host", "size": "2GiB"}]}
 """The tiers without ``--config``: a host tier alone (``--store local`` adds a Mooncake store
@@ -35,6 +34,15 @@ def parser() -> argparse.ArgumentParser:
     _extra_runs(p)
     _output(p)
     return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hicache replay``: the arguments parsed here (``--help`` and a bad flag answer at
+    once), then the replay (`hicache.tools.refengine.replay.main`)."""
+    parser().parse_args(argv)
+    from hicache.tools.refengine.replay import main as replay
+
+    return replay(argv)
 
 
 def _model_and_tiers(p: argparse.ArgumentParser) -> None:
@@ -64,6 +72,13 @@ def _workload(p: argparse.ArgumentParser) -> None:
     p.add_argument("--message-tokens", type=_positive, default=96, help="new tokens per turn")
     p.add_argument("--answer-tokens", type=_positive, default=16, help="tokens generated per turn")
     p.add_argument("--seed", type=int, default=0, help="weights and workload seed")
+    p.add_argument(
+        "--repeats",
+        type=_positive,
+        default=3,
+        help="run the comparison this many times (fresh engines and tiers each time) and "
+        "report each figure's median and range",
+    )
 
 
 def _engine(p: argparse.ArgumentParser) -> None:
@@ -158,6 +173,8 @@ def find_problem(args: argparse.Namespace) -> str | None:
             return "--plot needs matplotlib, which is not installed (pip install matplotlib)"
     if args.pool_share <= 0.0 or not 0.0 <= args.prefix_share <= 1.0:
         return "--pool-share must be above 0 and --prefix-share in [0, 1]"
+    import torch  # here: `--help` does not wait for it
+
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         return "--device cuda but CUDA is not available"
     if args.config is not None and args.store == "local":

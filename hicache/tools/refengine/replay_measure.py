@@ -27,13 +27,14 @@ __all__ = [
 
 
 def run_interleaved(
-    engines: dict[str, Engine], convs: list[Conversation], quiet: bool
+    engines: dict[str, Engine], convs: list[Conversation], quiet: bool, label: str = ""
 ) -> dict[str, tuple[dict[str, Any], list[list[Request]]]]:
     """The conversations through every engine, interleaved turn by turn (`drive_interleaved`),
-    one progress line for all unless `quiet`: per label, the run's figures (`figures`, the
-    end-to-end time being the time that engine ran) and each conversation's requests by turn."""
+    one progress line for all unless `quiet` (`label` added to it): per engine label, the run's
+    figures (`figures`, the end-to-end time being the time that engine ran) and each
+    conversation's requests by turn."""
     total = sum(c.turns for c in convs) * len(engines)
-    bar = Progress(total, " / ".join(engines) + " (by turn)", not quiet)
+    bar = Progress(total, " / ".join(engines) + f" (by turn){label}", not quiet)
     runs, elapsed = drive_interleaved(list(engines.values()), convs, on_finish=bar.tick)
     return {
         label: (figures(engine, done, e2e), done)

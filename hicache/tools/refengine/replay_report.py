@@ -37,10 +37,15 @@ def _summary_lines(res: dict[str, Any]) -> list[str]:
     extra measurement that `res` holds (no prefix cache, second instance, data-parallel ranks,
     floor)."""
     off, on, none = res["off"], res["on"], res.get("no_prefix_cache")
+    speedups = f"{res['last_turn_speedup']:.1f}x"
+    if res.get("repeats", 1) > 1:
+        lo, hi = res["range"]["last_turn_speedup"]
+        speedups += f" [{lo:.1f}–{hi:.1f}x]; TTFT p50 {res['ttft_p50_speedup']:.1f}x"
+        lo, hi = res["range"]["ttft_p50_speedup"]
+        speedups += f" [{lo:.1f}–{hi:.1f}x]"
     lines = [
         f"last turn: TTFT {off['ttft_per_turn_s'][-1] * 1e3:.1f} ms (engine with its GPU prefix "
-        f"cache), {on['ttft_per_turn_s'][-1] * 1e3:.1f} ms with hicache "
-        f"({res['last_turn_speedup']:.1f}x)"
+        f"cache), {on['ttft_per_turn_s'][-1] * 1e3:.1f} ms with hicache ({speedups})"
     ]
     load = res.get("load_average")
     if load is not None:
@@ -81,23 +86,42 @@ def _summary_lines(res: dict[str, Any]) -> list[str]:
 
 
 def _table(res: dict[str, Any]) -> str:
-    """The engine alone against the engine + hicache, a row per figure."""
+    """The engine alone against the engine + hicache, a row per figure; over repetitions, each
+    timed figure is the median with its range in brackets, and a last line says so."""
     off, on = res["off"], res["on"]
     share = res["cached_token_share"]
+    rng = res.get("range") if res.get("repeats", 1) > 1 else None
+
+    def timed(key: str, value: float, scale: float, unit: str) -> str:
+        text = f"{value * scale:.{1 if unit == 'ms' else 2}f} {unit}"
+        if rng is None:
+            return text
+        lo, hi = (v * scale for v in rng[key])
+        return f"{text} [{lo:.0f}–{hi:.0f}]"
+
     rows = [
-        ("TTFT p50", f"{off['ttft_p50_s'] * 1e3:.1f} ms", f"{on['ttft_p50_s'] * 1e3:.1f} ms"),
-        ("TTFT p90", f"{off['ttft_p90_s'] * 1e3:.1f} ms", f"{on['ttft_p90_s'] * 1e3:.1f} ms"),
-        ("end-to-end", f"{off['e2e_s']:.2f} s", f"{on['e2e_s']:.2f} s"),
+        ("TTFT p50", timed("ttft_p50_off_s", off["ttft_p50_s"], 1e3, "ms"),
+         timed("ttft_p50_on_s", on["ttft_p50_s"], 1e3, "ms")),
+        ("TTFT p90", timed("ttft_p90_off_s", off["ttft_p90_s"], 1e3, "ms"),
+         timed("ttft_p90_on_s", on["ttft_p90_s"], 1e3, "ms")),
+        ("end-to-end", timed("e2e_off_s", off["e2e_s"], 1, "s"),
+         timed("e2e_on_s", on["e2e_s"], 1, "s")),
         ("requests/hour", f"{off['requests_per_hour']:.0f}", f"{on['requests_per_hour']:.0f}"),
-        ("prompt tokens", f"{off['prompt_tokens']}", f"{on['prompt_tokens']}"),
-        ("from GPU prefix", f"{off['cached_tokens_gpu']}", f"{on['cached_tokens_gpu']}"),
-        ("from host tier", "0", f"{on['cached_tokens_host']}"),
-        *([("from store tiers", "0", f"{on['cached_tokens_store']}")] if res["store"] else []),
+        ("prompt tokens", f"{off['prompt_tokens']:.0f}", f"{on['prompt_tokens']:.0f}"),
+        ("from GPU prefix", f"{off['cached_tokens_gpu']:.0f}", f"{on['cached_tokens_gpu']:.0f}"),
+        ("from host tier", "0", f"{on['cached_tokens_host']:.0f}"),
+        *([("from store tiers", "0", f"{on['cached_tokens_store']:.0f}")] if res["store"] else []),
         ("cached share", f"{res['gpu_cached_share_off'] * 100:.1f}%", f"{share * 100:.1f}%"),
-    ]
-    lines = [f"{'':16}{'engine':>16}{'+ hicache':>16}"]
-    lines += [f"{a:16}{b:>16}{c:>16}" for a, b, c in rows]
-    lines.append(f"{'outputs identical':16}{'yes' if res['identical'] else 'NO':>32}")
+    ]  # fmt: skip
+    width = max(16, *(len(c) + 2 for row in rows for c in row[1:]))
+    lines = [f"{'':18}{'engine':>{width}}{'+ hicache':>{width}}"]
+    lines += [f"{a:18}{b:>{width}}{c:>{width}}" for a, b, c in rows]
+    same = "yes" if res["identical"] else "NO"
+    if "repeats" in res:
+        same += f" ({res['identical_requests']} of {res['requests']})"
+    lines.append(f"{'outputs identical':18}{same:>{2 * width}}")
+    if rng is not None:
+        lines.append(f"median of {res['repeats']} repetitions [smallest–largest]")
     return "\n".join(lines)
 
 

@@ -15,14 +15,16 @@ LOCAL_STORE_BYTES = 1 << 30
 
 
 class Progress:
-    """Progress on stderr: a one-line bar on a terminal; elsewhere (a pipe, a log file) one
-    line as the phase starts and one as it ends."""
+    """Progress on stderr: a one-line bar on a terminal; elsewhere (a pipe, a log file) a line
+    as the phase starts, a line at most every `every_s` seconds while it runs (a long phase is
+    not silent in a log), and one as it ends."""
 
-    def __init__(self, total: int, label: str, enabled: bool) -> None:
+    def __init__(self, total: int, label: str, enabled: bool, every_s: float = 30.0) -> None:
         self.total, self.label, self.n = total, label, 0
         self.bar = enabled and sys.stderr.isatty()
         self.lines = enabled and not self.bar
         self.start = time.perf_counter()
+        self.every_s, self.last_line = every_s, self.start
         if self.lines:
             print(f"hicache replay: {label}: {total} requests", file=sys.stderr, flush=True)
         self._draw()
@@ -30,9 +32,20 @@ class Progress:
     def tick(self, _req: Request | None = None) -> None:
         self.n += 1
         self._draw()
-        if self.lines and self.n == self.total:
-            el = time.perf_counter() - self.start
+        if not self.lines:
+            return
+        now = time.perf_counter()
+        if self.n == self.total:
+            el = now - self.start
             print(f"hicache replay: {self.label}: done in {el:.1f} s", file=sys.stderr, flush=True)
+        elif now - self.last_line >= self.every_s:
+            self.last_line = now
+            print(
+                f"hicache replay: {self.label}: {self.n}/{self.total} requests in "
+                f"{now - self.start:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _draw(self) -> None:
         if not self.bar:

@@ -24,16 +24,8 @@ from hicache.tools.trace.cluster_report import add_arguments as add_cluster_argu
 from hicache.tools.trace.cluster_report import run as run_cluster
 from hicache.tools.trace.importer import main as import_main
 from hicache.tools.trace.progress import Progress
-from hicache.tools.trace.replay import (
-    DEFAULT_FRACTIONS,
-    ReplaySetup,
-    Workload,
-    replay,
-    simulated,
-    sweep_steps,
-)
 from hicache.tools.trace.report import plot, sweep_lines, table, write_json, write_problem
-from hicache.tools.trace.workload import BLOCK_TOKENS, read_trace
+from hicache.tools.trace.workload import BLOCK_TOKENS, DEFAULT_FRACTIONS, Workload, read_trace
 
 DEFAULT_HOST_SIZE = "50%"
 
@@ -196,6 +188,9 @@ def _problem(args: argparse.Namespace, base: HiCacheConfig | None) -> str | None
 
 
 def _run(args: argparse.Namespace) -> int:
+    # here, not at the top: the real cache brings torch, which `--help` need not wait for
+    from hicache.tools.trace.replay import ReplaySetup, replay, simulated, sweep_steps
+
     base: HiCacheConfig | None = load_config(args.config) if args.config else None
     problem = _problem(args, base)
     if problem:

@@ -23,12 +23,9 @@ from hicache.core.eviction import DEFAULT_POLICY, make_policy, policy_names
 from hicache.tools.trace.engine import ReplayEngine, Timings
 from hicache.tools.trace.fastsim import OFFLINE, simulate
 from hicache.tools.trace.simulate import OracleSim, block_ceiling
-from hicache.tools.trace.workload import BLOCK_TOKENS, Workload, prompt_tokens
+from hicache.tools.trace.workload import BLOCK_TOKENS, DEFAULT_FRACTIONS, Workload, prompt_tokens
 
 __all__ = ["DEFAULT_FRACTIONS", "ReplaySetup", "Workload", "replay", "run_hicache", "sweep"]
-
-DEFAULT_FRACTIONS = (0.02, 0.05, 0.1, 0.25, 1.0)
-"""Host capacities of the sweep, as fractions of the trace's distinct pages."""
 
 
 @dataclass(frozen=True)

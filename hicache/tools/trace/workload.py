@@ -38,6 +38,9 @@ from hicache.tools.trace.simulate import (
 BLOCK_TOKENS = 512
 """Tokens per hash id in the Mooncake traces."""
 
+DEFAULT_FRACTIONS = (0.02, 0.05, 0.1, 0.25, 1.0)
+"""Host capacities of `hicache trace --sweep`, as fractions of the trace's distinct pages."""
+
 VOCAB = 128_000
 """Token ids are drawn from [0, VOCAB)."""
 
