@@ -225,7 +225,10 @@ class StoreTierConfig(TierConfig):
         # the package looked for here, not through hicache.backends.codec: the configuration
         # sits below the backends and never imports them
         if v == "lossless" and importlib.util.find_spec("zstandard") is None:
-            raise ValueError("lossless needs the zstandard package: pip install 'hicache[codec]'")
+            raise ValueError(
+                "lossless needs the zstandard package: pip install zstandard "
+                "(hicache is not on the package index: in its clone, pip install -e '.[codec]')"
+            )
         return v
 
     @model_validator(mode="after")

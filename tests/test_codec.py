@@ -217,7 +217,8 @@ def test_lossless_without_zstandard_is_a_one_line_config_error(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == (
-        "tiers.1.codec: lossless needs the zstandard package: pip install 'hicache[codec]'"
+        "tiers.1.codec: lossless needs the zstandard package: pip install zstandard (hicache is "
+        "not on the package index: in its clone, pip install -e '.[codec]')"
     )
 
 

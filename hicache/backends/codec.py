@@ -51,7 +51,10 @@ def problem() -> str | None:
     try:
         import zstandard  # noqa: F401
     except ImportError:
-        return "needs the zstandard package: pip install 'hicache[codec]'"
+        return (
+            "needs the zstandard package: pip install zstandard (hicache is not on the "
+            "package index: in its clone, pip install -e '.[codec]')"
+        )
     return None
 
 
