@@ -378,8 +378,8 @@ def load(entry: Figures) -> list[str]:
 
 @pytest.mark.parametrize("entry", FIGURES, ids=lambda e: e.id)
 def test_the_readme_prints_the_figures_of_its_result_files(entry: Figures) -> None:
-    where = " ".join(the_row(entry.row)) if entry.row else normalised(README.read_text())
-    assert [f for f in load(entry) if normalised(f) not in where] == []
+    text = " ".join(the_row(entry.row)) if entry.row else normalised(README.read_text())
+    assert [f for f in load(entry) if normalised(f) not in text] == []
 
 
 @pytest.mark.parametrize("entry", [e for e in FIGURES if e.row], ids=lambda e: e.id)
