@@ -345,7 +345,7 @@ function (the row's "where" cell names the file), and the figure."""
 
 PENDING = (
     "engine + hicache against the same engine with its GPU prefix cache",
-    "the same run, bf16",
+    "the same run",  # "the same run(s), bf16"
     "the same in `hicache replay`",
     "default `hicache replay`",
 )
