@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CI_OPS = 300
 CATCHERS = {
-    "available-raises-into-match": 6, "checksum-verdict-ignored": 29,
+    "available-raises-into-match": 74, "checksum-verdict-ignored": 29,
     "codec-left-out-of-names": 0, "drop-superseded-question": 43,
     "dropped-group-kept-as-held": 0, "failed-load-stored": 49, "forgotten-get-loses-slots": 29,
     "fp8-formats-share-keys": 3, "images-fold-31-bits": 71, "keep-caller-array": 81,
@@ -65,7 +65,7 @@ def test_the_ci_seeds_pass_and_reach_every_coverage_mark():
     """The coverage command of docs/simulation.md, over the CI set, in a fresh process as a
     user runs it: every seed passes, every coverage mark is reached by the real code, and the
     store tiers are read (a get on one match in 25 or more, half the objects asked or more
-    coming back: 5.6 % and 71 % measured)."""
+    coming back: 7.2 % and 62 % measured)."""
     require("vllm", None if _has_vllm() else "vLLM is not installed: its worlds' marks are unmet")
     (command,) = [c for c in _documented() if "--coverage" in c]
     assert f" --seed-list {','.join(map(str, CI_SEEDS))} --ops {CI_OPS} " in command
