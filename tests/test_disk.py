@@ -453,13 +453,35 @@ def test_writes_past_a_file_size_limit_are_counted_failures_never_hits(tmp_path)
     assert list((path / "tmp").iterdir()) == []
 
 
-def test_a_full_file_system_is_a_counted_failure_and_later_puts_evict_and_land(tmp_path, tiers):
+@contextlib.contextmanager
+def small_file_system(tmp_path: Path) -> Iterator[Path]:
+    """A file system of 2 MiB (a tmpfs) mounted at a directory of `tmp_path`; skips where
+    mounting needs rights this process lacks."""
     mount = tmp_path / "small"
     mount.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)])
     if done.returncode != 0:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def fill_up(path: Path) -> None:
+    """Another program's file at `path` takes every byte the file system has left."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        while True:
+            os.write(fd, b"x" * (4 * KiB))
+    except OSError as err:
+        assert err.errno == errno.ENOSPC, err
+    finally:
+        os.close(fd)
+
+
+def test_a_full_file_system_is_a_counted_failure_and_later_puts_evict_and_land(tmp_path, tiers):
+    with small_file_system(tmp_path) as mount:
         tier = tiers(mount / "d", size=64 * MiB)  # the size bound is not what stops it
         mem = Memory(tier, 8 * MiB)
         keys = [f"obj{i}" for i in range(6)]
@@ -481,8 +503,29 @@ def test_a_full_file_system_is_a_counted_failure_and_later_puts_evict_and_land(t
         assert got == [512 * KiB if h else -errno.ENOENT for h in held]
         assert mem.wrong(keys, sizes, got) == []
         tier.close()
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_file_system_full_while_the_tier_holds_nothing_takes_puts_once_space_returns(
+    tmp_path, tiers
+):
+    """A full file system is transient. A tier that met one while it held nothing lowered its
+    bound to what it held, 0 bytes, for the life of the process: every later put failed, though
+    the space had come back."""
+    with small_file_system(tmp_path) as mount:
+        tier = tiers(mount / "d", size=64 * MiB)
+        mem = Memory(tier, 4 * MiB)
+        keys = [f"obj{i}" for i in range(3)]
+        sizes = [[256 * KiB]]
+        fill_up(mount / "other-data")
+        assert tier.put_from(keys[:1], mem.fill(keys[:1], sizes)) == [-errno.ENOSPC]
+        assert (tier.stats().failed_puts, tier.stats().records) == (1, 0)
+        (mount / "other-data").unlink()  # the space comes back
+        codes = [tier.put_from([k], mem.fill([k], sizes))[0] for k in keys]
+        assert codes == [0, 0, 0]
+        assert tier.stats().capacity >= 3 * (HEADER + 256 * KiB)
+        mem.clear()
+        got = tier.get_into(keys, mem.buffers(sizes * 3))
+        assert got == [256 * KiB] * 3 and mem.wrong(keys, sizes * 3, got) == []
 
 
 def test_a_second_process_is_refused_the_directory_until_the_first_is_gone(tmp_path, tiers):

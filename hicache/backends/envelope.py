@@ -108,10 +108,16 @@ class Envelopes:
             return CORRUPT
         else:
             mark("codec.decoded")
-        if value != checksum(ptrs[1:], sizes[1:], seed(name)):
+        if not self.verifies(name, ptrs, sizes, value):
             mark("checksum.mismatch")
             return CORRUPT
         return payload
+
+    @staticmethod
+    def verifies(name: str, ptrs: list[int], sizes: list[int], value: int) -> bool:
+        """The checksum's verdict: whether the raw payload of object `name` (the pieces after
+        its header) has the checksum `value` its header gives."""
+        return value == checksum(ptrs[1:], sizes[1:], seed(name))
 
     def encoded(self, at: int) -> bool:
         """Whether the header at `at` (one of this object's, verified) says its payload was

@@ -198,6 +198,8 @@ class TierChain:
             part.abandoned = True
             if part.phase == "done":
                 part.release()
+            elif part.phase == "get":
+                mark("fetch.forgotten-while-getting")
 
     def apply(self) -> bool:
         """Apply what every tier's workers have posted; True if a fetch finished."""

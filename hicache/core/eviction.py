@@ -31,6 +31,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from typing import TypeVar
 
+from hicache.core.marks import mark
+
 K = Hashable
 Busy = Callable[[K], bool]
 
@@ -284,6 +286,7 @@ class _FifoWithGhosts(EvictionPolicy):
             elif main:
                 key = next(iter(main))
                 if busy(key):
+                    mark("host.evict.s3fifo-main-pinned")
                     main.move_to_end(key)
                 elif freq[key]:
                     freq[key] -= 1

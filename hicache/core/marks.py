@@ -20,6 +20,8 @@ MARKS: dict[str, str] = {
     "store.get.keys-back": "objects a get returned whole and verified",
     "store.get.partial": "a get returned a leading run of its objects, not all",
     "fetch.middle-lost-state-present": "a get lost a group inside its run while its state came",
+    "fetch.forgotten-while-getting": "a request went away while its fetch's get ran (the get "
+    "keeps its slots until it returns)",
     "fetch.deadline-missed": "a request's walk down the store tiers outlived its deadline",
     "tp.load-failed-on-another-rank": "a TP rank's load fell short because another rank's did",
     "keys.images-on-one-token-pages": "a request with images keyed on pages of one token",
@@ -36,6 +38,9 @@ MARKS: dict[str, str] = {
     "disk.evicted": "the disk tier evicted records to make room",
     "disk.stray-skipped": "the disk tier, listing its directory, skipped entries not its own",
     "sim.two-writers": "puts of two open instances reached one store one after the other",
+    "sim.poisoned-get": "a failed get left poison in the buffers of objects it did not return",
+    "sim.poisoned-put": "a failed put left its object torn: its header whole, its payload poison",
+    "sim.poisoned-load": "a failed load left poison in the blocks it did not fill (vLLM)",
     "store.forgot-missing": "a link found missing an object it had put or read (the tier "
     "dropped it): a later store puts it again",
     "plugin.base-exception": "a store call raised a BaseException (not an Exception)",
@@ -43,6 +48,7 @@ MARKS: dict[str, str] = {
     "host.evict.arc": "the host tier evicted by arc",
     "host.evict.s3fifo": "the host tier evicted by s3fifo",
     "host.evict.prefix": "the host tier evicted by prefix",
+    "host.evict.s3fifo-main-pinned": "s3fifo's main queue passed over a pinned key",
     "write.behind": "a write: behind tier offered a store's groups",
     "write.on_evict": "a write: on_evict tier put groups the host was about to evict",
     "write.off": "a store whose tiers include a write: off tier",

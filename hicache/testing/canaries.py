@@ -38,9 +38,20 @@ def applied(name: str | None) -> Iterator[None]:
         undo()
 
 
+ABSENT = object()
+"""What `PATCHED` records for an attribute its owner did not hold itself (inherited)."""
+PATCHED: list[tuple[object, str, object]] = []
+"""(owner, attribute, what the owner held before) of every patch made (tests read it)."""
+
+
 def _patch(owner: object, attr: str, value: object) -> Callable[[], None]:
-    old = getattr(owner, attr)
+    """Set `owner.attr` to `value`; the function that puts back exactly what the owner held (a
+    staticmethod as a staticmethod; an inherited attribute by deleting the owner's own)."""
+    old = vars(owner).get(attr, ABSENT)
+    PATCHED.append((owner, attr, old))
     setattr(owner, attr, value)
+    if old is ABSENT:
+        return lambda: delattr(owner, attr)
     return lambda: setattr(owner, attr, old)
 
 
@@ -332,6 +343,92 @@ def _available_raises_into_match() -> Callable[[], None]:
     from hicache.chain.link import StoreLink
 
     return _patch(StoreLink, "_available", lambda self: self.store.available)
+
+
+SERVED_WRONG = (
+    r"host slot \d+ holds other bytes than its key|page \d+ loaded wrong bytes"
+    r"|put of group \w+: page \d+ of \d+ has wrong|host state slot \d+ holds other bytes"
+    r"|wrong state at \d+|put of state \w+: wrong bytes"
+)
+"""The byte oracle's violations: a host slot, a loaded page (or state) or a put holds bytes
+that are not its key's."""
+
+
+@canary("checksum-verdict-ignored", SERVED_WRONG)
+def _checksum_verdict_ignored() -> Callable[[], None]:
+    """A get takes an object whose payload's checksum does not match its header's as whole:
+    a payload changed behind an intact header (damaged at rest, a torn put) is served."""
+    from hicache.backends.envelope import Envelopes
+
+    return _patch(Envelopes, "verifies", staticmethod(lambda *args: True))
+
+
+@canary("partial-get-publishes-failed-group", SERVED_WRONG)
+def _partial_get_publishes_failed_group() -> Callable[[], None]:
+    """A get that returned a leading run of its groups, not all, publishes the first group
+    after the run too, which did not arrive (its slots hold what the failed transfer left)."""
+    from hicache.chain.fetch import Fetcher
+
+    on_get = Fetcher.on_get
+
+    def one_more(self, job, codes):  # type: ignore[no-untyped-def]
+        if codes is not None:
+            span, page = job.fetch.span, self.layout.page_size
+            sizes = [self.G * page if i < span.groups else span.tail * page
+                     for i in range(job.groups)]  # fmt: skip
+            ok = 0
+            while ok < job.groups and codes[ok] == sizes[ok]:
+                ok += 1
+            if 0 < ok < job.groups:  # taken as arrived
+                codes = [*codes[:ok], sizes[ok], *codes[ok + 1 :]]
+        return on_get(self, job, codes)
+
+    return _patch(Fetcher, "on_get", one_more)
+
+
+@canary("s3fifo-evicts-pinned-main", r"host slot \d+ was evicted while pinned")
+def _s3fifo_evicts_pinned_main() -> Callable[[], None]:
+    """S3-FIFO's main queue takes a pinned key as a victim (its small queue still passes over
+    them): a page being loaded or put is evicted and its slot reused under it."""
+    from hicache.core.eviction import S3FIFO
+
+    victim = S3FIFO.victim
+
+    def main_ignores_pins(self, busy):  # type: ignore[no-untyped-def]
+        return victim(self, lambda key: key not in self._main and busy(key))
+
+    return _patch(S3FIFO, "victim", main_ignores_pins)
+
+
+@canary(
+    "forgotten-get-loses-slots",
+    r"writes into host slot \d+, which is not reserved for it|" + SERVED_WRONG,
+)
+def _forgotten_get_loses_slots() -> Callable[[], None]:
+    """A request forgotten while its get runs releases the get's slots at once: the store
+    writes into slots that another page may hold by then (its result then only ends it)."""
+    from hicache.chain.fetch import Fetcher
+    from hicache.chain.walk import TierChain
+
+    on_get = Fetcher.on_get
+
+    def forget(self, fetch):  # type: ignore[no-untyped-def]
+        for part in fetch.parts():
+            part.abandoned = True
+            part.release()
+
+    def gone(self, job, codes):  # type: ignore[no-untyped-def]
+        fetch = job.fetch
+        if fetch.abandoned and fetch.lease is None:  # its slots went with the request
+            self.load[job.worker] -= 1
+            if job.unprobed:
+                self._lent -= len(job.page_slots)
+            self.on_done(fetch)
+            return None
+        return on_get(self, job, codes)
+
+    undo = [_patch(TierChain, "forget", forget), _patch(Fetcher, "on_get", gone)]
+    return lambda: [u() for u in undo] and None
 
 
 NEEDS = {

@@ -8,11 +8,15 @@ tier in a directory (`disk`, `KillableDisk`). Faults at a call: the store unreac
 exception, a BaseException (asyncio's CancelledError, as a plugin's asyncio code raises), code
 lists too short, too long or of the wrong type, per-key failures (of the first object and every
 other one, or of every other one between the first and the last: groups in the middle of a
-run, the state at its end kept), wrong byte counts. Faults at rest (`Space.damage`,
-`damage_disk`: on the real disk tier's record files): objects lost, truncated, replaced, or one
-byte of their payload changed (their headers intact: only the payload's checksum can tell); the
-store full, down and back, a restart that loses its contents; the process of a disk tier killed
-at a point of a record's write.
+run, the state at its end kept), wrong byte counts. A call that fails leaves poison where its
+transfer failed (`POISON`): a get in the buffers of every object it does not return whole, a
+put a torn object (its header whole, its payload poison) under every name it was made to fail
+that the store did not hold before. Bytes served from a failed transfer are then wrong, and the
+byte oracle sees them. Faults at rest (`Space.damage`, `damage_disk`: on the real disk tier's
+record files): objects lost, truncated, replaced, or one byte of their payload changed (their
+headers intact: only the payload's checksum can tell); the store full, down and back, a
+restart that loses its contents; the process of a disk tier killed at a point of a record's
+write.
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ AT_REST = ("lost", "truncated", "replaced", "payload", "stray")
 DAMAGED_AMONG = 8
 """Damage at rest lands on one of the objects put (or, on a disk, used) last: those a request
 is likely to read soon."""
+POISON = 0xA5
+"""The byte a failed transfer leaves where it failed (no page or state of the oracle's is all
+this byte)."""
 KILL_POINTS = ("writing", "written", "renamed")
 """Where in a record's write a disk tier's process can die (see `KillableDisk`)."""
 
@@ -134,6 +141,9 @@ class Space:
     capacity: int = 1 << 30
     on_put: Callable[[str, bytes, Sequence[tuple[int, int]], int], None] | None = None
     """The oracle's check of each object put (name, bytes, its pieces, the putting node)."""
+    on_get: Callable[[str, Sequence[tuple[int, int]], int], None] | None = None
+    """The check of where each object a get writes goes (name, its pieces, the reading node),
+    before it is written."""
     registered: int = 0
     """Host memory registrations not yet dropped by close (the leak check reads it)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -394,24 +404,32 @@ class SimTier(StoreTier):
         return -1, 0
 
     def _enter(self, op: str, keys: Sequence[str], buffers: Buffers | None) -> str | None:
+        """Park the call at the gate; the fault it is released with. Raises what a call that
+        cannot start raises (the store down, its process dead)."""
         # a put's objects are its names (an encoded one lies in staging memory that the tier
         # chain aligns within its allocation: where depends on the allocation's address)
         at = tuple(tuple(map(self._where, p)) for p in buffers.ptrs) if op == "get" else ()
         order = (self.name, op, tuple(keys), at)
         fault = self.space.gate.enter(Call(op, self.name, tuple(keys), order))
-        if self.space.down or self.dead or fault == "unavailable":
+        if self.space.down or self.dead:
+            raise StoreUnavailable(f"sim store {self.config.space!r} is down")
+        return fault
+
+    def _raise(self, fault: str | None) -> None:
+        """Raise what `fault` makes the call raise, if anything."""
+        if fault == "unavailable":
             raise StoreUnavailable(f"sim store {self.config.space!r} is down")
         if fault == "exception":
             raise RuntimeError("sim store: the client library raised")
         if fault == "cancelled":  # a plugin's asyncio code, cancelled: not an Exception
             raise asyncio.CancelledError("sim store: the client's task was cancelled")
-        return fault
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         if self.config.probe:
             with self.space.lock:
                 return [k in self.space.objects for k in keys]
         fault = self._enter("exists", keys, None)
+        self._raise(fault)
         if self.inner is not None:
             out = self.inner.exists(keys)
         else:
@@ -427,15 +445,30 @@ class SimTier(StoreTier):
             self.said_absent.update((k, now) for k, gone in zip(keys, absent) if gone)
 
     def get_into(self, keys: Sequence[str], buffers: Buffers) -> list[int]:
-        fault = self._enter("get", keys, buffers)
+        """The objects into their buffers; every object the answer does not give whole (a
+        fault's, the store's own failure, a miss; every object where the call raises) left
+        holding poison."""
+        on_get = self.space.on_get
+        try:
+            fault = self._enter("get", keys, buffers)
+            if on_get is not None:  # where it writes, checked before it writes
+                for i, key in enumerate(keys):
+                    on_get(key, list(zip(buffers.ptrs[i], buffers.sizes[i])), self.config.node)
+            self._raise(fault)
+        except BaseException:
+            _poison(buffers, range(len(keys)))
+            raise
         if self.inner is not None:
             out = self.inner.get_into(keys, buffers)
         else:
             out = [self._get_one(k, buffers.ptrs[i], buffers.sizes[i]) for i, k in enumerate(keys)]
         self._absent(fault, keys, [code == self.missing_code for code in out])
+        answer = out
         if fault == "wrong_bytes" and out:
-            out = [n - 1 if n > 0 else n for n in out]
-        return _faulty(out, fault, -5)
+            answer = [n - 1 if n > 0 else n for n in out]
+        answer = _faulty(answer, fault, -5)
+        _poison(buffers, _failed(out, answer, ok=lambda i: out[i] >= 0))
+        return answer
 
     def _get_one(self, key: str, ptrs: list[int], sizes: list[int]) -> int:
         with self.space.lock:
@@ -458,6 +491,8 @@ class SimTier(StoreTier):
         return len(data)
 
     def put_from(self, keys: Sequence[str], buffers: Buffers) -> list[int]:
+        """The objects put (unless held already); where the call is made to fail (its answer
+        for an object, or the whole call), the objects it wrote are torn (`_tear`)."""
         fault = self._enter("put", keys, buffers)
         space, node = self.space, self.config.node
         on_put = space.on_put
@@ -470,6 +505,7 @@ class SimTier(StoreTier):
             if space.last_writer not in (None, node) and space.last_writer in space.writers:
                 mark("sim.two-writers")
             space.last_writer = node
+        held = self._holds(keys)
         if self.inner is not None:
             try:
                 out = self.inner.put_from(keys, buffers)
@@ -482,7 +518,38 @@ class SimTier(StoreTier):
                     space.remote.extend(k for k, code in zip(keys, out) if code == 0)
         else:
             out = [self._put_one(k, buffers.ptrs[i], buffers.sizes[i]) for i, k in enumerate(keys)]
-        return _faulty(out, fault, -28)
+        answer = out if fault in RAISING else _faulty(out, fault, -28)
+        failed = _failed(out, answer, ok=lambda i: True, raised=fault in RAISING)
+        self._tear([keys[i] for i in failed if out[i] == 0 and not held[i]])
+        self._raise(fault)
+        return answer
+
+    def _holds(self, keys: Sequence[str]) -> list[bool]:
+        """Whether the store holds each object now (a put of one it holds writes nothing)."""
+        if isinstance(self.inner, DiskTier):
+            return [records.file_name(k) in self.inner.book for k in keys]
+        with self.space.lock:
+            return [k in self.space.objects for k in keys]
+
+    def _tear(self, keys: list[str]) -> None:
+        """The objects `keys`, just written by a put that failed, are left torn: their header
+        whole, their payload poison (only the payload's checksum tells). Not on a real
+        Mooncake store (its objects are the master's)."""
+        if self.config.mooncake is not None or not keys:
+            return
+        mark("sim.poisoned-put", len(keys))
+        if isinstance(self.inner, DiskTier):
+            for key in keys:
+                path = self.inner.root / "objects" / records.file_name(key)
+                size = path.stat().st_size - records.HEADER
+                with open(path, "r+b") as f:
+                    f.seek(records.HEADER)
+                    f.write(bytes([POISON]) * size)
+            return
+        with self.space.lock:
+            for key in keys:
+                data = self.space.objects[key]
+                self.space.objects[key] = data[:HEADER] + bytes([POISON]) * (len(data) - HEADER)
 
     def _put_one(self, key: str, ptrs: list[int], sizes: list[int]) -> int:
         """Put an object unless the store holds one of that name already (as Mooncake does:
@@ -510,6 +577,30 @@ def _mooncake(address: str, codec: str) -> Any:
         call_timeout_s=30.0, reconnect_backoff_s=0.2, codec=codec,
     )  # fmt: skip
     return MooncakeStore(config)
+
+
+RAISING = ("unavailable", "exception", "cancelled")
+"""Call faults that make the call raise (after a put has written its objects)."""
+
+
+def _failed(
+    out: list[int], answer: Any, ok: Callable[[int], bool], raised: bool = False
+) -> list[int]:
+    """The objects a call failed: every one where it `raised` or its `answer` is not one int
+    per object, else each whose answer is not the store's own (`out`) or not `ok`."""
+    whole = not raised and isinstance(answer, list) and len(answer) == len(out)
+    if not whole:
+        return list(range(len(out)))
+    return [i for i, code in enumerate(answer) if code != out[i] or not ok(i)]
+
+
+def _poison(buffers: Buffers, objects: Sequence[int]) -> None:
+    """Fill every piece of a get's `objects` (indices into `buffers`) with `POISON`."""
+    for i in objects:
+        for ptr, size in zip(buffers.ptrs[i], buffers.sizes[i], strict=True):
+            ctypes.memset(ptr, POISON, size)
+    if objects:
+        mark("sim.poisoned-get", len(objects))
 
 
 def _faulty(out: list[Any], fault: str | None, bad: Any) -> Any:

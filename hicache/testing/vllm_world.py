@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 from vllm import SamplingParams
 from vllm.lora.request import LoRARequest
@@ -32,11 +33,12 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.request import Request
 
 from hicache.core.keys import namespace
+from hicache.core.marks import mark
 from hicache.integrations.vllm.probe import StoreProbe
 from hicache.integrations.vllm.scheduler import SchedulerBooks
 from hicache.integrations.vllm.worker import WorkerCache, layout_fields
 from hicache.testing.device import SimDevice
-from hicache.testing.faults import SimTier
+from hicache.testing.faults import POISON, SimTier
 from hicache.testing.oracle import Content, Violation, expand
 from hicache.testing.workload import call_fault, content_of
 from hicache.testing.world import FETCH_MAX_WAIT_S, Node, World
@@ -410,8 +412,10 @@ class VllmWorld(World):
             w.bind_step(meta)
         inst.agreement.start_loads(inst.workers, meta)
         failed: set[int] = set()
-        for w in inst.workers:
-            failed |= w.load_errors()
+        for node, w in zip(inst.ranks, inst.workers, strict=True):
+            lost = w.load_errors()
+            self._poison(node, lost)
+            failed |= lost
         for rid, count in scheduled.items():
             vr = inst.vreqs[rid]
             r = vr.request
@@ -462,6 +466,14 @@ class VllmWorld(World):
             ]
             node.device.run_later(_writer(node, pages))
         vr.kv_pages = max(vr.kv_pages, hi)
+
+    def _poison(self, node: Node, blocks: set[int]) -> None:
+        """The loads of `blocks` failed on `node`'s rank: they hold poison (what a copy that
+        failed part way leaves), from the forward on."""
+        if blocks:
+            mark("sim.poisoned-load", len(blocks))
+            poison = np.full(self.oracle.page_bytes, POISON, dtype=np.uint8)
+            node.device.run_later(_writer(node, [(b, poison) for b in sorted(blocks)]))
 
     def _check_blocks(self, inst: Instance, rid: str, vr: VReq, pages: list[int]) -> None:
         truth, P = request_content(vr.request), self.setup.page_tokens

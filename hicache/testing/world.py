@@ -146,6 +146,7 @@ class Node:
         self.world.slot_books += [cache.host.page_slots._books, cache.host.state_slots._books]
         _wait_ready(cache)
         self.device.to_host = cache._routes.to_host
+        self.guard_reserve(cache)
         chain = cache._chain
         if chain is not None:  # the simulation's clock, for deadlines, rates and breakers
             clock = self.world.clock
@@ -262,15 +263,48 @@ class Node:
         cache = self.cache
         if cache is None:
             return
+        if self.device.pending_host("page") & self._slots_of(pieces):
+            raise Violation(f"a put read host slot(s) of {name[-8:]} before their copy")
+        self.world.oracle.check_put(name, data)
+
+    def _slots_of(self, pieces: list[tuple[int, int]]) -> set[int]:
+        """The host page slots that `pieces` (address, bytes) lie in."""
+        cache = self._cache()
         seg = cache.host.pages.segments[0]
         base, stride, cap = seg.data_ptr(), seg.stride(0), cache.host.page_slots.capacity
-        pending = self.device.pending_host("page")
+        out: set[int] = set()
         for ptr, size in pieces:
             if base <= ptr < base + cap * stride:
-                first, last = (ptr - base) // stride, (ptr + size - 1 - base) // stride
-                if pending & set(range(first, last + 1)):
-                    raise Violation(f"a put read host slot(s) of {name[-8:]} before their copy")
-        self.world.oracle.check_put(name, data)
+                out.update(range((ptr - base) // stride, (ptr + size - 1 - base) // stride + 1))
+        return out
+
+    def check_get(self, name: str, pieces: list[tuple[int, int]]) -> None:
+        """A get of this node's writes into host memory (a worker thread): only into page slots
+        reserved for it, that is pinned and holding no key."""
+        if self.cache is None:
+            return
+        books = self.cache.host.page_slots._books
+        for slot in sorted(self._slots_of(pieces)):
+            if books.refs(slot) == 0 or books.key_of(slot) is not None:
+                raise Violation(
+                    f"a get of {name[-8:]} writes into host slot {slot}, which is not reserved "
+                    "for it"
+                )
+
+    def guard_reserve(self, cache: HiCache) -> None:
+        """Check every reserve of `cache`'s host slots: a slot it hands out was free or idle
+        (the reserve's own pin is its only one), never taken from under a pin."""
+        for pool in (cache.host.page_slots, cache.host.state_slots):
+            reserve, books = pool.reserve, pool._books
+
+            def guarded(n: int, reserve: Any = reserve, books: Any = books) -> Any:
+                lease = reserve(n)
+                for slot in lease.slots:
+                    if books.refs(slot) != 1:
+                        raise Violation(f"host slot {slot} was evicted while pinned")
+                return lease
+
+            pool.reserve = guarded  # type: ignore[method-assign]
 
     def close_cache(self) -> None:
         """Finish the device's work and close the cache (the parked calls go on by themselves
@@ -404,7 +438,7 @@ class World:
 
     def _space(self, gate: Gate | None = None) -> Space:
         """A store of this world (behind `gate`, else a gate of its own)."""
-        space = Space(gate or Gate(), on_put=self._on_put, clock=self.clock)
+        space = Space(gate or Gate(), on_put=self._on_put, on_get=self._on_get, clock=self.clock)
         space.report = self._report
         return space
 
@@ -825,6 +859,15 @@ class World:
             raise self.failure
         for node in self.nodes:
             node.check(self.live(node))
+
+    def _on_get(self, name: str, pieces: list[tuple[int, int]], node: int) -> None:
+        """A get of node `node`'s store tier is about to write into host memory (a worker
+        thread)."""
+        try:
+            self.nodes[node].check_get(name, pieces)
+        except Violation as err:
+            self.failure = self.failure or err
+            raise
 
     def _on_put(self, name: str, data: bytes, pieces: list[tuple[int, int]], node: int) -> None:
         """A store tier of node `node` reads host memory for a put (a worker thread)."""

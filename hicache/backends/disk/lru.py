@@ -11,7 +11,10 @@ class LruBook:
     first). Eviction is decided here and nowhere else. Thread-safe."""
 
     def __init__(self, capacity: int) -> None:
+        self.size = capacity
+        """The bound the book started with (the tier's `size`)."""
         self.capacity = capacity
+        """The bound now: `size`, or less while the file system is short of space."""
         self._lock = threading.Lock()
         self._held: OrderedDict[str, int] = OrderedDict()  # name -> bytes, oldest first
         self._writing: dict[str, int] = {}  # name -> bytes reserved by a put in progress
@@ -76,10 +79,21 @@ class LruBook:
 
     def lower(self) -> None:
         """The file system ran out of space below the capacity: what is held and being written
-        now becomes the capacity (for the life of this book), so that later puts evict the least
-        recently used records instead of failing."""
+        now becomes the capacity, so that later puts evict the least recently used records
+        instead of failing (until `lift`)."""
         with self._lock:
             self.capacity = min(self.capacity, self.used)
+
+    @property
+    def lowered(self) -> bool:
+        """The bound is below the size (`lower`)."""
+        return self.capacity < self.size
+
+    def lift(self, free: int) -> None:
+        """The file system has `free` bytes of room: a lowered bound rises to what is held and
+        being written plus that room, at most to the size (a full file system is transient)."""
+        with self._lock:
+            self.capacity = max(self.capacity, min(self.size, self.used + free))
 
     def shrink(self) -> list[str]:
         """Records to remove so that the held ones fit the capacity (after a restart with a

@@ -24,9 +24,11 @@ The contract the tier chain's workers rely on:
   found damaged (its header does not verify or its length is wrong) is a miss and is removed.
 - Capacity: the records' bytes (headers included) stay within `size`; a put first evicts the
   least recently used records (`LruBook`). A file system that runs out of space first lowers the
-  bound to what the tier holds then (the put that met it fails; later ones evict). The order
-  survives restarts: a record's modification time is stamped with its last use (its write, its
-  latest hit), and a restart orders by it.
+  bound to what the tier holds then (the put that met it fails; later ones evict); a put under
+  a lowered bound raises it again by the room the file system has then (a full file system is
+  transient: a tier that held nothing when it met one takes puts again once space returns).
+  The order survives restarts: a record's modification time is stamped with its last use (its
+  write, its latest hit), and a restart orders by it.
 - One process per directory: a second process gets a start-up error rather than a directory
   whose capacity and eviction order two processes would keep apart. The lock dies with its
   process, SIGKILL included, so a restart after a crash takes the directory over at once.
@@ -393,6 +395,8 @@ class DiskTier(StoreTier):
         name = rec.file_name(key)
         views, addresses = obj
         nbytes = sum(v.nbytes for v in rec.split(views)[1])  # after the header block
+        if self.book.lowered:  # the file system was full: take back the room it has now
+            self.book.lift(_room(self.root))
         try:
             victims = self.book.reserve(name, rec.HEADER + nbytes)
         except ValueError:
@@ -482,6 +486,16 @@ class DiskTier(StoreTier):
             counts = dict(self._counts)
         book = self.book
         return DiskStats(records=len(book), bytes_used=book.used, capacity=book.capacity, **counts)
+
+
+def _room(path: Path) -> int:
+    """Bytes an unprivileged writer may still take on the file system of `path` (0 where it
+    cannot be asked)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 def _lock(path: Path, where: str) -> int:
