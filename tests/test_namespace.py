@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.core.keys import fold_features, namespace, weights_digest
+from hicache.core.keys import fold_features, namespace
+from hicache.core.weights import weights_digest
 
 
 def test_a_namespace_is_one_injective_encoding_of_its_fields():
