@@ -82,7 +82,7 @@ FIELDS: dict[str, str] = {
     "weights": "The weights' name: the user's `model_id`, else the engine's model name or "
     "path. It names the weights only: every other field is kept.",
     "weights_digest": "Every byte of every weight file (SHA-256, streamed; remembered by each "
-    "file's path, size, mtime and inode, so an unchanged checkpoint is read once): weights "
+    "file's path, size, mtime, ctime and inode, so an unchanged checkpoint is read once): weights "
     "re-saved under one name (a fine-tune over its base) are other weights.",
     "weights_version": "An explicit version (`weights_version` in the engine's settings, or "
     "the API): bump it when weights change in place in a running engine (an RL step, an "
@@ -117,10 +117,18 @@ NEUTRAL: dict[str, str] = {
     "tier order": "Which tiers there are and in what order.",
     "metrics port": "Where hicache's metrics are served.",
     "threads": "hicache's worker threads.",
-    "page group size": "How many pages a store object holds (`group_pages`): keys are per page.",
     "worker CPUs": "Which CPUs hicache's workers run on.",
 }
 """Settings that must not matter: instances differing only there share every page."""
+
+NAMING: dict[str, str] = {
+    "page group size": "How many pages a store object holds (`group_pages`): an object of G "
+    "pages is named by G and its last page's key, and a tier reads the objects of its own G "
+    "only, so instances share a store tier's pages only where their G is equal (SGLang's is "
+    "always 1).",
+}
+"""Settings that name the store objects, not their bytes: instances differing only there
+share no page of a store tier (their host tiers are their own anyway)."""
 
 
 def check_fields() -> None:
@@ -143,6 +151,16 @@ def device_class(device: Any) -> str:
         return dev.type
     major, minor = torch.cuda.get_device_capability(dev)
     return f"cuda:{torch.cuda.get_device_name(dev)}:sm{major}{minor}"
+
+
+def current_device_class() -> str:
+    """`device_class` of the GPU this process computes on (CUDA's current device), or ``cpu``
+    where it has none."""
+    import torch
+
+    if torch.cuda.is_available():
+        return device_class(torch.device("cuda", torch.cuda.current_device()))
+    return "cpu"
 
 
 def unknown_setting(engine: str, setting: str, value: Any, why: str) -> ValueError:

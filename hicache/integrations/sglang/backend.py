@@ -21,6 +21,7 @@ hicache's tiers do not hold yet.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from hicache.config import ConfigError, Layout
 from hicache.core.identity import Identity
 from hicache.integrations.common import for_rank, in_one_line
-from hicache.integrations.sglang.identity import sglang_identity
+from hicache.integrations.sglang.identity import sglang_identity, weight_version
 from hicache.integrations.sglang.pool import EnginePages
 from hicache.integrations.sglang.settings import Settings, settings
 from hicache.integrations.sglang.tiers import StoreTiers
@@ -55,6 +56,10 @@ class HiCacheBackend(HiCacheStorage):
         )
         self.tiers: StoreTiers | None = None
         self._metrics: Any = None
+        self.identity: Identity | None = None
+        """What the pages' keys are rooted in (`hicache.core.identity`), once started."""
+        self._pool: tuple[EnginePages, Any] | None = None
+        self._rekeying = threading.Lock()
 
     # -- start ------------------------------------------------------------------------------------
 
@@ -117,9 +122,27 @@ class HiCacheBackend(HiCacheStorage):
         cfg = self.storage_config
         dtype = str(pool.dtype).removeprefix("torch.")
         mla = "mla" if cfg.is_mla_model else "mha"
-        return sglang_identity(
-            cfg.model_name, self.settings, dtype, f"{mla}|{pages.description}", _shard(cfg)
+        shard = _shard(cfg) if cfg.is_mla_model else f"tp{cfg.tp_rank}/{cfg.tp_size}|{_shard(cfg)}"
+        identity = sglang_identity(
+            cfg.model_name, self.settings, dtype, f"{mla}|{pages.description}", shard
         )
+        self.identity, self._pool = identity, (pages, pool)
+        return identity
+
+    def _follow_weights(self, tiers: StoreTiers) -> None:
+        """SGLang's update-weights calls set its weight version (``weight_version``): where the
+        extra config gives no `weights_version`, the pages of every call after a change are
+        named under the new version, so the old weights' pages are never served."""
+        now = weight_version()
+        if self.settings.weights_version or self.identity is None or self._pool is None:
+            return
+        if now is None or now == self.identity.weights_version:
+            return
+        with self._rekeying:
+            if weight_version() not in (None, self.identity.weights_version):
+                identity = self._identity(*self._pool)
+                tiers.rekey(tiers.layout.model_copy(update={"model": identity.name()}))
+                log.info("hicache: SGLang's weights are version %s", identity.weights_version)
 
     # -- SGLang's calls ---------------------------------------------------------------------------
 
@@ -202,9 +225,11 @@ class HiCacheBackend(HiCacheStorage):
             self.tiers = None
 
     def _started(self) -> StoreTiers:
-        if self.tiers is None:
+        tiers = self.tiers
+        if tiers is None:
             raise RuntimeError("hicache: SGLang has not registered its host pool yet")
-        return self.tiers
+        self._follow_weights(tiers)
+        return tiers
 
 
 _V1 = 'hicache: only the zero-copy calls: give "interface_v1": 1 in the extra config'

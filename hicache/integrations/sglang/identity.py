@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hicache.core.identity import Identity, device_class, unknown_setting
+from hicache.core.identity import Identity, current_device_class, unknown_setting
 from hicache.core.weights import file_digest, weights_digest
 
 MODEL_FIELDS = ("revision", "json_model_override_args", "load_format", "model_impl")
@@ -34,14 +34,14 @@ def published(name: str) -> Any:
         raise KeyError(name) from err
 
 
-def weight_version() -> str:
-    """SGLang's published weight version ('' where none is published)."""
+def weight_version() -> str | None:
+    """SGLang's published weight version (None where SGLang published no settings)."""
     try:
         from sglang.srt.runtime_context import get_serving
 
         return str(get_serving().weight_version or "")
     except (ImportError, ValueError, AttributeError):
-        return ""
+        return None
 
 
 def sglang_identity(
@@ -73,9 +73,8 @@ def sglang_identity(
     return Identity(
         weights=name,
         weights_digest=weights_digest(folder) if folder.is_dir() else "",
-        weights_version=settings.weights_version or weight_version(),
+        weights_version=settings.weights_version or weight_version() or "",
         config={
-            "path": str(path),
             "config.json": _text(folder / "config.json"),
             **{f: _get(f) for f in MODEL_FIELDS},
         },
@@ -84,7 +83,7 @@ def sglang_identity(
         quantization="|".join(str(_get(f)) for f in QUANT_FIELDS),
         attention=pool_layout,
         shard=shard,
-        arithmetic=f"deterministic={_get('enable_deterministic_inference')}|{_device()}",
+        arithmetic=f"deterministic={_get('enable_deterministic_inference')}|{current_device_class()}",
     )
 
 
@@ -107,12 +106,3 @@ def _scales(path: Any) -> str:
     if not path:
         return ""
     return f"{path}:{file_digest(path)}" if Path(str(path)).is_file() else str(path)
-
-
-def _device() -> str:
-    """The class of the GPU this process computes on (`device_class`); ``cpu`` without one."""
-    import torch
-
-    if torch.cuda.is_available():
-        return device_class(torch.device("cuda", torch.cuda.current_device()))
-    return "cpu"
