@@ -7,7 +7,8 @@ cache: the figure is the digest's, not the disk's) and, `--repeats` times, inter
 whole (the baseline: the same reads with no hashing), digests it on each `--workers` count
 (`file_digest`), and digests the folder again with its digest remembered (`weights_digest` after
 a restart: a stat and a JSON file). Rows give the median seconds and GB/s with the spread
-(min-max). Writes bench/results/weights_digest_<machine>.json unless `--out` says otherwise.
+(min-max), and the machine's load average when it ended (other processes share the CPUs).
+Writes bench/results/weights_digest_<machine>.json unless `--out` says otherwise.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def main() -> None:
         json.dumps(
             {
                 "commit": commit(), "machine": args.machine, "cpu": cpu_model(),
-                "cpus": os.cpu_count(), "command": command(), "bytes": size,
+                "cpus": os.cpu_count(), "load_average": os.getloadavg(), "command": command(),
+                "bytes": size,
                 "repeats": args.repeats, "rows": rows,
             },
             indent=2,
