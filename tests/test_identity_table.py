@@ -181,3 +181,16 @@ def test_the_docs_blocks_run_as_written(section, lang, text, tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout == docgen.identity_table()
     assert done.stdout in DOC.read_text(), "docs/identity.md's table is stale: run the command"
+
+
+def test_a_field_the_name_leaves_out_fails_its_row(tmp_path, monkeypatch):
+    """The table catches a dropped field: with `arithmetic` left out of the identity's name,
+    its row's two engines share all 96 tokens (the row asks 0)."""
+    canonical = Identity.canonical
+
+    def without_arithmetic(self: Identity) -> bytes:
+        return canonical(replace(self, arithmetic=""))
+
+    monkeypatch.setattr(Identity, "canonical", without_arithmetic)
+    row = ROWS["arithmetic"](tmp_path)  # type: ignore[operator]
+    assert shared(row, tmp_path / "disk") == FULL
