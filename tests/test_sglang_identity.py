@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -78,6 +79,17 @@ def test_fp8_formats_under_one_model_id_share_no_page():
                 env.stop(b)
     assert got == [0, len(TOKENS)]
     assert len(MemoryTier.spaces["fp8"]) == PAGES
+
+
+def test_an_fp8_pool_whose_format_sglang_did_not_publish_is_refused_in_one_line(caplog):
+    """A controller made outside a server publishes no settings: its uint8 pool could hold
+    either fp8 format, so the backend refuses to start (one line), never keys it by uint8."""
+    host = env.host_pool(fp8_pool(torch.float8_e5m2), "page_first")
+    line = "SGLang's kv_cache_dtype='unpublished' may change the KV bytes"
+    with caplog.at_level(logging.ERROR), pytest.raises(ValueError, match=line):
+        env.controller(fp8_pool(torch.float8_e5m2), host, env.extra(memory("none")))
+    errors = [r.getMessage() for r in caplog.records if r.name.startswith("hicache")]
+    assert len(errors) == 1 and line in errors[0] and "\n" not in errors[0]
 
 
 def weight_updater(load: Any) -> Any:
