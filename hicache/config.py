@@ -84,11 +84,11 @@ class Layout(_Strict):
     """
 
     model: str = Field(min_length=1)
-    """Names the weights exactly (``llama-3.1-8b@main:<digests>``; `hicache.core.keys` has
-    `model_digest` for a model's config and `weights_digest` for its weight files): pages of
-    different models, or of one name over other weights, config or dtype, never mix. The vLLM
-    connector and the reference engine make theirs so (docs/vllm.md, *What the page keys
-    cover*)."""
+    """Names everything that decides a page's bytes beyond this layout's other fields: the
+    `name` of a `hicache.core.identity.Identity` (the weights by name, content and version,
+    the model's config, compute dtype, KV format, quantization, attention, shard, arithmetic,
+    ...). Pages of instances whose identities differ in any field never mix. The reference
+    engine, vLLM's connector and SGLang's backend fill theirs (docs/identity.md)."""
     kv_dtype: str = Field(min_length=1)
     """The KV cache's dtype (``bfloat16``, ``float8_e4m3fn``): bf16 and fp8 pages never mix."""
     page_tokens: int = Field(default=128, gt=0)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.core.keys import fold_features, namespace, weights_digest
+from hicache.core.keys import fold_features, namespace
+from hicache.core.weights import weights_digest
 
 
 def test_a_namespace_is_one_injective_encoding_of_its_fields():
@@ -53,3 +54,50 @@ def test_the_weights_digest_changes_with_their_bytes_not_with_their_place(tmp_pa
     (b / "model.safetensors").write_bytes(bytes(data))
     assert weights_digest(a) != weights_digest(b)
     assert weights_digest(tmp_path / "missing") == weights_digest(tmp_path) == ""
+
+
+def test_the_weights_digest_is_remembered_by_file_and_read_again_when_it_changes(
+    tmp_path, monkeypatch
+):
+    """A digest is kept in the cache directory by each file's identity: a second digest of the
+    unchanged folder takes the remembered one (here: one planted in the memo), a file written
+    in place is read again, and every byte counts (one flipped far from any sample point)."""
+    import json
+
+    from hicache.core import weights
+
+    monkeypatch.setenv("HICACHE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tmp_path / "m"
+    folder.mkdir()
+    data = bytearray(bytes(range(256)) * 40_000)  # 10 MB
+    (folder / "model.safetensors").write_bytes(bytes(data))
+    first = weights_digest(folder)
+    memo_file = tmp_path / "cache" / weights.MEMO_FILE
+    memo = json.loads(memo_file.read_text())
+    assert list(memo.values()) == [weights.file_digest(folder / "model.safetensors")]
+    (ident,) = memo
+    memo_file.write_text(json.dumps({ident: "00" * 32}))
+    planted = weights_digest(folder)
+    assert planted != first  # taken from the memo, not read
+    assert weights_digest(folder, memo=False) == first
+    data[3 * len(data) // 4 + 12345] ^= 1
+    (folder / "model.safetensors").write_bytes(bytes(data))  # in place: same name and size
+    again = weights_digest(folder)
+    assert again not in (first, planted)
+    assert again == weights_digest(folder, memo=False)
+
+
+def test_the_weights_digest_covers_every_piece_of_a_file_of_several(monkeypatch, tmp_path):
+    """Files longer than a piece (`CHUNK`) are hashed piece by piece, side by side: the digest
+    is the same on 1 and 4 threads, and a byte of the last piece changes it."""
+    from hicache.core import weights
+
+    monkeypatch.setattr(weights, "CHUNK", 1 << 16)
+    path = tmp_path / "w.bin"
+    data = bytearray(bytes(range(256)) * 1000)  # 256,000 bytes: 4 pieces, the last short
+    path.write_bytes(bytes(data))
+    one = weights.file_digest(path, workers=1)
+    assert weights.file_digest(path, workers=4) == one
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    assert weights.file_digest(path, workers=4) != one

@@ -311,14 +311,19 @@ def test_deferred_request_does_not_stall_others(checkpoint):
 
 def test_weights_resaved_in_place_get_another_name_in_the_keys(tmp_path):
     """The same folder and config.json, other weights (a fine-tune written over its base):
-    the model's name in hicache's fingerprint changes, so no page of the old weights is served."""
-    from hicache.tools.refengine.build import EngineSpec, load_model
+    the identity's name in hicache's fingerprint changes, so no page of the old weights is
+    served."""
+    from hicache.tools.refengine.build import EngineSpec, engine_identity, load_model
 
     _hf_model("llama", tmp_path)
     spec = EngineSpec(model=str(tmp_path))
-    before = load_model(spec)[1]
+
+    def name() -> str:
+        return engine_identity(spec, *load_model(spec)).name()
+
+    before = name()
     weights = tmp_path / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 1
     weights.write_bytes(bytes(data))
-    assert load_model(spec)[1] != before
+    assert name() != before

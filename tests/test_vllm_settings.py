@@ -35,7 +35,8 @@ def test_a_misspelt_key_is_named_with_the_key_meant():
         Settings.read({"confg": "configs/vllm.yaml"})
     assert str(err.value) == (
         "hicache: kv_connector_extra_config: unknown key 'confg' (did you mean 'config'?); the "
-        "keys are config, hicache, model_id, pin_share, answer_in_step, probe_wait_ms"
+        "keys are config, hicache, model_id, weights_version, pin_share, answer_in_step, "
+        "probe_wait_ms"
     )
     with pytest.raises(ConfigError, match=r"unknown key 'pin_shares' \(did you mean 'pin_share'"):
         Settings.read({"hicache": HOST, "pin_shares": 0.5})
@@ -46,6 +47,12 @@ def test_a_misspelt_key_is_named_with_the_key_meant():
 def test_the_settings_read_are_the_ones_given():
     s = Settings.read({"hicache": HOST, "pin_share": 0.25, "probe_wait_ms": 0, "model_id": "m"})
     assert (s.pin_share, s.probe_wait_s, s.answer_in_step, s.model_id) == (0.25, 0.0, True, "m")
+    assert (
+        s.weights_version,
+        Settings.read({"hicache": HOST, "weights_version": "7"}).weights_version,
+    ) == ("", "7")
+    with pytest.raises(ConfigError, match="hicache: weights_version must be a string, got 7"):
+        Settings.read({"hicache": HOST, "weights_version": 7})
     assert s.config.tiers[0].size == 64 << 20
     with pytest.raises(ConfigError, match="model_id must be a non-empty string, got 3"):
         Settings.read({"hicache": HOST, "model_id": 3})

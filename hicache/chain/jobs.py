@@ -130,13 +130,14 @@ class JobRunner:
     ) -> None:
         self.store = store
         self.host = host
-        self.G = G = group_pages
+        self.G = group_pages
         self.page_tokens = page_tokens
         self.states = states
         """Whether the layout has states (a probe then asks for the state at each group end)."""
-        self._group_names = [store_key(key_prefix, fingerprint, b"", g) for g in range(G + 1)]
-        """The names' prefix of an object of `g` pages: `_group_names[g]`."""
-        self._state_names = store_key(key_prefix, fingerprint, b"", None)
+        self.key_prefix = key_prefix
+        self._names = self._prefixes(fingerprint)
+        """The names' prefixes: of an object of `g` pages, ``_names[0][g]``; of a state,
+        ``_names[1]`` (one tuple, replaced whole by `rename`)."""
         self.envelopes = Envelopes(host.page_slots.capacity, host.state_slots.capacity)
         """The objects' headers (registered with the store beside the host pools)."""
         self.codec = codec
@@ -302,13 +303,23 @@ class JobRunner:
         if job.kind == "probe" and self.states:
             job.state_ends = job.ends
 
+    def _prefixes(self, fingerprint: bytes) -> tuple[list[str], str]:
+        groups = [store_key(self.key_prefix, fingerprint, b"", g) for g in range(self.G + 1)]
+        return groups, store_key(self.key_prefix, fingerprint, b"", None)
+
+    def rename(self, fingerprint: bytes) -> None:
+        """Name the objects of the jobs placed from now on under `fingerprint` (an engine whose
+        weights changed in place: its old pages are never read again); jobs placed before keep
+        their names (their bytes are the old weights')."""
+        self._names = self._prefixes(fingerprint)
+
     def _place(self, job: Job) -> None:
         """The names of a job's objects and, for a get or a put, where their bytes lie."""
-        group = self._group_names[self.G]
-        job.names = [group + k.hex() for k in job.ends]
+        groups, states = self._names  # one read: a `rename` meanwhile names the next job
+        job.names = [groups[self.G] + k.hex() for k in job.ends]
         if job.tail:
-            job.names[len(job.ends) - 1] = self._group_names[job.tail] + job.ends[-1].hex()
-        job.names += [self._state_names + k.hex() for k in job.state_ends]
+            job.names[len(job.ends) - 1] = groups[job.tail] + job.ends[-1].hex()
+        job.names += [states + k.hex() for k in job.state_ends]
         if job.kind != "probe":
             job.buffers = self._buffers(job.page_slots, job.state_slots)
 

@@ -19,7 +19,6 @@ import json
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -177,33 +176,6 @@ def features_salt(
         at = offset.to_bytes(8, "little", signed=True) + length.to_bytes(8, "little")
         h.update(_field(b"at", at) + _field(b"id", identifier.encode()))
     return namespace(request=None if salt is None else salt.hex(), features=h.hexdigest())
-
-
-def weights_digest(folder: str | Path) -> str:
-    """A short digest of the weight files in `folder` (``*.safetensors``, ``*.bin``, ``*.pt``,
-    ``*.pth``, ``*.gguf``): each file's name and size and the bytes of its first, middle and
-    last MiB. Weights re-saved under the same name and config (a fine-tune written over its
-    base) get another digest; reading costs a few MiB a file, whatever the model's size. ''
-    where `folder` is not a directory or holds no weight files."""
-    root = Path(folder)
-    if not root.is_dir():
-        return ""
-    files = sorted(p for p in root.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
-    if not files:
-        return ""
-    h = hashlib.sha256()
-    for path in files:
-        size = path.stat().st_size
-        h.update(_field(path.name.encode(), size.to_bytes(8, "little")))
-        with path.open("rb") as f:
-            for at in sorted({0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)}):
-                f.seek(at)
-                h.update(f.read(_SAMPLE))
-    return h.hexdigest()[:16]
-
-
-_WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".gguf"}
-_SAMPLE = 1 << 20
 
 
 def as_tokens(tokens: Any) -> np.ndarray:

@@ -546,12 +546,20 @@ def _layout_fields(
     spec = FullAttentionSpec(page_tokens, num_kv_heads=1, head_size=heads, dtype=dtype)
     vllm_config = SimpleNamespace(
         cache_config=CacheConfig(cache_dtype=kv_format),
-        model_config=SimpleNamespace(hf_config=None),
+        model_config=SimpleNamespace(
+            model="sim-model",
+            revision=None,
+            hf_config=None,
+            code_revision=None,
+            dtype=dtype,
+            disable_sliding_window=False,
+            quantization=None,
+        ),
         parallel_config=SimpleNamespace(pipeline_parallel_size=1),
         speculative_config=None,
     )
     groups = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)])
-    return layout_fields(vllm_config, groups, {"model_id": "sim-model"}, rank, ranks)
+    return layout_fields(vllm_config, groups, "sim-model", rank, ranks)
 
 
 def _open_questions(books: Any) -> dict[str, int]:

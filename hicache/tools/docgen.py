@@ -1,6 +1,8 @@
-"""Write the configuration reference (docs/configuration.md) from the pydantic models.
+"""Write the configuration reference (docs/configuration.md) from the pydantic models, and the
+table of what makes two pages the same (docs/identity.md) from `hicache.core.identity`.
 
     python -m hicache.tools.docgen > docs/configuration.md
+    python -m hicache.tools.docgen identity   # the table docs/identity.md holds
 
 Every field of every section is listed with its type, its default and its meaning; the meaning
 is the docstring under the field in the model. Tier sections come from the tier registry, so a
@@ -52,6 +54,19 @@ def render() -> str:
     parts.append(_section("`policy:`", Policy, "policy."))
     parts.append(_section("`metrics:`", MetricsConfig, "metrics."))
     return "\n".join(parts)
+
+
+def identity_table() -> str:
+    """What makes two pages the same, as Markdown: each field of `Identity` (instances that
+    differ there share no page), each setting of `NEUTRAL` (they share every page) and of
+    `NAMING` (they share no page of a store tier)."""
+    from hicache.core.identity import FIELDS, NAMING, NEUTRAL
+
+    lines = ["| input | two instances that differ only here | what it is |", "| --- | --- | --- |"]
+    lines += [f"| `{name}` | share no page | {text} |" for name, text in FIELDS.items()]
+    lines += [f"| {name} | share every page | {text} |" for name, text in NEUTRAL.items()]
+    lines += [f"| {name} | share no stored page | {text} |" for name, text in NAMING.items()]
+    return "\n".join(line.replace("\n", " ") for line in lines) + "\n"
 
 
 def _section(title: str, model: type[BaseModel], prefix: str, skip: tuple[str, ...] = ()) -> str:
@@ -142,4 +157,4 @@ def _one_line(text: str) -> str:
 
 
 if __name__ == "__main__":
-    sys.stdout.write(render())
+    sys.stdout.write(identity_table() if sys.argv[1:] == ["identity"] else render())

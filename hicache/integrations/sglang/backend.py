@@ -21,7 +21,7 @@ hicache's tiers do not hold yet.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+import threading
 from typing import Any
 
 import torch
@@ -33,8 +33,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from hicache.config import ConfigError, Layout
-from hicache.core.keys import model_digest, weights_digest
+from hicache.core.identity import Identity
 from hicache.integrations.common import for_rank, in_one_line
+from hicache.integrations.sglang.identity import sglang_identity, weight_version
 from hicache.integrations.sglang.pool import EnginePages
 from hicache.integrations.sglang.settings import Settings, settings
 from hicache.integrations.sglang.tiers import StoreTiers
@@ -55,6 +56,10 @@ class HiCacheBackend(HiCacheStorage):
         )
         self.tiers: StoreTiers | None = None
         self._metrics: Any = None
+        self.identity: Identity | None = None
+        """What the pages' keys are rooted in (`hicache.core.identity`), once started."""
+        self._pool: tuple[EnginePages, Any] | None = None
+        self._rekeying = threading.Lock()
 
     # -- start ------------------------------------------------------------------------------------
 
@@ -80,7 +85,7 @@ class HiCacheBackend(HiCacheStorage):
             raise ValueError("decode context parallelism and tp_lcm_size are not supported")
         pages = EnginePages(pool)
         layout = Layout(
-            model=f"{self._model()}|{pages.description}|{_shard(cfg)}",
+            model=self._identity(pages, pool).name(),
             kv_dtype=str(pool.dtype).removeprefix("torch."),
             page_tokens=pages.page_tokens,
             segments=pages.pages.seg_bytes,
@@ -111,19 +116,33 @@ class HiCacheBackend(HiCacheStorage):
         log.info("hicache: %d store tiers under SGLang's %s", len(config.tiers), pages.description)
         return tiers
 
-    def _model(self) -> str:
-        """The weights' name in the page keys: `model_id`, or SGLang's model name with, where
-        SGLang published its model settings, what else changes the KV (its dtype, KV cache
-        dtype, quantization, revision, overrides) and a digest of a local model's weights."""
-        name = self.settings.model_id or self.storage_config.model_name
-        if not name:
-            raise ValueError('SGLang gave no model name: give "model_id" in the extra config')
-        if self.settings.model_id:
-            return name
-        fields = _server_model_fields()
-        folder = fields.get("model_path") or name
-        fields["weights"] = weights_digest(folder) if Path(str(folder)).is_dir() else ""
-        return f"{name}:{model_digest(fields)}"
+    def _identity(self, pages: EnginePages, pool: Any) -> Identity:
+        """The identity of this rank's pages (`sglang_identity`): `model_id` names the weights
+        only; SGLang's published settings, the pool and the shard decide the rest."""
+        cfg = self.storage_config
+        dtype = str(pool.dtype).removeprefix("torch.")
+        mla = "mla" if cfg.is_mla_model else "mha"
+        shard = _shard(cfg) if cfg.is_mla_model else f"tp{cfg.tp_rank}/{cfg.tp_size}|{_shard(cfg)}"
+        identity = sglang_identity(
+            cfg.model_name, self.settings, dtype, f"{mla}|{pages.description}", shard
+        )
+        self.identity, self._pool = identity, (pages, pool)
+        return identity
+
+    def _follow_weights(self, tiers: StoreTiers) -> None:
+        """SGLang's update-weights calls set its weight version (``weight_version``): where the
+        extra config gives no `weights_version`, the pages of every call after a change are
+        named under the new version, so the old weights' pages are never served."""
+        now = weight_version()
+        if self.settings.weights_version or self.identity is None or self._pool is None:
+            return
+        if now is None or now == self.identity.weights_version:
+            return
+        with self._rekeying:
+            if weight_version() not in (None, self.identity.weights_version):
+                identity = self._identity(*self._pool)
+                tiers.rekey(tiers.layout.model_copy(update={"model": identity.name()}))
+                log.info("hicache: SGLang's weights are version %s", identity.weights_version)
 
     # -- SGLang's calls ---------------------------------------------------------------------------
 
@@ -206,9 +225,11 @@ class HiCacheBackend(HiCacheStorage):
             self.tiers = None
 
     def _started(self) -> StoreTiers:
-        if self.tiers is None:
+        tiers = self.tiers
+        if tiers is None:
             raise RuntimeError("hicache: SGLang has not registered its host pool yet")
-        return self.tiers
+        self._follow_weights(tiers)
+        return tiers
 
 
 _V1 = 'hicache: only the zero-copy calls: give "interface_v1": 1 in the extra config'
@@ -226,22 +247,3 @@ def _shard(cfg: HiCacheStorageConfig) -> str:
     """What part of the model's KV this rank holds beyond its TP rank: its pipeline stage and
     its context-parallel slice."""
     return f"pp{cfg.pp_rank}/{cfg.pp_size}|cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}"
-
-
-MODEL_FIELDS = (
-    "model_path", "revision", "dtype", "kv_cache_dtype", "quantization",
-    "json_model_override_args",
-)  # fmt: skip
-"""SGLang's model settings that change the KV a prompt gives."""
-
-
-def _server_model_fields() -> dict[str, Any]:
-    """`MODEL_FIELDS` from SGLang's published server settings; empty where SGLang has not
-    published them (a controller made outside a server, as in tests)."""
-    try:
-        from sglang.srt.runtime_context import get_model
-
-        model = get_model()
-        return {name: str(getattr(model, name, None)) for name in MODEL_FIELDS}
-    except (ImportError, ValueError, RuntimeError):
-        return {}

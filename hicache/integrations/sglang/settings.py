@@ -3,8 +3,9 @@ with one-line errors. Imports no SGLang.
 
 The extra config is SGLang's own JSON (or ``@file``): SGLang reads ``backend_name``,
 ``module_path``, ``class_name``, ``interface_v1`` and its prefetch keys; hicache reads
-``config`` (a hicache YAML file) or ``hicache`` (the same, inline) and ``model_id`` (names the
-weights in the page keys instead of SGLang's model name). The hicache config lists the store
+``config`` (a hicache YAML file) or ``hicache`` (the same, inline), ``model_id`` (names the
+weights in the page keys instead of SGLang's model name) and ``weights_version`` (the weights'
+version in the page keys). The hicache config lists the store
 tiers only: SGLang's host pool is the host tier, sized by SGLang's flags.
 """
 
@@ -24,7 +25,7 @@ SGLANG_KEYS = frozenset({
     "hicache_storage_pass_prefix_keys", "tp_lcm_size",
 })  # fmt: skip
 """Keys of the extra config that SGLang reads itself."""
-HICACHE_KEYS = frozenset({"config", "hicache", "model_id"})
+HICACHE_KEYS = frozenset({"config", "hicache", "model_id", "weights_version"})
 FLAG = "--hicache-storage-backend-extra-config"
 
 
@@ -76,6 +77,9 @@ class Settings:
     config: SGLangConfig
     model_id: str | None
     """Names the weights in the page keys; None: SGLang's model name."""
+    weights_version: str = ""
+    """The weights' version in the page keys (bump it where weights change in place); '':
+    SGLang's own ``weight_version``, as its update-weights calls set it."""
 
 
 def settings(extra: dict[str, Any] | None) -> Settings:
@@ -95,5 +99,8 @@ def settings(extra: dict[str, Any] | None) -> Settings:
     model_id = extra.get("model_id")
     if model_id is not None and (not isinstance(model_id, str) or not model_id):
         raise ConfigError(f"hicache: model_id must be a non-empty string, got {model_id!r}")
+    version = extra.get("weights_version", "")
+    if not isinstance(version, str):
+        raise ConfigError(f"hicache: weights_version must be a string, got {version!r}")
     source = config_source(extra, FLAG)
-    return Settings(load_config(source, model=SGLangConfig), model_id)
+    return Settings(load_config(source, model=SGLangConfig), model_id, version)

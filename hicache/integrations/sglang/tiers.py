@@ -123,6 +123,13 @@ class StoreTiers:
         for t in self._threads:
             t.start()
 
+    def rekey(self, layout: Layout) -> None:
+        """Name the pages of every call from now on under `layout`'s fingerprint (the weights
+        changed in place: pages of the old ones are never read again)."""
+        self.layout, self.fingerprint = layout, fingerprint(layout)
+        for tier in self.tiers:
+            tier.runner.rename(self.fingerprint)
+
     def _tier(self, cfg: StoreTierConfig) -> Tier:
         store: StoreTier = tier_class(cfg.type)(cfg)
         codec = codecs.for_dtype(self.layout.kv_dtype) if cfg.codec == "lossless" else None

@@ -11,8 +11,9 @@ code runs with the multiprocess executor and the uniprocess one. Why the books l
 worker: docs/vllm.md.
 
 Extra config keys: `config` (a hicache YAML file) or `hicache` (the same, inline); `model_id`
-(optional: names the weights in the page keys, instead of `worker.model_identity`: vLLM's
-model name and a digest of its config, dtype, quantization and weight files); `pin_share`
+(optional: names the weights in the page keys instead of vLLM's model name; the rest of the
+identity, `worker.vllm_identity`, is kept); `weights_version` (optional: the weights' version
+in the page keys, bumped where weights change in place); `pin_share`
 (optional, default 0.5: the share of a rank's host tier that answered hits waiting for their
 load may keep pinned); `answer_in_step` (optional, default true: answer from the scheduler's
 view where it can tell); `probe_wait_ms` (optional, default 5: how long the scheduler waits
@@ -103,7 +104,10 @@ class HiCacheConnector(KVConnectorBase_V1):
             self._books = SchedulerBooks(block, ranks, reprefillable, floor, in_step, probe)
         else:
             rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-            fields = layout_fields(vllm_config, kv_cache_config, settings.model_id, rank, size)
+            fields = layout_fields(
+                vllm_config, kv_cache_config, settings.model_id, rank, size,
+                settings.weights_version,
+            )  # fmt: skip
             index = node_index(vllm_config, rank, size)
             share = settings.pin_share
             self._worker = WorkerCache(for_rank(config, index), fields, share, tp_agreement())

@@ -22,6 +22,7 @@ KEYS = {
     "config": "a hicache YAML file",
     "hicache": "the hicache config inline",
     "model_id": "the weights' name in the page keys",
+    "weights_version": "the weights' version in the page keys (a string)",
     "pin_share": "a number in (0, 1]",
     "answer_in_step": "true or false",
     "probe_wait_ms": "a number in [0, 1000]",
@@ -35,6 +36,7 @@ class Settings:
 
     config: HiCacheConfig
     model_id: str | None = None
+    weights_version: str = ""
     pin_share: float = 0.5
     answer_in_step: bool = True
     probe_wait_s: float = 0.005
@@ -49,8 +51,11 @@ class Settings:
         model_id = extra.get("model_id")
         if model_id is not None and not (isinstance(model_id, str) and model_id):
             raise ConfigError(f"hicache: model_id must be a non-empty string, got {model_id!r}")
+        version = extra.get("weights_version", "")
+        if not isinstance(version, str):
+            raise ConfigError(f"hicache: weights_version must be a string, got {version!r}")
         return cls(
-            hicache_config(extra), model_id, pin_share(extra), answer_in_step(extra),
+            hicache_config(extra), model_id, version, pin_share(extra), answer_in_step(extra),
             probe_wait_s(extra),
         )  # fmt: skip
 

@@ -26,9 +26,11 @@ import torch
 
 from hicache.cache import HiCache
 from hicache.config import HiCacheConfig, Layout
-from hicache.core.keys import model_digest, weights_digest
+from hicache.core.identity import Identity, current_device_class
+from hicache.core.keys import model_digest
 from hicache.core.marks import mark
 from hicache.core.request import Match
+from hicache.core.weights import weights_digest
 from hicache.errors import HiCacheError
 from hicache.integrations.vllm.meta import (
     REPORTED,
@@ -476,13 +478,17 @@ class PrefillClock:
 
 
 def layout_fields(
-    vllm_config: Any, kv_cache_config: Any, model_id: str | None, tp_rank: int, tp_size: int
+    vllm_config: Any,
+    kv_cache_config: Any,
+    model_id: str | None,
+    tp_rank: int,
+    tp_size: int,
+    weights_version: str = "",
 ) -> dict:
     """hicache's layout from vLLM's configs, all but the segment sizes (those come from the
-    tensors vLLM registers): the model (`model_identity`, or the extra config's `model_id`)
-    followed by what else of vLLM's config decides a block's bytes (`kv_format`), the KV
-    tensors' dtype, the block size and the TP rank (`tp_rank` of `tp_size`). Refuses what
-    hicache cannot key safely."""
+    tensors vLLM registers): the identity of the pages (`vllm_identity`; `model_id` names the
+    weights only), the KV tensors' dtype, the block size and the TP rank (`tp_rank` of
+    `tp_size`). Refuses what hicache cannot key safely."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     groups = kv_cache_config.kv_cache_groups
@@ -492,16 +498,64 @@ def layout_fields(
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("hicache: pipeline parallelism is not supported")
     spec = groups[0].kv_cache_spec
-    dtype = str(spec.dtype).removeprefix("torch.")
-    name = model_id or model_identity(vllm_config.model_config)
+    shard = f"tp{tp_rank}/{tp_size}" if not isinstance(spec, MLAAttentionSpec) else ""
+    identity = vllm_identity(vllm_config, spec, model_id, shard, weights_version)
     return {
-        "model": f"{name}|{kv_format(vllm_config, dtype)}",
-        "kv_dtype": dtype,
+        "model": identity.name(),
+        "kv_dtype": _dtype(spec),
         "page_tokens": spec.block_size,
         "tp_rank": tp_rank,
         "tp_size": tp_size,
         "kv_head_sharded": not isinstance(spec, MLAAttentionSpec),
     }
+
+
+def vllm_identity(
+    vllm_config: Any, spec: Any, model_id: str | None, shard: str = "", weights_version: str = ""
+) -> Identity:
+    """The identity of the pages of vLLM's model (`vllm_config`) in blocks of `spec` (its
+    KV cache spec): the weights (`model_id` or vLLM's model name; the weight files by content,
+    `weights_version`), the model's config as vLLM loaded it (`hf_config` with
+    `--hf-overrides` applied), the dtype it computes in, the KV cache format (`kv_format`), its
+    quantization, the attention's kind and geometry, the RoPE settings (also in the config),
+    this rank's `shard` ('' where every rank holds the same KV: MLA) and the arithmetic
+    (vLLM's batch-invariant mode, ``VLLM_BATCH_INVARIANT``, and the device class)."""
+    import vllm.envs
+
+    mc = vllm_config.model_config
+    hf = mc.hf_config.to_dict() if mc.hf_config is not None else None
+    if hf is not None:  # where the config was read from is not the model (`weights` names it)
+        hf.pop("_name_or_path", None)
+    return Identity(
+        weights=model_id or mc.model,
+        weights_digest=weights_digest(_weights_folder(mc.model, mc.revision)),
+        weights_version=weights_version,
+        config={
+            "hf": hf,
+            "revision": mc.revision,
+            "code_revision": mc.code_revision,
+            "disable_sliding_window": mc.disable_sliding_window,
+        },
+        compute_dtype=str(mc.dtype).removeprefix("torch."),
+        kv_format=kv_format(vllm_config, _dtype(spec)),
+        quantization=str(mc.quantization),
+        attention={
+            "kind": type(spec).__name__,
+            "kv_heads": spec.num_kv_heads,
+            "head_size": spec.head_size,
+        },
+        position={k: hf.get(k) for k in ROPE_FIELDS} if hf is not None else {},
+        shard=shard,
+        arithmetic=f"batch_invariant={vllm.envs.VLLM_BATCH_INVARIANT}|{current_device_class()}",
+    )
+
+
+ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor")
+"""The fields of a model's config that set its position encoding."""
+
+
+def _dtype(spec: Any) -> str:
+    return str(spec.dtype).removeprefix("torch.")
 
 
 def kv_format(vllm_config: Any, tensor_dtype: str) -> str:
@@ -531,12 +585,9 @@ def kv_format(vllm_config: Any, tensor_dtype: str) -> str:
 
 
 def model_identity(model_config: Any) -> str:
-    """The weights' name in the page keys, from vLLM's `ModelConfig`: its model name and
-    revision, and a digest of what else decides the KV a prompt gives: the model's config as
-    vLLM loaded it (`hf_config`, with `--hf-overrides` applied: RoPE scaling, sliding window,
-    layers, heads, ...), the dtype it computes in, its quantization, whether vLLM disabled the
-    sliding window, the code revision, and the weight files' bytes (`weights_digest` of the
-    folder the weights load from). Two instances share pages only where all of these agree."""
+    """A drafter's model in the page keys (`kv_format`), from vLLM's `ModelConfig`: its name
+    and revision, and a digest of its config as vLLM loaded it (`--hf-overrides` applied), its
+    dtype, quantization, code revision, sliding window and its weight files' bytes."""
     mc = model_config
     digest = model_digest({
         "hf": mc.hf_config.to_dict(),

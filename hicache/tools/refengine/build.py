@@ -1,19 +1,21 @@
 """Putting an engine together: model, KV memory and (optionally) hicache.
 
 hicache is reached only through its public API (`hicache.HiCache`, `Layout`, `PagedBuffer`,
-`load_config`), and imported only when a cache is asked for.
+`load_config`), imported only when a cache is asked for, and the identity of the pages
+(`hicache.core.identity`, `hicache.core.weights`: what decides a page's bytes, the fingerprint's
+input).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hicache.core.identity import Identity, device_class
+from hicache.core.weights import weights_digest
 from hicache.tools.refengine.config import ModelConfig, resolve
 from hicache.tools.refengine.engine import Engine
 from hicache.tools.refengine.memory import KVMemory, RingStates
@@ -46,6 +48,9 @@ class EngineSpec:
     # The model's exact mode (`hicache.tools.refengine.exact`): a token's results do not depend on
     # how its sequence was chunked or batched, so runs with and without a cache agree bit for bit.
     exact: bool = False
+    # Bump it where the weights change in place (they are named by content too): pages of
+    # another version are never served (`hicache.core.identity`).
+    weights_version: str = ""
 
     @property
     def prefix_cache_blocks(self) -> int:
@@ -60,9 +65,8 @@ class EngineSpec:
 
 
 def load_model(spec: EngineSpec) -> tuple[Transformer, str]:
-    """The model and a string naming its weights exactly (it goes into hicache's fingerprint):
-    a named shape's seed, or a folder's name, a digest of its config and of its weight files'
-    bytes (`hicache.core.keys.weights_digest`). The dtype is the KV dtype, in the layout."""
+    """The model and the name of its weights (`Identity.weights`): a named shape and its seed,
+    or a folder's name (`engine_identity` adds the digest of the folder's weight files)."""
     if spec.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {spec.dtype!r}")
     cfg, folder = resolve(spec.model)
@@ -71,16 +75,39 @@ def load_model(spec: EngineSpec) -> tuple[Transformer, str]:
         model = Transformer.random(cfg, seed=spec.seed, device=spec.device, dtype=dtype)
         model.exact = spec.exact
         return model, f"{cfg.name}@random-seed{spec.seed}"
-    from hicache.core.keys import weights_digest
-
     model = Transformer.load(cfg, folder, device=spec.device, dtype=dtype)
     model.exact = spec.exact
-    return model, f"{Path(folder).resolve().name}@{_digest(cfg)}:{weights_digest(folder)}"
+    return model, Path(folder).resolve().name
 
 
-def _digest(cfg: ModelConfig) -> str:
-    text = json.dumps(cfg.hf or cfg.to_hf(), sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+def engine_identity(spec: EngineSpec, model: Transformer, weights: str) -> Identity:
+    """The reference engine's `Identity`: the weights (`weights`, `load_model`'s name; a
+    folder's weight files by content; `spec.weights_version`), the model's config, dtype
+    (its KV's too), attention and RoPE, its exact mode and the device class it runs on."""
+    cfg = model.cfg
+    folder = resolve(spec.model)[1]
+    dtype = str(model.dtype).removeprefix("torch.")
+    return Identity(
+        weights=weights,
+        weights_digest=weights_digest(folder) if folder is not None else "",
+        weights_version=spec.weights_version,
+        config=cfg.hf or cfg.to_hf(),
+        compute_dtype=dtype,
+        kv_format=dtype,
+        attention=_attention(cfg),
+        position={"rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling},
+        shard="tp0/1",
+        arithmetic=f"{'exact' if model.exact else 'batched'}|{device_class(model.device)}",
+    )
+
+
+def _attention(cfg: ModelConfig) -> dict[str, Any]:
+    """The attention's kind and geometry, and the pool's order (page-first)."""
+    return {
+        "family": cfg.family, "layers": list(cfg.layer_types), "heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "window": cfg.sliding_window,
+        "pool": "page-first",
+    }  # fmt: skip
 
 
 def make_cache(
@@ -120,9 +147,10 @@ def build_engine(
 ) -> Engine:
     """An engine per `spec`, with hicache embedded when `cache_config` is given.
 
-    `model` reuses weights already loaded by `load_model`.
+    `model` reuses weights already loaded by `load_model` (the model and its weights' name).
     """
-    model_obj, model_id = model or load_model(spec)
+    model_obj, weights = model or load_model(spec)
+    model_id = engine_identity(spec, model_obj, weights).name()
     memory = KVMemory(
         model_obj.cfg,
         num_blocks=spec.num_blocks,
