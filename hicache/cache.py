@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from hicache import threads
+from hicache.backends import crypt
 from hicache.backends.base import StoreTier
 from hicache.backends.gpu import GpuTier
 from hicache.backends.host import HostTier, HostTierConfig
@@ -120,6 +121,10 @@ class HiCache:
                 f"layout's state_bytes={layout.state_bytes}"
             )
         store_configs = _store_tiers(config)  # checked before any thread or pool is made
+        try:  # the tenants' keys, loaded before any thread or pool is made
+            keyring = crypt.keyring(config.tenants, fingerprint(layout))
+        except ConfigError as err:
+            raise _in_file(config, err) from None
         self.config = config
         self.layout = layout
         self.policy = config.policy
@@ -153,7 +158,7 @@ class HiCache:
             try:
                 self._chain = TierChain(
                     store_configs, self.host, layout, self.fingerprint, self.policy,
-                    self._stats, events, wake, fence=self._transfers.fence,
+                    self._stats, events, wake, fence=self._transfers.fence, keyring=keyring,
                 )  # fmt: skip
             except TierStartError as err:
                 self.host.close()

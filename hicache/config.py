@@ -280,6 +280,42 @@ class MetricsConfig(_Strict):
     """Address the metrics endpoint listens on."""
 
 
+class TenantConfig(_Strict):
+    """A tenant of the store tiers: the requests whose salt is `salt`, with a key of its own
+    for encryption at rest (docs/tenants.md). At most one of `key_env`, `key_file` and
+    `key_hook`; none: its objects are stored plain."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[\w.\-]+$")
+    """The tenant's name (what a `key_hook` is asked for)."""
+    salt: str | None = Field(default=None, min_length=1)
+    """The salt its requests carry (given to `match` and `store`; vLLM: the request's
+    ``cache_salt``). Default: the name."""
+    key_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """An environment variable holding the key: 32, 48 or 64 hex digits (AES-128/192/256)."""
+    key_file: Path | None = None
+    """A file holding the key: its 16, 24 or 32 raw bytes, or its hex digits."""
+    key_hook: str | None = Field(default=None, pattern=r"^[\w.]+:[\w]+$")
+    """``module:function`` returning the key's bytes for the tenant's name (a KMS client;
+    `hicache.backends.crypt.KeyHook`)."""
+
+    @model_validator(mode="after")
+    def _one_key(self) -> TenantConfig:
+        given = [f for f in ("key_env", "key_file", "key_hook") if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one of key_env, key_file, key_hook, not {' and '.join(given)}")
+        if given and importlib.util.find_spec("cryptography") is None:
+            raise ValueError(
+                f"{given[0]}: encryption needs the cryptography package: "
+                "pip install 'hicache[crypto]'"
+            )
+        return self
+
+    @property
+    def encrypted(self) -> bool:
+        """Whether its objects are stored encrypted."""
+        return any(v is not None for v in (self.key_env, self.key_file, self.key_hook))
+
+
 class HiCacheConfig(_Strict):
     """The whole configuration."""
 
@@ -291,6 +327,9 @@ class HiCacheConfig(_Strict):
     """How hits are taken and what gets stored."""
     metrics: MetricsConfig = MetricsConfig()
     """Prometheus metrics over HTTP (off by default)."""
+    tenants: tuple[TenantConfig, ...] = ()
+    """The tenants of the store tiers, by salt (docs/tenants.md): each with its key for
+    encryption at rest, if any. A request whose salt names no tenant is stored plain."""
     _source: str = PrivateAttr(default="")
 
     @property
@@ -334,6 +373,12 @@ class HiCacheConfig(_Strict):
         names = [tier_name(t) for t in self.tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"each tier needs its own name (give 'name:'), got {names}")
+        seen: dict[str, int] = {}
+        for i, tenant in enumerate(self.tenants):
+            for what, value in (("name", tenant.name), ("salt", tenant.salt or tenant.name)):
+                j = seen.setdefault(f"{what}:{value}", i)
+                if j != i:
+                    raise ValueError(f"tenants.{i}.{what}: {value!r} is tenants.{j}'s already")
         if self.layout is not None:
             for i, tier in enumerate(self.tiers):
                 _at(f"tiers.{i}", tier.check_layout, self.layout)

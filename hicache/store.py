@@ -139,7 +139,7 @@ class WriteThrough:
                 # held or copied, the copied ones the tail); else write-behind looks them up
                 in_order = not missing or missing[0] == n_pages - len(missing)
                 slots = pins.slots if in_order and len(pins.slots) == n_pages else None
-                self._chain.stored(keys, done, slots, tail)
+                self._chain.stored(keys, done, slots, tail, req.chain.seed)
         return copied
 
     def _store_pages(

@@ -225,7 +225,7 @@ class Fetcher:
         fetch = Fetch(span, host_pages, deadline, now, self, chain, max_pages)
         self.stats.fetches += 1
         pages = span.pages_of(span.objects)
-        job = Job("probe", fetch=fetch, started=now, tail=span.tail)
+        job = Job("probe", fetch=fetch, started=now, tail=span.tail, seed=chain.seed)
         if (
             not self.layout.state_bytes  # a state's boundary decides the run: probe first
             and self.store.missing_code is not None  # a miss told from a failure
@@ -302,7 +302,10 @@ class Fetcher:
             self.on_done(fetch)
             return
         tail = span.tail if run > span.groups else 0
-        get = Job("get", job.ends[:run], page_slots=lease.slots, fetch=fetch, groups=run, tail=tail)
+        get = Job(
+            "get", job.ends[:run], page_slots=lease.slots, fetch=fetch, groups=run, tail=tail,
+            seed=job.seed,
+        )  # fmt: skip
         if state_lease is not None:
             get.state_ends = [fetch.key_before(fetch.first_page + run * self.G)]
             get.state_slots = state_lease.slots

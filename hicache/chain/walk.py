@@ -27,6 +27,7 @@ from collections.abc import Callable
 from hicache import threads
 from hicache.backends import codec as codecs
 from hicache.backends.base import StoreTier
+from hicache.backends.crypt import Keyring
 from hicache.backends.host import HostTier
 from hicache.chain.fetch import Fetch
 from hicache.chain.link import LinkSettings, StoreLink
@@ -58,12 +59,13 @@ class TierChain:
         clock: Callable[[], float] = time.monotonic,
         *,
         fence: Callable[[], Completion],
+        keyring: Keyring | None = None,
     ) -> None:
         """`configs`: the configuration's tiers after the host tier (``tiers.1`` on), each
         started here; a TierStartError names its tier after the tiers started before it are
         closed. `fence`: a completion of every copy enqueued so far on the engine's stream
         (`hicache.kernels.completions.Transfers.fence`); every put waits for one made when it
-        was queued."""
+        was queued. `keyring`: the encrypted tenants' keys, for every store tier."""
         self.policy = policy
         self.layout = layout
         self.clock = clock
@@ -91,6 +93,7 @@ class TierChain:
                     breaker_reprobe_s=cfg.breaker_reprobe_s,
                     codec=codecs.for_dtype(layout.kv_dtype) if cfg.codec == "lossless" else None,
                     codec_threads=cfg.codec_threads,
+                    keyring=keyring,
                 )
                 link = StoreLink(
                     store, settings, host, layout, fingerprint, policy, self.prefill,
@@ -162,19 +165,20 @@ class TierChain:
         lo, hi = fetch.pages
         if hi > lo:
             adopt_keys(fetch.chain, fetch)
-            self._promote(fetch.chain.hashed[:hi], i)
+            self._promote(fetch.chain.hashed[:hi], i, fetch.chain.seed)
         reached = max(fetch.host_pages, hi)
         if i + 1 < len(self.links) and reached < fetch.max_pages and self.clock() < fetch.deadline:
             adopt_keys(fetch.chain, fetch)
             fetch.next = self.start(fetch.chain, reached, fetch.max_pages, i + 1, fetch.deadline)
 
-    def _promote(self, keys: list[bytes], below: int) -> None:
-        """Put the groups of `keys` (in the host tier now) to the write-behind tiers above tier
-        `below`."""
+    def _promote(self, keys: list[bytes], below: int, seed: bytes) -> None:
+        """Put the groups of `keys` (in the host tier now; of a request whose chain seed is
+        `seed`) to the write-behind tiers above tier `below`."""
         for link in self._behind:
             if self._index[id(link.fetcher)] < below:
                 n = len(keys)
-                link.writer.write_behind(keys, n, range(link.G, n + 1, link.G), tail=True)
+                states = range(link.G, n + 1, link.G)
+                link.writer.write_behind(keys, n, states, tail=True, seed=seed)
 
     def waiting(self, fetch: Fetch) -> bool:
         """True while the request should wait for its walk (policy 'wait', before the walk's
@@ -214,18 +218,20 @@ class TierChain:
         ready: Completion,
         slots: list[int] | None = None,
         tail: bool = True,
+        seed: bytes = b"",
     ) -> None:
         """`store` copied `keys` (a sequence from its first page) to the host tier: hand them
         to every tier as its `write:` says (with `tail`, the pages past the last whole group
         too, to the `write: behind` tiers). `ready`: a fence made after the host copy (what
-        `Transfers.then` returned for it)."""
+        `Transfers.then` returned for it). `seed`: the request's chain seed (its tenant's)."""
         n = len(keys)
         if self._off:
             mark("write.off")
         for link in self._behind:
-            link.writer.write_behind(keys, n, range(link.G, n + 1, link.G), ready, slots, tail)
+            states = range(link.G, n + 1, link.G)
+            link.writer.write_behind(keys, n, states, ready, slots, tail, seed)
         for link in self._write_back:
-            link.writer.note_dirty(keys, n)
+            link.writer.note_dirty(keys, n, seed)
 
     def evicted(self, keys: list[bytes]) -> None:
         """The host tier evicted `keys` (its eviction hook)."""

@@ -146,6 +146,7 @@ TIER_METRICS: dict[str, tuple[str, dict[str, str]]] = {
     "get_bytes": ("hicache_tier_bytes", {"op": "get"}),
     "get_failed": ("hicache_errors", {"kind": "get"}),
     "corrupt": ("hicache_errors", {"kind": "corrupt"}),
+    "key_misses": ("hicache_errors", {"kind": "key_miss"}),
     "objects_put": ("hicache_tier_objects_put", {}),
     "put_bytes": ("hicache_tier_bytes", {"op": "put"}),
     "put_failed": ("hicache_errors", {"kind": "put"}),
