@@ -60,9 +60,9 @@ def primitives(objects: list[np.ndarray], rounds: int) -> dict[str, dict[str, fl
     sizes = [c.encode(o, e) or raw for o, e in zip(objects, encoded)]
     out = np.empty(raw + 15, np.uint8)
 
-    def seal() -> None:
-        for o, s in zip(objects, sealed):
-            key.seal(o, s, b"aad")
+    def seal() -> None:  # into `out`: `sealed` keeps what `tags` open
+        for o in objects:
+            key.seal(o, out, b"aad")
 
     def open_() -> None:
         for s, (nonce, tag) in zip(sealed, tags):
