@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.codec import as_dtype, synthetic_kv
-from bench.common import ROOT, command, commit, cpu_model
+from bench.common import command, commit, cpu_model, write_result
 from hicache.backends import codec
 from hicache.backends.crypt import Keyring, TenantKey
 
@@ -184,10 +184,7 @@ def main() -> None:
         "primitives": prim,
         "worker": worker(args, pages),
     }
-    default = ROOT / "bench" / "results" / f"crypt_{args.machine}.json"
-    out = Path(args.out) if args.out else default
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_result(result, "crypt", args.machine, args.out)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from hicache.config import HiCacheConfig, Layout, StoreTierConfig
 from hicache.core import native
 from hicache.core.keys import PrefixMemo, fingerprint
 from hicache.core.request import Match
+from hicache.core.shares import host_shares
 from hicache.errors import ConfigError, TierStartError
 from hicache.kernels import PagedBuffer, PoolRoutes, prepare
 from hicache.kernels.completions import DONE, Completion, Transfers
@@ -145,7 +146,9 @@ class HiCache:
         writes_back = any(c.write == "on_evict" for c in store_configs)
         evicted = self._evicted if events is not None or writes_back else None
         try:
-            self.host = HostTier(host_config, layout, evicted, self._prepare_copies)
+            slots = host_config.size // layout.page_size
+            shares = host_shares(config.tenants, self.fingerprint, layout.page_size, slots)
+            self.host = HostTier(host_config, layout, evicted, self._prepare_copies, shares)
         except TierStartError as err:
             err.tier = 0
             raise _in_file(config, err) from None
@@ -318,6 +321,7 @@ class HiCache:
             host_slots=pages.capacity,
             host_used=pages.used,
             host_pinned=pages.pinned,
+            **pages.tenant_stats(),
             state_slots=states.capacity,
             state_used=states.used,
             requests=len(self._requests),

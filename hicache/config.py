@@ -281,9 +281,9 @@ class MetricsConfig(_Strict):
 
 
 class TenantConfig(_Strict):
-    """A tenant of the store tiers: the requests whose salt is `salt`, with a key of its own
-    for encryption at rest (docs/tenants.md). At most one of `key_env`, `key_file` and
-    `key_hook`; none: its objects are stored plain."""
+    """A tenant: the requests whose salt is `salt` (docs/tenants.md), with a key of its own for
+    encryption at rest on the store tiers (at most one of `key_env`, `key_file` and `key_hook`;
+    none: its objects are stored plain), and a share and a quota of the host tier."""
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[\w.\-]+$")
     """The tenant's name (what a `key_hook` is asked for)."""
@@ -297,18 +297,38 @@ class TenantConfig(_Strict):
     key_hook: str | None = Field(default=None, pattern=r"^[\w.]+:[\w]+$")
     """``module:function`` returning the key's bytes for the tenant's name (a KMS client;
     `hicache.backends.crypt.KeyHook`)."""
+    share: dict[str, Bytes] = {}
+    """Bytes of a tier the tenant keeps however hard the others push, by tier name (``host``):
+    eviction takes from the tenant furthest over its share first."""
+    quota: dict[str, Bytes] = {}
+    """Bytes of a tier the tenant may hold at most, by tier name (``host``): past it, its own
+    least recent pages are evicted."""
 
     @model_validator(mode="after")
     def _one_key(self) -> TenantConfig:
         given = [f for f in ("key_env", "key_file", "key_hook") if getattr(self, f) is not None]
         if len(given) > 1:
             raise ValueError(f"give one of key_env, key_file, key_hook, not {' and '.join(given)}")
+        for tier, share in self.share.items():
+            quota = self.quota.get(tier)
+            if quota is not None and share > quota:
+                raise ValueError(f"share.{tier}: {share} bytes, more than quota.{tier} ({quota})")
+        if self.name == "none":
+            raise ValueError("name: 'none' names the requests of no tenant (in the metrics)")
         if given and importlib.util.find_spec("cryptography") is None:
             raise ValueError(
                 f"{given[0]}: encryption needs the cryptography package: "
                 "pip install 'hicache[crypto]'"
             )
         return self
+
+    def check_machine(self) -> None:
+        """ValueError naming the field where this process cannot have the key (a variable not
+        set, a file it cannot read); the key itself is read and checked when the cache starts."""
+        if self.key_env is not None and self.key_env not in os.environ:
+            raise ValueError(f"key_env: {self.key_env} is not set")
+        if self.key_file is not None and not os.access(self.key_file, os.R_OK):
+            raise ValueError(f"key_file: {self.key_file} cannot be read here")
 
     @property
     def encrypted(self) -> bool:
@@ -328,8 +348,9 @@ class HiCacheConfig(_Strict):
     metrics: MetricsConfig = MetricsConfig()
     """Prometheus metrics over HTTP (off by default)."""
     tenants: tuple[TenantConfig, ...] = ()
-    """The tenants of the store tiers, by salt (docs/tenants.md): each with its key for
-    encryption at rest, if any. A request whose salt names no tenant is stored plain."""
+    """The tenants, by salt (docs/tenants.md): each with its key for encryption at rest and its
+    share and quota of the host tier, if any. A request whose salt names no tenant is stored
+    plain, under no share or quota."""
     _source: str = PrivateAttr(default="")
 
     @property
@@ -379,6 +400,25 @@ class HiCacheConfig(_Strict):
                 j = seen.setdefault(f"{what}:{value}", i)
                 if j != i:
                     raise ValueError(f"tenants.{i}.{what}: {value!r} is tenants.{j}'s already")
+            for what in ("share", "quota"):
+                for tier in getattr(tenant, what):
+                    if tier != "host":
+                        raise ValueError(
+                            f"tenants.{i}.{what}.{tier}: shares and quotas are kept on the host "
+                            "tier only (host)"
+                        )
+        host = self.tiers[0]
+        shares = sum(t.share.get("host", 0) for t in self.tenants)
+        if shares > getattr(host, "size", shares):
+            raise ValueError(
+                f"tenants: the host shares add up to {shares} bytes, more than tiers.0.size"
+            )
+        policy = getattr(host, "policy", "lru")
+        if any(t.share or t.quota for t in self.tenants) and policy != "lru":
+            raise ValueError(
+                "tenants: shares and quotas evict by lru within each tenant; tiers.0.policy is "
+                f"{policy}"
+            )
         if self.layout is not None:
             for i, tier in enumerate(self.tiers):
                 _at(f"tiers.{i}", tier.check_layout, self.layout)
@@ -389,9 +429,11 @@ class HiCacheConfig(_Strict):
         disk directory it cannot write), one line each, naming `where` (the file) and the
         field. A valid configuration may have some: it may be meant for another machine."""
         problems = []
-        for i, tier in enumerate(self.tiers):
+        checks = [(f"tiers.{i}", tier.check_machine) for i, tier in enumerate(self.tiers)]
+        checks += [(f"tenants.{i}", t.check_machine) for i, t in enumerate(self.tenants)]
+        for at, check in checks:
             try:
-                _at(f"tiers.{i}", tier.check_machine)
+                _at(at, check)
             except ValueError as err:
                 problems.append(f"{where}: {err}" if where else str(err))
         return problems

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hicache.core.keys import chain_seed, namespace
+from hicache.core.shares import tenant_seeds
 from hicache.errors import ConfigError
 
 KEY_MISS = -errno.EKEYREJECTED
@@ -134,12 +134,6 @@ class Keyring:
 
     def __bool__(self) -> bool:
         return bool(self.by_seed)
-
-
-def tenant_seeds(fingerprint: bytes, salt: str) -> tuple[bytes, bytes]:
-    """The chain seeds a tenant's requests name pages from: its salt given to `match`/`store`
-    as it is, and as vLLM's connector passes a ``cache_salt`` (`hicache.core.keys.namespace`)."""
-    return chain_seed(fingerprint, salt), chain_seed(fingerprint, namespace(salt=salt))
 
 
 def keyring(

@@ -359,7 +359,9 @@ class Fetcher:
         first_page = fetch.first_page
         if ok:
             got = fetch.keys[:pages]
-            fresh = fetch.fresh = self.host.page_slots.publish(fetch.lease.slots[:pages], got)
+            fresh = fetch.fresh = self.host.page_slots.publish_as(
+                fetch.lease.slots[:pages], got, fetch.chain.seed
+            )
             if self.events is not None:
                 emit(self.events, "stored", "host", self.host.page_slots.keys_of(fresh))
             self._held.add_all(job.ends[:ok], self.clock())
