@@ -450,6 +450,16 @@ class HiCacheConfig(_Strict):
         return next((t for t in self.tiers if tier_name(t) == name), None)
 
 
+def tier_section(item: Mapping[str, Any], where: str) -> TierConfig:
+    """One tier section, validated as `tiers:` validates its items; ConfigError naming `where`
+    and the field (``attach: size: ...``)."""
+    try:
+        return HiCacheConfig._tier_models([item])[0]  # type: ignore[no-any-return]
+    except ValueError as err:
+        reason = str(err).removeprefix("tiers.0.").removeprefix("tiers.0")
+        raise ConfigError(f"{where}: {reason.lstrip(': ')}") from None
+
+
 def tier_name(tier: TierConfig) -> str:
     """A tier's name: its `name:` where it has one, else its type."""
     return getattr(tier, "name", None) or tier.type
