@@ -308,6 +308,7 @@ class HiCache:
         self._transfers.poll()
         if self._chain is not None:
             self._chain.poll()
+        self.host.page_slots.settle()  # tenants' quotas (nothing without them)
 
     def report_prefill(self, tokens: int, seconds: float) -> None:
         """The engine prefilled `tokens` in `seconds` (call it after each prefill, or now and

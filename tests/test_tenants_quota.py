@@ -118,6 +118,22 @@ def test_quota_pinned_pages_are_never_evicted_for_a_quota():
     p.check()
 
 
+def test_quota_a_release_that_leaves_a_tenant_past_its_quota_is_settled_between_calls():
+    """flood publishes 6 pages while they are pinned (quota 2): nothing can go then. Their
+    release evicts nothing either (a store may be about to pin slots it looked up); `settle`
+    (every `HiCache.poll`) then evicts the 4 least recent, as would the next reserve."""
+    p = pool(quota=2)
+    keys = [f"s{i}".encode().ljust(16, b".") for i in range(6)]
+    lease = p.reserve(6)
+    p.publish_as(lease.slots, keys, FLOOD)
+    lease.release()
+    assert p.tenant_stats()["tenant_host_pages_flood"] == 6 and all(k in p for k in keys)
+    p.settle()
+    assert [k in p for k in keys] == [True, True] + [False] * 4
+    assert p.tenant_stats()["tenant_host_evicted_flood"] == 4
+    p.check()
+
+
 PAGE = 64
 
 

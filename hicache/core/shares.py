@@ -9,8 +9,9 @@ recently used of its idle pages, and never from a tenant within its share, save 
 asking for the slots, from its own (`reserve_as`); where none can give, a reserve gets fewer
 slots, as when every slot is pinned. So one tenant flooding the cache evicts its own pages once
 the others are down to their shares, and never pushes one below it. A tenant never holds more
-than its quota once its pages are idle (a publish past it evicts the tenant's own least recent
-idle pages). Shares add up to at most the pool (the configuration checks).
+than its quota once its pages are idle: a publish past it evicts the tenant's own least recent
+idle pages, and so does the next `settle` (every `HiCache.poll`) or reserve after a release that
+leaves it past it. Shares add up to at most the pool (the configuration checks).
 
 `TenantBooks` keeps the books in Python (`hicache.core.native.books.PythonBooks`, a recency
 list per tenant); the cache uses them only where a tenant has a share or a quota on the host
@@ -91,6 +92,7 @@ class TenantBooks(PythonBooks):
         self._share = list(shares.share) or [0] * n
         self._quota = list(shares.quota) or [capacity] * n
         self._asking = 0  # the tenant whose reserve is running (`reserve_as`)
+        self._over: set[int] = set()  # tenants over their quotas since their slots went idle
 
     def reserve_as(self, n: int, seed: bytes) -> Lease:
         """`reserve` for the tenant of chain seed `seed`: where no tenant is over its share, it
@@ -126,11 +128,29 @@ class TenantBooks(PythonBooks):
         return fresh
 
     def _went_idle(self, idle: np.ndarray) -> None:
+        """As the parent's, per tenant; a tenant over its quota is noted, to evict its own least
+        recent idle slots down to it at the next `settle` or reserve (not here: a release may
+        come in the middle of a store, whose caller holds slot numbers it is about to pin)."""
         for s in idle.tolist():  # each the most recent of its tenant's
             if self._published[s]:
-                self._lrus[self._tenant[s]].move_to_end(s)
+                t = int(self._tenant[s])
+                self._lrus[t].move_to_end(s)
+                if self.used[t] > self._quota[t]:
+                    self._over.add(t)
             else:
                 self._free.append(s)  # reserved, never published
+
+    def settle(self) -> None:
+        """Evict the idle slots of the tenants noted over their quotas down to them (between
+        two engine calls: `HiCache.poll`, and every reserve)."""
+        while self._over:
+            t = self._over.pop()
+            if self.used[t] > self._quota[t]:
+                self._trim(t, self.used[t] - self._quota[t])
+
+    def reserve(self, n: int) -> Lease:
+        self.settle()
+        return super().reserve(n)
 
     def _evict(self, n: int) -> list[int]:
         """Up to `n` idle slots, each from the tenant furthest over its share (over its quota

@@ -81,6 +81,9 @@ class SlotPool:
     publish_as: Callable[[Sequence[int], Sequence[bytes], bytes], list[int]]
     """``publish_as(slots, keys, seed)``: `publish` for the tenant of the request whose chain
     seed is `seed` (`hicache.core.shares`; without tenants' shares, `publish`)."""
+    settle: Callable[[], None]
+    """Evict what tenants hold past their quotas since their pages went idle (between two
+    engine calls; nothing without tenants' shares)."""
     reserve_as: Callable[[int, bytes], Lease]
     """``reserve_as(n, seed)``: `reserve` for the tenant of chain seed `seed`, which may evict
     its own pages within its share (without tenants' shares, `reserve`)."""
@@ -125,6 +128,7 @@ class SlotPool:
         )
         reserve = books.reserve
         self.reserve_as = getattr(books, "reserve_as", None) or (lambda n, _seed: reserve(n))
+        self.settle = getattr(books, "settle", None) or _nothing
         self.shares = shares
 
     def __contains__(self, key: bytes) -> bool:
@@ -190,3 +194,7 @@ class SlotPool:
                 raise AssertionError(f"slot {s} is lost: not free, not published, not pinned")
         if len(self._index) != len(lru):
             raise AssertionError("the index and the slots disagree")
+
+
+def _nothing() -> None:
+    """`settle` of books without tenants' quotas."""
