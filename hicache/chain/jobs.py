@@ -242,14 +242,10 @@ class JobRunner:
         codes: list[int] = []
         for at in range(0, len(names), STAGED_OBJECTS):
             part = slice(at, at + STAGED_OBJECTS)
-            pieces = self._map(
-                self._encode,
-                names[part],
-                buffers.ptrs[part],
-                buffers.sizes[part],
-                range(STAGED_OBJECTS),
-                [key] * len(names[part]),
-            )
+            args = [names[part], buffers.ptrs[part], buffers.sizes[part], range(STAGED_OBJECTS)]
+            if key is not None:  # (a plain object's encode takes no key: four arguments)
+                args.append([key] * len(names[part]))
+            pieces = self._map(self._encode, *args)
             ptrs, sizes = [p for p, _ in pieces], [s for _, s in pieces]
             codes += self.store.put_from(names[part], Buffers(ptrs, sizes))
         return codes
