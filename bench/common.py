@@ -24,3 +24,12 @@ def command() -> str:
     if script.is_relative_to(ROOT):
         script = script.relative_to(ROOT)
     return " ".join(["python", str(script), *sys.argv[1:]])
+
+
+def write_result(result: dict, kind: str, machine: str, out: str | None) -> None:
+    """Write `result` as JSON to `out`, or to bench/results/<kind>_<machine>.json; say where."""
+    import json
+
+    path = Path(out) if out else ROOT / "bench" / "results" / f"{kind}_{machine}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -28,14 +28,23 @@ import numpy as np
 import torch
 
 from hicache import threads
+from hicache.backends import crypt
 from hicache.backends.base import StoreTier
 from hicache.backends.gpu import GpuTier
 from hicache.backends.host import HostTier, HostTierConfig
 from hicache.chain.walk import TierChain
-from hicache.config import HiCacheConfig, Layout, StoreTierConfig
+from hicache.config import (
+    HiCacheConfig,
+    Layout,
+    StoreTierConfig,
+    TierConfig,
+    tier_name,
+    tier_section,
+)
 from hicache.core import native
 from hicache.core.keys import PrefixMemo, fingerprint
 from hicache.core.request import Match
+from hicache.core.shares import host_shares
 from hicache.errors import ConfigError, TierStartError
 from hicache.kernels import PagedBuffer, PoolRoutes, prepare
 from hicache.kernels.completions import DONE, Completion, Transfers
@@ -120,6 +129,10 @@ class HiCache:
                 f"layout's state_bytes={layout.state_bytes}"
             )
         store_configs = _store_tiers(config)  # checked before any thread or pool is made
+        try:  # the tenants' keys, loaded before any thread or pool is made
+            keyring = crypt.keyring(config.tenants, fingerprint(layout))
+        except ConfigError as err:
+            raise _in_file(config, err) from None
         self.config = config
         self.layout = layout
         self.policy = config.policy
@@ -140,7 +153,9 @@ class HiCache:
         writes_back = any(c.write == "on_evict" for c in store_configs)
         evicted = self._evicted if events is not None or writes_back else None
         try:
-            self.host = HostTier(host_config, layout, evicted, self._prepare_copies)
+            slots = host_config.size // layout.page_size
+            shares = host_shares(config.tenants, self.fingerprint, layout.page_size, slots)
+            self.host = HostTier(host_config, layout, evicted, self._prepare_copies, shares)
         except TierStartError as err:
             err.tier = 0
             raise _in_file(config, err) from None
@@ -149,12 +164,14 @@ class HiCache:
         memo = self.policy.prefix_memo
         self._memo = PrefixMemo(layout.page_tokens, memo) if memo else None
         self._chain: TierChain | None = None
+        self._evict_hook = evicted is not None
+        self._new_chain = lambda configs: TierChain(
+            configs, self.host, layout, self.fingerprint, self.policy,
+            self._stats, events, wake, fence=self._transfers.fence, keyring=keyring,
+        )  # fmt: skip
         if store_configs:
             try:
-                self._chain = TierChain(
-                    store_configs, self.host, layout, self.fingerprint, self.policy,
-                    self._stats, events, wake, fence=self._transfers.fence,
-                )  # fmt: skip
+                self._chain = self._new_chain(store_configs)
             except TierStartError as err:
                 self.host.close()
                 raise _in_file(config, err) from None
@@ -165,10 +182,11 @@ class HiCache:
         self._requests: dict[str, Request] = self._matcher.requests
         self.match = self._matcher.match
         self.release = self._matcher.release
-        self.store = WriteThrough(
+        self._writer = WriteThrough(
             self.policy, layout, self.gpu, self.host, self._chain, self._hooks, events,
             self._stats, self._transfers, self._routes, self._matcher,
-        ).store  # fmt: skip
+        )  # fmt: skip
+        self.store = self._writer.store
         self.metrics_server = None
         if config.metrics.port is not None:
             from hicache.observability.metrics import register, serve
@@ -290,6 +308,7 @@ class HiCache:
         self._transfers.poll()
         if self._chain is not None:
             self._chain.poll()
+        self.host.page_slots.settle()  # tenants' quotas (nothing without them)
 
     def report_prefill(self, tokens: int, seconds: float) -> None:
         """The engine prefilled `tokens` in `seconds` (call it after each prefill, or now and
@@ -313,6 +332,7 @@ class HiCache:
             host_slots=pages.capacity,
             host_used=pages.used,
             host_pinned=pages.pinned,
+            **pages.tenant_stats(),
             state_slots=states.capacity,
             state_used=states.used,
             requests=len(self._requests),
@@ -332,6 +352,56 @@ class HiCache:
             if deadline is not None and time.monotonic() > deadline:
                 return False
             time.sleep(0.01)
+        return True
+
+    def attach(self, tier: StoreTierConfig | Mapping[str, Any], position: int | None = None) -> str:
+        """Add a store tier while requests run (between two engine steps, on the engine
+        thread): `tier` is a tier section as `tiers:` takes it (a mapping or its model), put in
+        the walk at `position` among the store tiers (None: last). Requests asked from now on
+        walk it and store into it once it answers (`wait_ready`; until then it is passed over,
+        as a tier that is down); a persistent tier's objects (a disk directory, a Mooncake
+        store) are read as they are. Returns its name. ConfigError (one line, naming the field)
+        for a bad section; ValueError for a name attached already, a position out of range or
+        `write: on_evict` on a cache started without such a tier (its host tier has no eviction
+        hook); TierStartError where the tier cannot start. Nothing changes on an error."""
+        cfg = tier if isinstance(tier, TierConfig) else tier_section(tier, "attach")
+        if not isinstance(cfg, StoreTierConfig):
+            raise ValueError(f"attach: a {cfg.type} tier is not a store tier")
+        if cfg.write == "on_evict" and not self._evict_hook:
+            raise ValueError(
+                "attach: a write: on_evict tier needs the host tier's eviction hook, which a "
+                "cache gets only where one such tier is configured from the start"
+            )
+        try:
+            cfg.check_layout(self.layout)
+        except ValueError as err:
+            raise ValueError(f"attach: {err}") from None
+        if self._chain is None:  # the first store tier: the chain the API's parts walk
+            chain = self._new_chain([])
+            chain.attach(cfg, position)
+            self._chain = self._matcher._chain = self._writer._chain = chain
+        else:
+            self._chain.attach(cfg, position)
+        return tier_name(cfg)
+
+    def detach(self, name: str, timeout_s: float | None = 0.0) -> bool:
+        """Take the store tier `name` out while requests run (between two engine steps, on the
+        engine thread): no request asks it or stores into it from now on; its reads and writes
+        in flight finish on its workers (a read that arrives is the request's, one that fails a
+        miss; a put's slots are released), and once none is left `poll` closes it: its threads
+        end, its store closes (a disk tier's files, a Mooncake client), its host slots are
+        freed. Its objects stay where they rest: attached again, a persistent tier reads them.
+        Waits for that, polling, for at most `timeout_s` (None: for as long as it takes; 0:
+        not at all). True where it is closed. ValueError where no tier of that name is
+        attached."""
+        if self._chain is None:
+            raise ValueError(f"detach: no tier named {name!r} is attached (attached: [])")
+        self._chain.detach(name)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._chain.retire():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.002)
         return True
 
     @property

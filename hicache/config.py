@@ -283,6 +283,62 @@ class MetricsConfig(_Strict):
     """Address the metrics endpoint listens on."""
 
 
+class TenantConfig(_Strict):
+    """A tenant: the requests whose salt is `salt` (docs/tenants.md), with a key of its own for
+    encryption at rest on the store tiers (at most one of `key_env`, `key_file` and `key_hook`;
+    none: its objects are stored plain), and a share and a quota of the host tier."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[\w.\-]+$")
+    """The tenant's name (what a `key_hook` is asked for)."""
+    salt: str | None = Field(default=None, min_length=1)
+    """The salt its requests carry (given to `match` and `store`; vLLM: the request's
+    ``cache_salt``). Default: the name."""
+    key_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """An environment variable holding the key: 32, 48 or 64 hex digits (AES-128/192/256)."""
+    key_file: Path | None = None
+    """A file holding the key: its 16, 24 or 32 raw bytes, or its hex digits."""
+    key_hook: str | None = Field(default=None, pattern=r"^[\w.]+:[\w]+$")
+    """``module:function`` returning the key's bytes for the tenant's name (a KMS client;
+    `hicache.backends.crypt.KeyHook`)."""
+    share: dict[str, Bytes] = {}
+    """Bytes of a tier the tenant keeps however hard the others push, by tier name (``host``):
+    eviction takes from the tenant furthest over its share first."""
+    quota: dict[str, Bytes] = {}
+    """Bytes of a tier the tenant may hold at most, by tier name (``host``): past it, its own
+    least recent pages are evicted."""
+
+    @model_validator(mode="after")
+    def _one_key(self) -> TenantConfig:
+        given = [f for f in ("key_env", "key_file", "key_hook") if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one of key_env, key_file, key_hook, not {' and '.join(given)}")
+        for tier, share in self.share.items():
+            quota = self.quota.get(tier)
+            if quota is not None and share > quota:
+                raise ValueError(f"share.{tier}: {share} bytes, more than quota.{tier} ({quota})")
+        if self.name == "none":
+            raise ValueError("name: 'none' names the requests of no tenant (in the metrics)")
+        if given and importlib.util.find_spec("cryptography") is None:
+            raise ValueError(
+                f"{given[0]}: encryption needs the cryptography package: "
+                "pip install 'hicache[crypto]'"
+            )
+        return self
+
+    def check_machine(self) -> None:
+        """ValueError naming the field where this process cannot have the key (a variable not
+        set, a file it cannot read); the key itself is read and checked when the cache starts."""
+        if self.key_env is not None and self.key_env not in os.environ:
+            raise ValueError(f"key_env: {self.key_env} is not set")
+        if self.key_file is not None and not os.access(self.key_file, os.R_OK):
+            raise ValueError(f"key_file: {self.key_file} cannot be read here")
+
+    @property
+    def encrypted(self) -> bool:
+        """Whether its objects are stored encrypted."""
+        return any(v is not None for v in (self.key_env, self.key_file, self.key_hook))
+
+
 class HiCacheConfig(_Strict):
     """The whole configuration."""
 
@@ -294,6 +350,10 @@ class HiCacheConfig(_Strict):
     """How hits are taken and what gets stored."""
     metrics: MetricsConfig = MetricsConfig()
     """Prometheus metrics over HTTP (off by default)."""
+    tenants: tuple[TenantConfig, ...] = ()
+    """The tenants, by salt (docs/tenants.md): each with its key for encryption at rest and its
+    share and quota of the host tier, if any. A request whose salt names no tenant is stored
+    plain, under no share or quota."""
     _source: str = PrivateAttr(default="")
 
     @property
@@ -337,6 +397,31 @@ class HiCacheConfig(_Strict):
         names = [tier_name(t) for t in self.tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"each tier needs its own name (give 'name:'), got {names}")
+        seen: dict[str, int] = {}
+        for i, tenant in enumerate(self.tenants):
+            for what, value in (("name", tenant.name), ("salt", tenant.salt or tenant.name)):
+                j = seen.setdefault(f"{what}:{value}", i)
+                if j != i:
+                    raise ValueError(f"tenants.{i}.{what}: {value!r} is tenants.{j}'s already")
+            for what in ("share", "quota"):
+                for tier in getattr(tenant, what):
+                    if tier != "host":
+                        raise ValueError(
+                            f"tenants.{i}.{what}.{tier}: shares and quotas are kept on the host "
+                            "tier only (host)"
+                        )
+        host = self.tiers[0]
+        shares = sum(t.share.get("host", 0) for t in self.tenants)
+        if shares > getattr(host, "size", shares):
+            raise ValueError(
+                f"tenants: the host shares add up to {shares} bytes, more than tiers.0.size"
+            )
+        policy = getattr(host, "policy", "lru")
+        if any(t.share or t.quota for t in self.tenants) and policy != "lru":
+            raise ValueError(
+                "tenants: shares and quotas evict by lru within each tenant; tiers.0.policy is "
+                f"{policy}"
+            )
         if self.layout is not None:
             for i, tier in enumerate(self.tiers):
                 _at(f"tiers.{i}", tier.check_layout, self.layout)
@@ -347,9 +432,11 @@ class HiCacheConfig(_Strict):
         disk directory it cannot write), one line each, naming `where` (the file) and the
         field. A valid configuration may have some: it may be meant for another machine."""
         problems = []
-        for i, tier in enumerate(self.tiers):
+        checks = [(f"tiers.{i}", tier.check_machine) for i, tier in enumerate(self.tiers)]
+        checks += [(f"tenants.{i}", t.check_machine) for i, t in enumerate(self.tenants)]
+        for at, check in checks:
             try:
-                _at(f"tiers.{i}", tier.check_machine)
+                _at(at, check)
             except ValueError as err:
                 problems.append(f"{where}: {err}" if where else str(err))
         return problems
@@ -364,6 +451,16 @@ class HiCacheConfig(_Strict):
     def tier(self, name: str) -> TierConfig | None:
         """The section of the tier of this name (by default its type), or None."""
         return next((t for t in self.tiers if tier_name(t) == name), None)
+
+
+def tier_section(item: Mapping[str, Any], where: str) -> TierConfig:
+    """One tier section, validated as `tiers:` validates its items; ConfigError naming `where`
+    and the field (``attach: size: ...``)."""
+    try:
+        return HiCacheConfig._tier_models([item])[0]  # type: ignore[no-any-return]
+    except ValueError as err:
+        reason = str(err).removeprefix("tiers.0.").removeprefix("tiers.0")
+        raise ConfigError(f"{where}: {reason.lstrip(': ')}") from None
 
 
 def tier_name(tier: TierConfig) -> str:

@@ -121,7 +121,7 @@ class WriteThrough:
         present, missing = pool.split(keys)
         pins = pool.lease(present)  # the sequence's own pages must not be evicted for its tail
         try:
-            copied = self._store_pages(keys, ids, missing, pins)
+            copied = self._store_pages(keys, ids, missing, pins, req.chain.seed)
         except BaseException:
             pins.release()
             raise
@@ -139,18 +139,18 @@ class WriteThrough:
                 # held or copied, the copied ones the tail); else write-behind looks them up
                 in_order = not missing or missing[0] == n_pages - len(missing)
                 slots = pins.slots if in_order and len(pins.slots) == n_pages else None
-                self._chain.stored(keys, done, slots, tail)
+                self._chain.stored(keys, done, slots, tail, req.chain.seed)
         return copied
 
     def _store_pages(
-        self, keys: list[bytes], ids: np.ndarray, missing: list[int], pins: Lease
+        self, keys: list[bytes], ids: np.ndarray, missing: list[int], pins: Lease, seed: bytes
     ) -> int:
-        """Copy the `missing` pages into fresh host slots, which `pins` takes (at its end).
-        Returns how many were copied."""
+        """Copy the `missing` pages into fresh host slots, which `pins` takes (at its end), for
+        the tenant of chain seed `seed`. Returns how many were copied."""
         if not missing:
             return 0
         pool = self.host.page_slots
-        lease = pool.reserve(len(missing))
+        lease = pool.reserve_as(len(missing), seed)
         if len(lease.slots) < len(missing):
             self._stats.pages_dropped += len(missing) - len(lease.slots)
             missing = missing[: len(lease.slots)]
@@ -168,7 +168,7 @@ class WriteThrough:
             lease.release()
             raise
         new_keys = keys if len(missing) == len(keys) else [keys[i] for i in missing]
-        fresh = pool.publish(lease.slots, new_keys)
+        fresh = pool.publish_as(lease.slots, new_keys, seed)
         if self._events is not None:
             emit(self._events, "stored", "host", pool.keys_of(fresh))
         self._stats.pages_stored += len(missing)

@@ -15,7 +15,7 @@ fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 . .venv/bin/activate
-pip install -q torch==2.13.0 -e ".[test,mooncake,plot]"   # the CPU torch where the index has it
+pip install -q torch==2.13.0 -e ".[test,mooncake,plot,crypto]"   # the CPU torch where the index has it
 # The vLLM user's install, as docs/vllm.md gives it, line for line (tests/test_vllm_docs.py
 # checks): vLLM pulls torchvision, torchaudio and torchcodec built for another torch, which
 # nothing here needs and torchvision fails to import beside this one, hence the last line.

@@ -98,7 +98,7 @@ def read(kind: str, writer: Writer, name: str) -> bytes:
         assert isinstance(store, MemoryTier)
         return store.objects[name]
     # Mooncake reads an object only into its exact size, unless it reads prefixes (a codec)
-    sizes = [writer.buffer.numel()] if store.reads_prefix else [GROUP + 32, GROUP]
+    sizes = [writer.buffer.numel()] if store.reads_prefix else [GROUP + HEADER, GROUP]
     for size in sizes:
         got = store.get_into([name], Buffers.of([[(writer.buffer.data_ptr(), size)]]))[0]
         if got > 0:
@@ -204,7 +204,7 @@ FOREIGN: dict[str, Callable[[bytes, bytes], bytes]] = {
     "shorter (another layout)": lambda own, _: own[:-PAGE],
     "another object's bytes": lambda _, other: other,
     "another codec in the header": lambda own, _: own[:5] + b"\x07" + own[6:],
-    "another version in the header": lambda own, _: own[:4] + b"\x02" + own[5:],
+    "another version in the header": lambda own, _: own[:4] + b"\x09" + own[5:],
     "a length changed in the header": lambda own, _: own[:8] + b"\x01" + own[9:],
 }
 

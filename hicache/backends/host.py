@@ -28,6 +28,7 @@ from hicache.backends.base import PoolTier
 from hicache.backends.memory import Cancelled, HostMemory, available_bytes, describe
 from hicache.config import Bytes, Layout, TierConfig
 from hicache.core.eviction import DEFAULT_POLICY, make_policy
+from hicache.core.shares import Shares
 from hicache.core.slots import EvictHook, SlotPool
 from hicache.errors import HiCacheError, TierStartError
 from hicache.kernels import PagedBuffer
@@ -84,11 +85,13 @@ class HostTier(PoolTier):
         layout: Layout,
         on_evict: EvictHook | None = None,
         on_ready: Callable[[HostTier], None] | None = None,
+        shares: Shares | None = None,
     ) -> None:
         """`on_ready` runs on the allocating thread once the pools exist, before the tier reads
         `ready` (the cache prepares its copies there); if it raises, the tier stays unready
         with the error in `error`, which `wait_ready` raises. TierStartError (field ``size``)
-        for pools larger than the memory this machine has available, or smaller than one page."""
+        for pools larger than the memory this machine has available, or smaller than one page.
+        `shares`: the tenants' shares and quotas of the page slots (`hicache.core.shares`)."""
         self.config = config
         self.layout = layout
         try:
@@ -102,7 +105,7 @@ class HostTier(PoolTier):
                 "size",
                 f"{describe(config.size)} is smaller than one page ({describe(layout.page_size)})",
             )
-        self.page_slots = SlotPool(slots, on_evict, policy=config.policy)
+        self.page_slots = SlotPool(slots, on_evict, policy=config.policy, shares=shares)
         self.state_slots = SlotPool(config.state_slots if layout.state_bytes else 0)
         self._pin = {"auto": torch.cuda.is_available(), "yes": True, "no": False}[config.pin]
         self._page_memory: HostMemory | None = None

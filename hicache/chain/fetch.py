@@ -225,7 +225,7 @@ class Fetcher:
         fetch = Fetch(span, host_pages, deadline, now, self, chain, max_pages)
         self.stats.fetches += 1
         pages = span.pages_of(span.objects)
-        job = Job("probe", fetch=fetch, started=now, tail=span.tail)
+        job = Job("probe", fetch=fetch, started=now, tail=span.tail, seed=chain.seed)
         if (
             not self.layout.state_bytes  # a state's boundary decides the run: probe first
             and self.store.missing_code is not None  # a miss told from a failure
@@ -302,7 +302,10 @@ class Fetcher:
             self.on_done(fetch)
             return
         tail = span.tail if run > span.groups else 0
-        get = Job("get", job.ends[:run], page_slots=lease.slots, fetch=fetch, groups=run, tail=tail)
+        get = Job(
+            "get", job.ends[:run], page_slots=lease.slots, fetch=fetch, groups=run, tail=tail,
+            seed=job.seed,
+        )  # fmt: skip
         if state_lease is not None:
             get.state_ends = [fetch.key_before(fetch.first_page + run * self.G)]
             get.state_slots = state_lease.slots
@@ -356,7 +359,9 @@ class Fetcher:
         first_page = fetch.first_page
         if ok:
             got = fetch.keys[:pages]
-            fresh = fetch.fresh = self.host.page_slots.publish(fetch.lease.slots[:pages], got)
+            fresh = fetch.fresh = self.host.page_slots.publish_as(
+                fetch.lease.slots[:pages], got, fetch.chain.seed
+            )
             if self.events is not None:
                 emit(self.events, "stored", "host", self.host.page_slots.keys_of(fresh))
             self._held.add_all(job.ends[:ok], self.clock())

@@ -21,7 +21,16 @@ import torch
 
 from hicache.backends import codec as codecs
 from hicache.backends.base import Buffers, StoreTier
-from hicache.backends.envelope import CORRUPT, HEADER, RAW, Envelopes, gather, seed
+from hicache.backends.crypt import KEY_MISS, Keyring, TenantKey
+from hicache.backends.envelope import (
+    CORRUPT,
+    HEADER,
+    RAW,
+    Envelopes,
+    contiguous,
+    seed,
+    signed,
+)
 from hicache.core.checksum import checksum
 from hicache.core.keys import page_keys, store_key
 from hicache.core.marks import active, mark
@@ -104,6 +113,13 @@ class Job:
     worker)."""
     corrupt: int = 0
     """For a get: objects that arrived and did not verify (`hicache.backends.envelope`)."""
+    seed: bytes = b""
+    """The chain seed of the request (the namespace, `hicache.core.keys.chain_seed`) whose
+    objects it moves: it picks the tenant's key, if any (`hicache.backends.crypt`). b"": no
+    tenant's (stored plain)."""
+    key_misses: int = 0
+    """For a get: objects that arrived and did not open under the tenant's key (or were
+    encrypted where no key is here)."""
     started: float = 0.0
     finished: float = 0.0
     worker: int = 0
@@ -127,6 +143,7 @@ class JobRunner:
         codec: codecs.Codec | None = None,
         codec_threads: int = 1,
         read_chunk_bytes: int = READ_CHUNK_BYTES,
+        keyring: Keyring | None = None,
     ) -> None:
         self.store = store
         self.host = host
@@ -155,15 +172,20 @@ class JobRunner:
         self.read_chunk_bytes = read_chunk_bytes
         """With a codec: the bytes a get reads per call (`READ_CHUNK_BYTES`)."""
         self._staging: torch.Tensor | None = None
+        self.keyring = keyring if keyring else None
+        """The encrypted tenants' keys (None: every object is stored plain)."""
 
     def memory(self) -> list[torch.Tensor]:
         """What the store registers beside the host pools: the headers and, with a codec, the
-        staging memory that a put encodes into (made now: the host pools exist by then)."""
-        if self.codec is None:
+        staging memory that a put encodes (or encrypts) into (made now: the host pools exist by
+        then)."""
+        if self.codec is None and self.keyring is None:
             return [self.envelopes.memory]
         state = self.host.state(0).numel() if self.states else 0
         page = self.host.pages.page_bytes
-        slot = -(-max(self.G * page, state) // codecs.ALIGN) * codecs.ALIGN
+        # room for a cipher's update_into past the object (it asks for 15 bytes more)
+        slack = 16 if self.keyring is not None else 0
+        slot = -(-(max(self.G * page, state) + slack) // codecs.ALIGN) * codecs.ALIGN
         raw = torch.empty(STAGED_OBJECTS * slot + codecs.ALIGN, dtype=torch.uint8)
         skip = -raw.data_ptr() % codecs.ALIGN  # aligned, so that the disk tier can use O_DIRECT
         self._staging = raw[skip : skip + STAGED_OBJECTS * slot].view(STAGED_OBJECTS, slot)
@@ -202,47 +224,72 @@ class JobRunner:
         # an object the store holds already is not sent again: it answers 0
         job.ready.wait()  # the host copy of the pages (a CUDA event; released GIL)
         seal, buffers = self.envelopes.seal, job.buffers
-        if self.codec is not None:
-            return _answer(self._put_encoded(job.names, buffers), job)
+        key = self._key(job)
+        if self.codec is not None or key is not None:
+            return _answer(self._put_encoded(job.names, buffers, key), job)
         for name, ptrs, sizes in zip(job.names, buffers.ptrs, buffers.sizes):
             seal(name, ptrs, sizes)
         return _answer(self.store.put_from(job.names, buffers), job)
 
-    def _put_encoded(self, names: list[str], buffers: Buffers) -> list[int]:
-        """Put the objects encoded, `STAGED_OBJECTS` at a time (a call each)."""
+    def _key(self, job: Job) -> TenantKey | None:
+        """The key of the tenant whose objects `job` moves (None: they are stored plain)."""
+        return None if self.keyring is None else self.keyring.key_for(job.seed)
+
+    def _put_encoded(
+        self, names: list[str], buffers: Buffers, key: TenantKey | None = None
+    ) -> list[int]:
+        """Put the objects encoded (with the codec, if any, then encrypted with `key`, if any),
+        `STAGED_OBJECTS` at a time (a call each)."""
         codes: list[int] = []
         for at in range(0, len(names), STAGED_OBJECTS):
             part = slice(at, at + STAGED_OBJECTS)
-            pieces = self._map(
-                self._encode,
-                names[part],
-                buffers.ptrs[part],
-                buffers.sizes[part],
-                range(STAGED_OBJECTS),
-            )
+            args = [names[part], buffers.ptrs[part], buffers.sizes[part], range(STAGED_OBJECTS)]
+            if key is not None:  # (a plain object's encode takes no key: four arguments)
+                args.append([key] * len(names[part]))
+            pieces = self._map(self._encode, *args)
             ptrs, sizes = [p for p, _ in pieces], [s for _, s in pieces]
             codes += self.store.put_from(names[part], Buffers(ptrs, sizes))
         return codes
 
     def _encode(
-        self, name: str, ptrs: list[int], sizes: list[int], k: int
+        self, name: str, ptrs: list[int], sizes: list[int], k: int, key: TenantKey | None = None
     ) -> tuple[list[int], list[int]]:
-        """Encode object `name` (header first, then its raw pieces) into staging slot `k`;
-        write its header; the pieces to put (its own where it does not shrink)."""
+        """Encode object `name` (header first, then its raw pieces) into staging slot `k` (with
+        the codec, if any, then encrypted with `key`, if any); write its header; the pieces to
+        put (its own where it is neither encrypted nor shrunk)."""
         codec, staging = self.codec, self._staging
-        if codec is None or staging is None:  # memory() made it before the first put
+        if staging is None:  # memory() made it before the first put
             raise RuntimeError("a put before the staging memory was registered")
         raw = sum(sizes) - HEADER
-        if raw % 2:
-            mark("codec.odd-size")
         value = checksum(ptrs[1:], sizes[1:], seed(name))
-        out = staging[k, :raw].numpy()
-        stored = codec.encode(gather(codec, ptrs[1:], sizes[1:], raw), out)
-        if stored is None:
-            self.envelopes.write(ptrs[0], codec.ident, RAW, raw, raw, value)
-            return ptrs, sizes
-        self.envelopes.write(ptrs[0], codec.kind(raw), 0, raw, stored, value)
-        return [ptrs[0], out.ctypes.data], [HEADER, stored]
+        row = staging[k].numpy()
+        kind, flags, stored = 0, 0, raw  # codecs.NONE: as it is
+        src: np.ndarray | None = None  # the payload to encrypt
+        if codec is not None:
+            if raw % 2:
+                mark("codec.odd-size")
+            plain = contiguous(ptrs[1:], sizes[1:], raw)
+            # encrypted: encoded into a scratch first (the cipher writes the staging row)
+            out = codec.scratch(raw, "coded") if key is not None else row[:raw]
+            encoded = codec.encode(plain, out)
+            kind = codec.kind(raw) if encoded is not None else codec.ident
+            flags, stored = (0, encoded) if encoded is not None else (RAW, raw)
+            src = out[:encoded] if encoded is not None else plain
+            if key is None:
+                if encoded is None:
+                    self.envelopes.write(ptrs[0], kind, flags, raw, raw, value)
+                    return ptrs, sizes
+                self.envelopes.write(ptrs[0], kind, flags, raw, stored, value)
+                return [ptrs[0], row.ctypes.data], [HEADER, stored]
+        if key is None:  # neither codec nor key: _put_encoded is not called
+            raise RuntimeError("an object to stage without a codec or a key")
+        if src is None:
+            src = contiguous(ptrs[1:], sizes[1:], raw)
+        aad = signed(name, kind, flags, raw, stored, value, key.id)
+        nonce, tag = key.seal(src, row[: stored + 15], aad)
+        self.envelopes.write(ptrs[0], kind, flags, raw, stored, value, (key.id, nonce, tag))
+        mark("crypt.sealed")
+        return [ptrs[0], row.ctypes.data], [HEADER, stored]
 
     def _check(self, job: Job, codes: list[int]) -> list[int]:
         """A get's codes with each object's header checked (the store's own codes beyond the
@@ -250,9 +297,11 @@ class JobRunner:
         n = min(len(codes), len(job.names))
         buffers = job.buffers
         checked = self._map(
-            self._check_one, job.names[:n], buffers.ptrs[:n], buffers.sizes[:n], codes[:n]
-        )
+            self._check_one, job.names[:n], buffers.ptrs[:n], buffers.sizes[:n], codes[:n],
+            [self._key(job)] * n,
+        )  # fmt: skip
         job.corrupt += checked.count(CORRUPT)
+        job.key_misses += checked.count(KEY_MISS)
         return checked + list(codes[n:])
 
     def _get_overlapped(self, job: Job, pool: ThreadPoolExecutor) -> list[int]:
@@ -261,7 +310,7 @@ class JobRunner:
         its call has returned, while the next call reads. Codes as `_check`'s. Where a call
         raises, the checks already started finish before it is raised (they write into the
         job's slots, which the engine thread frees after a failed get)."""
-        names, buffers = job.names, job.buffers
+        names, buffers, key = job.names, job.buffers, self._key(job)
         checks: list[Future[int]] = []
         try:
             for part in _chunks(buffers.sizes, self.read_chunk_bytes):
@@ -269,16 +318,19 @@ class JobRunner:
                 out = self.store.get_into(names[part], Buffers(ptrs, sizes, buffers.span))
                 codes = _codes(out, job.kind, len(ptrs))
                 for args in zip(names[part], ptrs, sizes, codes):
-                    checks.append(pool.submit(self._check_one, *args))
+                    checks.append(pool.submit(self._check_one, *args, key))
         except BaseException:
             wait_all(checks)
             raise
         checked = [c.result() for c in checks]
         job.corrupt += checked.count(CORRUPT)
+        job.key_misses += checked.count(KEY_MISS)
         return checked
 
-    def _check_one(self, name: str, ptrs: list[int], sizes: list[int], code: int) -> int:
-        out = self.envelopes.check(name, ptrs, sizes, code, self.decoder)
+    def _check_one(
+        self, name: str, ptrs: list[int], sizes: list[int], code: int, key: TenantKey | None = None
+    ) -> int:
+        out = self.envelopes.check(name, ptrs, sizes, code, self.decoder, key)
         if out >= 0 and active():  # instances with and without a codec on one store
             encoded = self.envelopes.encoded(ptrs[0])
             if encoded and self.codec is None:

@@ -40,6 +40,7 @@ from hicache import threads
 from hicache.backends.base import StoreTier, StoreUnavailable
 from hicache.backends.breaker import CircuitBreaker
 from hicache.backends.codec import Codec
+from hicache.backends.crypt import Keyring
 from hicache.backends.host import HostTier
 from hicache.chain.fetch import HELD_TRUST_S, Fetch, Fetcher, Held
 from hicache.chain.jobs import Job, JobRunner
@@ -88,6 +89,8 @@ class LinkSettings:
     """Encodes the objects a put writes (`codec: lossless`); None: stored raw."""
     codec_threads: int = 1
     """Threads that encode and decode one call's objects in parallel."""
+    keyring: Keyring | None = None
+    """The encrypted tenants' keys (`hicache.backends.crypt`); None: every object is plain."""
 
 
 class StoreLink:
@@ -146,6 +149,7 @@ class StoreLink:
             bool(layout.state_bytes),
             settings.codec,
             settings.codec_threads,
+            keyring=settings.keyring,
         )
         self._registered = threading.Event()
         self._available_raised = False  # the store's `available` has raised (logged once)
@@ -236,6 +240,7 @@ class StoreLink:
             if failed:
                 self.stats.call_errors += 1
             self.stats.corrupt += job.corrupt
+            self.stats.key_misses += job.key_misses
             if job.page_keys:  # a fetch's first job: its pages' keys, the worker's part too
                 job.fetch.keys = job.page_keys
             if job.kind == "probe":

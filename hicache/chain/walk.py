@@ -17,6 +17,12 @@ The whole walk shares one deadline (`policy.fetch_max_wait_ms`).
 Writes go down the chain per tier (`StoreTierConfig.write`): `behind` (every group `store`
 copies to the host is put soon after), `on_evict` (put when the host is about to evict it) or
 `off`. Engine thread only, except where a method says otherwise.
+
+A tier may be attached and detached while requests run (`attach`, `detach`). A detached tier
+is asked nothing more; its jobs in flight finish on its workers and their results are applied
+as they come (a fetch's pages that arrived are the request's, a put's slots are released), and
+once it holds none it is closed: its workers end, its store closes, its reserve of host slots
+is freed. A fetch of a detached tier ends the walk where it ended.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from collections.abc import Callable
 from hicache import threads
 from hicache.backends import codec as codecs
 from hicache.backends.base import StoreTier
+from hicache.backends.crypt import Keyring
 from hicache.backends.host import HostTier
 from hicache.chain.fetch import Fetch
 from hicache.chain.link import LinkSettings, StoreLink
@@ -58,12 +65,13 @@ class TierChain:
         clock: Callable[[], float] = time.monotonic,
         *,
         fence: Callable[[], Completion],
+        keyring: Keyring | None = None,
     ) -> None:
         """`configs`: the configuration's tiers after the host tier (``tiers.1`` on), each
         started here; a TierStartError names its tier after the tiers started before it are
         closed. `fence`: a completion of every copy enqueued so far on the engine's stream
         (`hicache.kernels.completions.Transfers.fence`); every put waits for one made when it
-        was queued."""
+        was queued. `keyring`: the encrypted tenants' keys, for every store tier."""
         self.policy = policy
         self.layout = layout
         self.clock = clock
@@ -72,30 +80,12 @@ class TierChain:
         self._stats = stats
         self.links: list[StoreLink] = []
         self._close_timeouts: list[float] = []
+        self._detached: list[StoreLink] = []
+        """Detached links whose jobs have not all returned (closed once they have)."""
+        self._make = (host, layout, fingerprint, policy, events, wake, clock, fence, keyring)
         for i, cfg in enumerate(configs):
             try:
-                store: StoreTier = tier_class(cfg.type)(cfg)
-                cpus = frozenset(cfg.worker_cpus)
-                settings = LinkSettings(
-                    name=tier_name(cfg),
-                    group_pages=cfg.group_pages,
-                    key_prefix=store.object_prefix(cfg.key_prefix, cfg.codec),
-                    queue_depth=cfg.write_queue_depth,
-                    fetch_depth=cfg.fetch_queue_depth,
-                    fetch_workers=cfg.fetch_workers or threads.fetch_workers(cpus),
-                    reserve_pages=cfg.fetch_reserve // layout.page_size,
-                    worker_cpus=cpus,
-                    write=cfg.write,
-                    read_gbps=cfg.read_gbps or store.read_gbps,
-                    breaker_failures=cfg.breaker_failures,
-                    breaker_reprobe_s=cfg.breaker_reprobe_s,
-                    codec=codecs.for_dtype(layout.kv_dtype) if cfg.codec == "lossless" else None,
-                    codec_threads=cfg.codec_threads,
-                )
-                link = StoreLink(
-                    store, settings, host, layout, fingerprint, policy, self.prefill,
-                    clock=clock, events=events, wake=wake, on_done=self._walk_on, fence=fence,
-                )  # fmt: skip
+                link = self._link(cfg)
             except TierStartError as err:
                 err.tier = i + 1  # configs are the configuration's tiers after the host
                 self.close()  # the tiers started before it
@@ -103,12 +93,94 @@ class TierChain:
             self.links.append(link)
             self._close_timeouts.append(cfg.close_timeout_s)
             stats.tiers[link.name] = link.stats
+        self._relink()
+
+    def _link(self, cfg: StoreTierConfig) -> StoreLink:
+        """Start the store tier of `cfg` and its link (TierStartError where it cannot)."""
+        host, layout, fingerprint, policy, events, wake, clock, fence, keyring = self._make
+        store: StoreTier = tier_class(cfg.type)(cfg)
+        cpus = frozenset(cfg.worker_cpus)
+        settings = LinkSettings(
+            name=tier_name(cfg),
+            group_pages=cfg.group_pages,
+            key_prefix=store.object_prefix(cfg.key_prefix, cfg.codec),
+            queue_depth=cfg.write_queue_depth,
+            fetch_depth=cfg.fetch_queue_depth,
+            fetch_workers=cfg.fetch_workers or threads.fetch_workers(cpus),
+            reserve_pages=cfg.fetch_reserve // layout.page_size,
+            worker_cpus=cpus,
+            write=cfg.write,
+            read_gbps=cfg.read_gbps or store.read_gbps,
+            breaker_failures=cfg.breaker_failures,
+            breaker_reprobe_s=cfg.breaker_reprobe_s,
+            codec=codecs.for_dtype(layout.kv_dtype) if cfg.codec == "lossless" else None,
+            codec_threads=cfg.codec_threads,
+            keyring=keyring,
+        )
+        return StoreLink(
+            store, settings, host, layout, fingerprint, policy, self.prefill,
+            clock=clock, events=events, wake=wake, on_done=self._walk_on, fence=fence,
+        )  # fmt: skip
+
+    def _relink(self) -> None:
+        """The books kept over `links`, made again after the links changed."""
         self._index = {id(link.fetcher): i for i, link in enumerate(self.links)}
         self._write_back = [link for link in self.links if link.settings.write == "on_evict"]
         self._behind = [link for link in self.links if link.settings.write == "behind"]
         self._off = any(link.settings.write == "off" for link in self.links)
         self.group_pages = sorted({link.G for link in self.links})
         """The group sizes of the tiers (a state at a group end of each can be fetched)."""
+
+    # -- attach and detach ------------------------------------------------------------------------
+
+    def attach(self, cfg: StoreTierConfig, at: int | None = None) -> StoreLink:
+        """Start the store tier of `cfg` and put it in the walk at position `at` (None: last),
+        between two engine steps. ValueError where a tier of its name is attached (or still
+        detaching); TierStartError where it cannot start (nothing changes)."""
+        name = tier_name(cfg)
+        if any(link.name == name for link in (*self.links, *self._detached)):
+            raise ValueError(f"attach: a tier named {name!r} is attached already")
+        if at is not None and not 0 <= at <= len(self.links):
+            raise ValueError(f"attach: position {at} is not one of 0..{len(self.links)}")
+        link = self._link(cfg)
+        at = len(self.links) if at is None else at
+        self.links.insert(at, link)
+        self._close_timeouts.insert(at, cfg.close_timeout_s)
+        self._stats.tiers[name] = link.stats
+        self._relink()
+        mark("tier.attached")
+        return link
+
+    def detach(self, name: str) -> StoreLink:
+        """Take the tier `name` out of the walk and the writes, between two engine steps: it is
+        asked nothing more, its jobs in flight finish (their results applied by `poll` and
+        `apply`), and it is closed once none is left (`retire`). ValueError where no tier of
+        that name is attached."""
+        at = next((i for i, link in enumerate(self.links) if link.name == name), None)
+        if at is None:
+            names = [link.name for link in self.links]
+            raise ValueError(f"detach: no tier named {name!r} is attached (attached: {names})")
+        link = self.links.pop(at)
+        self._close_timeouts.pop(at)
+        self._relink()
+        if link.writer.dirty:  # write: on_evict groups it was never given: lost to it
+            link.stats.evict_lost += len(link.writer.dirty)
+            link.writer.dirty.clear()
+        self._detached.append(link)
+        mark("tier.detached")
+        self.retire()
+        return link
+
+    def retire(self) -> bool:
+        """Apply what the detached tiers' workers posted, and close each that has no job left
+        (its workers end, its store closes, its reserve of host slots is freed). True where
+        none is left to close."""
+        for link in list(self._detached):
+            link.apply()
+            if link.idle:
+                link.close()
+                self._detached.remove(link)
+        return not self._detached
 
     # -- fetch ------------------------------------------------------------------------------------
 
@@ -138,6 +210,8 @@ class TierChain:
         the learned read rate and prefill speed), and the seconds the read is expected to take.
         (0, 0.0) where k would not pass the host hit (the host part is fast: fetch as usual) or
         would leave nothing to fetch."""
+        if not self.links:
+            return 0, 0.0
         link, P = self.links[0], self.layout.page_tokens
         plan = plan_fetch(
             max_pages * P,
@@ -156,25 +230,26 @@ class TierChain:
         """A tier's part of a walk is over (its phase becomes done here): put what it brought
         behind to the tiers above it, and ask the tiers below it for what is still missing."""
         fetch.phase = "done"
-        if fetch.abandoned:
+        i = self._index.get(id(fetch.source))
+        if fetch.abandoned or i is None:  # gone, or of a detached tier: the walk ends here
             return
-        i = self._index[id(fetch.source)]
         lo, hi = fetch.pages
         if hi > lo:
             adopt_keys(fetch.chain, fetch)
-            self._promote(fetch.chain.hashed[:hi], i)
+            self._promote(fetch.chain.hashed[:hi], i, fetch.chain.seed)
         reached = max(fetch.host_pages, hi)
         if i + 1 < len(self.links) and reached < fetch.max_pages and self.clock() < fetch.deadline:
             adopt_keys(fetch.chain, fetch)
             fetch.next = self.start(fetch.chain, reached, fetch.max_pages, i + 1, fetch.deadline)
 
-    def _promote(self, keys: list[bytes], below: int) -> None:
-        """Put the groups of `keys` (in the host tier now) to the write-behind tiers above tier
-        `below`."""
+    def _promote(self, keys: list[bytes], below: int, seed: bytes) -> None:
+        """Put the groups of `keys` (in the host tier now; of a request whose chain seed is
+        `seed`) to the write-behind tiers above tier `below`."""
         for link in self._behind:
             if self._index[id(link.fetcher)] < below:
                 n = len(keys)
-                link.writer.write_behind(keys, n, range(link.G, n + 1, link.G), tail=True)
+                states = range(link.G, n + 1, link.G)
+                link.writer.write_behind(keys, n, states, tail=True, seed=seed)
 
     def waiting(self, fetch: Fetch) -> bool:
         """True while the request should wait for its walk (policy 'wait', before the walk's
@@ -204,7 +279,7 @@ class TierChain:
     def apply(self) -> bool:
         """Apply what every tier's workers have posted; True if a fetch finished."""
         fetched = False
-        for link in self.links:
+        for link in (*self.links, *self._detached):
             fetched = link.apply() or fetched
         return fetched
 
@@ -216,18 +291,20 @@ class TierChain:
         ready: Completion,
         slots: list[int] | None = None,
         tail: bool = True,
+        seed: bytes = b"",
     ) -> None:
         """`store` copied `keys` (a sequence from its first page) to the host tier: hand them
         to every tier as its `write:` says (with `tail`, the pages past the last whole group
         too, to the `write: behind` tiers). `ready`: a fence made after the host copy (what
-        `Transfers.then` returned for it)."""
+        `Transfers.then` returned for it). `seed`: the request's chain seed (its tenant's)."""
         n = len(keys)
         if self._off:
             mark("write.off")
         for link in self._behind:
-            link.writer.write_behind(keys, n, range(link.G, n + 1, link.G), ready, slots, tail)
+            states = range(link.G, n + 1, link.G)
+            link.writer.write_behind(keys, n, states, ready, slots, tail, seed)
         for link in self._write_back:
-            link.writer.note_dirty(keys, n)
+            link.writer.note_dirty(keys, n, seed)
 
     def evicted(self, keys: list[bytes]) -> None:
         """The host tier evicted `keys` (its eviction hook)."""
@@ -239,6 +316,8 @@ class TierChain:
     def poll(self) -> None:
         for link in self.links:
             link.poll()
+        if self._detached:
+            self.retire()
 
     def report_prefill(self, tokens: int, seconds: float) -> None:
         """The engine computed `tokens` in `seconds`: fold it into the prefill speed."""
@@ -251,8 +330,8 @@ class TierChain:
 
     @property
     def idle(self) -> bool:
-        """No job is queued or running in any tier."""
-        return all(link.idle for link in self.links)
+        """No job is queued or running in any tier, and no detached tier is left to close."""
+        return all(link.idle for link in self.links) and not self._detached
 
     def gauges(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -266,8 +345,9 @@ class TierChain:
         for link, timeout in zip(self.links, self._close_timeouts):
             if link.store.persistent and link.usable():
                 link.drain(timeout)
-        for link in self.links:
+        for link in (*self.links, *self._detached):
             link.close()
+        self._detached.clear()
 
 
 def adopt_keys(chain: KeyChain, fetch: Fetch) -> None:

@@ -78,19 +78,20 @@ class WriteBehind:
         self.fence = fence
         self.out = 0
         """Put jobs queued or running (at most `depth`)."""
-        self.dirty: OrderedDict[bytes, list[bytes]] = OrderedDict()
+        self.dirty: OrderedDict[bytes, tuple[list[bytes], bytes]] = OrderedDict()
         """write: on_evict: groups stored in the host and not yet put here, oldest first, by
-        their end key: the keys of their pages."""
+        their end key: the keys of their pages and their request's chain seed."""
 
-    def note_dirty(self, keys: list[bytes], n_pages: int) -> None:
-        """`write: on_evict`: `store` has written `keys[:n_pages]` to the host; note the groups
-        the tier does not hold, for `write_back`."""
+    def note_dirty(self, keys: list[bytes], n_pages: int, seed: bytes = b"") -> None:
+        """`write: on_evict`: `store` has written `keys[:n_pages]` (of a request whose chain
+        seed is `seed`) to the host; note the groups the tier does not hold, for
+        `write_back`."""
         G, held, dirty = self.G, self._groups_held, self.dirty
         held.expire(self.clock())
         for g in range(n_pages // G):
             end = keys[(g + 1) * G - 1]
             if end not in held and end not in dirty:
-                dirty[end] = keys[g * G : (g + 1) * G]
+                dirty[end] = (keys[g * G : (g + 1) * G], seed)
 
     def write_behind(
         self,
@@ -100,6 +101,7 @@ class WriteBehind:
         ready: Completion | None = None,
         slots: list[int] | None = None,
         tail: bool = False,
+        seed: bytes = b"",
     ) -> None:
         """Queue puts of the full groups of `keys[:n_pages]` (and states) the tier does not hold,
         and with `tail` the pages past the last of them as one tail object
@@ -110,7 +112,8 @@ class WriteBehind:
         slots, which stay pinned until the put has returned. On this
         thread: which groups are new, their slots, their pins; the worker names them and finds
         their bytes. `slots`, where the caller knows them: the host slot of each of `keys`
-        (all published), so that they need not be looked up.
+        (all published), so that they need not be looked up. `seed`: the chain seed of the
+        request the keys are of (it picks the tenant's key, `hicache.backends.crypt`).
         """
         G, n_groups = self.G, n_pages // self.G
         if not self.usable():  # not connected, or the breaker is open: offer nothing
@@ -156,7 +159,7 @@ class WriteBehind:
                 ends.append(keys[n_pages - 1])
                 pins += found  # type: ignore[arg-type]
                 tail_pages = n_pages % G
-        self._put(ends, pins, state_ends, state_pins, ready, tail_pages)
+        self._put(ends, pins, state_ends, state_pins, ready, tail_pages, seed)
 
     def _put(
         self,
@@ -166,11 +169,12 @@ class WriteBehind:
         state_pins: list[int],
         ready: Completion | None = None,
         tail: int = 0,
+        seed: bytes = b"",
     ) -> None:
         """Queue one put of the groups named by `ends` (their pages in host slots `pins`, `G`
         a group; the last `tail` pages a tail object where `tail` > 0) and the states in
         `state_pins`; the slots stay pinned until it has returned. `ready`: a fence made after
-        the last copy enqueued so far (None: made here)."""
+        the last copy enqueued so far (None: made here). `seed`: their request's chain seed."""
         if not ends and not state_ends:
             return
         if ready is None:
@@ -178,7 +182,10 @@ class WriteBehind:
         leases = (self.host.page_slots.lease(pins),)
         if state_pins:
             leases += (self.host.state_slots.lease(state_pins),)
-        job = Job("put", ends, state_ends, pins, state_pins, leases=leases, ready=ready, tail=tail)
+        job = Job(
+            "put", ends, state_ends, pins, state_pins, leases=leases, ready=ready, tail=tail,
+            seed=seed,
+        )  # fmt: skip
         job.started = now = self.clock()
         self.out += 1
         self._jobs.put(job)
@@ -199,26 +206,27 @@ class WriteBehind:
             return
         mark("write.on_evict")
         batch = [dirty.popitem(last=False) for _ in range(min(WRITE_BACK_GROUPS, len(dirty)))]
-        flat = [key for _, group in batch for key in group]
+        flat = [key for _, (group, _) in batch for key in group]
         found = pool.lookup(flat)
         G = self.G
-        ends: list[bytes] = []
-        pins: list[int] = []
-        for i, (end, _) in enumerate(batch):
+        by_seed: dict[bytes, tuple[list[bytes], list[int]]] = {}  # a put per tenant
+        for i, (end, (_, seed)) in enumerate(batch):
             group = found[i * G : (i + 1) * G]
             if None in group:
                 self.stats.evict_lost += 1
                 continue
+            ends, pins = by_seed.setdefault(seed, ([], []))
             ends.append(end)
             pins += group  # type: ignore[arg-type]
-        state_ends: list[bytes] = []
-        state_pins: list[int] = []
-        if self.layout.state_bytes and ends:
-            for key, slot in zip(ends, self.host.state_slots.lookup(ends)):
-                if slot is not None and key not in self._states_held:
-                    state_ends.append(key)
-                    state_pins.append(slot)
-        self._put(ends, pins, state_ends, state_pins)
+        for seed, (ends, pins) in by_seed.items():
+            state_ends: list[bytes] = []
+            state_pins: list[int] = []
+            if self.layout.state_bytes:
+                for key, slot in zip(ends, self.host.state_slots.lookup(ends)):
+                    if slot is not None and key not in self._states_held:
+                        state_ends.append(key)
+                        state_pins.append(slot)
+            self._put(ends, pins, state_ends, state_pins, seed=seed)
 
     def evicted(self, keys: Sequence[bytes]) -> None:
         """The host evicted `keys`: groups noted for write-back whose end was among them are

@@ -26,8 +26,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from hicache.core.eviction import DEFAULT_POLICY
-from hicache.core.native.books import EvictHook, Lease, slot_books
+from hicache.core.native.books import Books, EvictHook, Lease, slot_books
 from hicache.core.native.index import key_index
+from hicache.core.shares import Shares, TenantBooks
 
 __all__ = ["EvictHook", "Lease", "SlotPool"]
 
@@ -77,6 +78,15 @@ class SlotPool:
     lease: Callable[[list[int]], Lease]
     reserve: Callable[[int], Lease]
     publish: Callable[[Sequence[int], Sequence[bytes]], list[int]]
+    publish_as: Callable[[Sequence[int], Sequence[bytes], bytes], list[int]]
+    """``publish_as(slots, keys, seed)``: `publish` for the tenant of the request whose chain
+    seed is `seed` (`hicache.core.shares`; without tenants' shares, `publish`)."""
+    settle: Callable[[], None]
+    """Evict what tenants hold past their quotas since their pages went idle (between two
+    engine calls; nothing without tenants' shares)."""
+    reserve_as: Callable[[int, bytes], Lease]
+    """``reserve_as(n, seed)``: `reserve` for the tenant of chain seed `seed`, which may evict
+    its own pages within its share (without tenants' shares, `reserve`)."""
 
     def __init__(
         self,
@@ -85,16 +95,23 @@ class SlotPool:
         *,
         compiled: bool = True,
         policy: str = DEFAULT_POLICY,
+        shares: Shares | None = None,
     ) -> None:
         """`compiled=False` keeps the books and the index in Python (tests compare the two).
         `policy` names the eviction policy (`hicache.core.eviction`); LRU's books are compiled, the
-        others' are kept in Python over the same index."""
+        others' are kept in Python over the same index. `shares`: the tenants' shares and quotas
+        (`hicache.core.shares`), kept by LRU per tenant in Python books."""
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
         self.policy = policy
         index = self._index = key_index(capacity, compiled=compiled)
-        books = self._books = slot_books(capacity, index, policy, on_evict)
+        books: Books
+        if shares is not None:
+            books = TenantBooks(capacity, index, shares, on_evict)
+        else:
+            books = slot_books(capacity, index, policy, on_evict)
+        self._books = books
         # the operations, bound: no call of the pool's own between the caller and the C call
         self.lookup = index.lookup
         self.split = index.split
@@ -105,7 +122,14 @@ class SlotPool:
         self.keys_of = books.keys_of
         self.lease = books.lease
         self.reserve = books.reserve
-        self.publish = books.publish
+        self.publish = publish = books.publish
+        self.publish_as = getattr(books, "publish_as", None) or (
+            lambda slots, keys, _seed: publish(slots, keys)
+        )
+        reserve = books.reserve
+        self.reserve_as = getattr(books, "reserve_as", None) or (lambda n, _seed: reserve(n))
+        self.settle = getattr(books, "settle", None) or _nothing
+        self.shares = shares
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._index
@@ -114,6 +138,19 @@ class SlotPool:
     def evicted(self) -> int:
         """Slots evicted so far."""
         return self._books.evicted
+
+    def tenant_stats(self) -> dict[str, int]:
+        """Per tenant with shares (`shares`): ``tenant_host_pages_<name>`` (slots it holds) and
+        ``tenant_host_evicted_<name>`` (its slots evicted so far); empty without shares."""
+        books = self._books
+        if not isinstance(books, TenantBooks):
+            return {}
+        out: dict[str, int] = {}
+        for t, name in enumerate(books.shares.names):
+            name = name or "none"
+            out[f"tenant_host_pages_{name}"] = books.used[t]
+            out[f"tenant_host_evicted_{name}"] = books.evicted_of[t]
+        return out
 
     # -- accounting -----------------------------------------------------------------------------
 
@@ -157,3 +194,7 @@ class SlotPool:
                 raise AssertionError(f"slot {s} is lost: not free, not published, not pinned")
         if len(self._index) != len(lru):
             raise AssertionError("the index and the slots disagree")
+
+
+def _nothing() -> None:
+    """`settle` of books without tenants' quotas."""

@@ -85,6 +85,16 @@ FAMILIES: dict[str, Family] = {
     ),
     # gauges
     "hicache_pool_slots": Family("gauge", "Slots of a pool.", ("tier", "pool")),
+    "hicache_tenant_pages": Family(
+        "gauge",
+        "Pages a tenant holds in a tier (tenants with shares or quotas).",
+        ("tier", "tenant"),
+    ),
+    "hicache_tenant_pages_evicted": Family(
+        "counter",
+        "A tenant's pages evicted from a tier (for others' space or its quota).",
+        ("tier", "tenant"),
+    ),
     "hicache_pool_used_slots": Family("gauge", "Slots that hold a key.", ("tier", "pool")),
     "hicache_pool_pinned_slots": Family("gauge", "Slots somebody pins.", ("tier", "pool")),
     "hicache_requests": Family("gauge", "Requests hicache holds state for."),
@@ -146,6 +156,7 @@ TIER_METRICS: dict[str, tuple[str, dict[str, str]]] = {
     "get_bytes": ("hicache_tier_bytes", {"op": "get"}),
     "get_failed": ("hicache_errors", {"kind": "get"}),
     "corrupt": ("hicache_errors", {"kind": "corrupt"}),
+    "key_misses": ("hicache_errors", {"kind": "key_miss"}),
     "objects_put": ("hicache_tier_objects_put", {}),
     "put_bytes": ("hicache_tier_bytes", {"op": "put"}),
     "put_failed": ("hicache_errors", {"kind": "put"}),
@@ -169,6 +180,14 @@ TIER_METRICS: dict[str, tuple[str, dict[str, str]]] = {
 """A store tier's stats key ``<counter>_<tier name>`` -> (family, labels): exported with
 ``tier=<tier name>`` added."""
 
+TENANT_METRICS: dict[str, tuple[str, dict[str, str]]] = {
+    # a tenant's stats key    family                        labels besides tenant=<name>
+    "tenant_host_pages": ("hicache_tenant_pages", {"tier": "host"}),
+    "tenant_host_evicted": ("hicache_tenant_pages_evicted", {"tier": "host"}),
+}
+"""A tenant's stats key ``<counter>_<tenant name>`` -> (family, labels): exported with
+``tenant=<tenant name>`` added ("none": the requests of no tenant)."""
+
 _SCALE = {"read_mbps": 1e6}
 """Tier stats kept in other units than their family's."""
 
@@ -180,6 +199,9 @@ def metric_of(key: str) -> tuple[str, dict[str, str], float] | None:
     entry = METRICS.get(key)
     if entry is not None:
         return entry[0], entry[1], 1.0
+    for counter, (family, labels) in TENANT_METRICS.items():
+        if key.startswith(counter + "_") and len(key) > len(counter) + 1:
+            return family, {"tenant": key[len(counter) + 1 :], **labels}, 1.0
     for counter in _BY_LENGTH:  # the longest counter name that begins the key
         if key.startswith(counter + "_") and len(key) > len(counter) + 1:
             family, labels = TIER_METRICS[counter]

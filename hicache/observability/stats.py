@@ -80,6 +80,10 @@ class TierStats:
     corrupt: int = 0
     """Objects read whose bytes did not verify (checksum, header or length: changed at rest,
     written by an older version, of another layout): misses, never hits."""
+    key_misses: int = 0
+    """Objects read that did not open under their tenant's key (another key, a tag that does
+    not verify, stored plain for a tenant with a key, or encrypted where no key is here):
+    misses, never hits."""
     objects_put: int = 0
     put_bytes: int = 0
     put_failed: int = 0

@@ -21,7 +21,15 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from hicache.config import Bytes, HiCacheConfig, Layout, MetricsConfig, Policy, TierConfig
+from hicache.config import (
+    Bytes,
+    HiCacheConfig,
+    Layout,
+    MetricsConfig,
+    Policy,
+    TenantConfig,
+    TierConfig,
+)
 from hicache.registry import tier_types
 
 _HEADER = """\
@@ -53,6 +61,7 @@ def render() -> str:
         parts.append(_section(f"`tiers:` item `type: {name}`", tiers[name], "", skip=("type",)))
     parts.append(_section("`policy:`", Policy, "policy."))
     parts.append(_section("`metrics:`", MetricsConfig, "metrics."))
+    parts.append(_section("`tenants:` item", TenantConfig, ""))
     return "\n".join(parts)
 
 

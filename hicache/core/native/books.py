@@ -265,7 +265,11 @@ class PythonBooks:
             raise _over_unpinned()
         refs[idx] -= 1
         # from the last slot to the first: a sequence's first pages end up most recent
-        idle = idx[refs[idx] == 0][::-1]
+        self._went_idle(idx[refs[idx] == 0][::-1])
+
+    def _went_idle(self, idle: np.ndarray) -> None:
+        """`idle` (slots, in the order they became idle) hold no pin now: the published ones
+        become the most recently used, the others (reserved, never published) are free."""
         published = self._published[idle]
         deque(map(self._lru.move_to_end, idle[published].tolist()), maxlen=0)
         self._free.extend(idle[~published].tolist())  # reserved, never published
