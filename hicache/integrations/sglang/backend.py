@@ -101,13 +101,17 @@ class HiCacheBackend(HiCacheStorage):
         tiers = StoreTiers(
             config.tiers, pages, layout, cfg.is_storage_writer, cfg.enable_storage_metrics
         )
-        if not tiers.wait_ready():
-            log.warning("hicache: a store tier does not answer yet; SGLang's calls skip it")
-        if config.metrics.port is not None:
-            from hicache.observability.metrics import register, serve
+        try:  # all or nothing: a start that fails closes the tiers it started
+            if not tiers.wait_ready():
+                log.warning("hicache: a store tier does not answer yet; SGLang's calls skip it")
+            if config.metrics.port is not None:
+                from hicache.observability.metrics import register, serve
 
-            registry, _ = register(tiers)
-            self._metrics = serve(registry, config.metrics.port, config.metrics.addr)
+                registry, _ = register(tiers)
+                self._metrics = serve(registry, config.metrics.port, config.metrics.addr)
+        except BaseException:
+            tiers.close()
+            raise
         log.info("hicache: %d store tiers under SGLang's %s", len(config.tiers), pages.description)
         return tiers
 
