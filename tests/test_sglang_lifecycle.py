@@ -11,6 +11,7 @@ import socket
 import threading
 from pathlib import Path
 
+import memory_tier  # noqa: F401  (registers the memory tier)
 import pytest
 import sglang_env as env
 import torch
@@ -104,5 +105,90 @@ def test_runtime_detach_and_reattach_keep_the_pages(device, tmp_path):
         at, got, _ = env.prefetch(ctl, host, TOKENS)
         assert got == len(TOKENS)
         assert all(torch.equal(env.page_bytes(host, at, i), want[i]) for i in range(PAGES))
+    finally:
+        env.stop(ctl)
+
+
+def test_sglangs_clear_drops_the_instances_pages_from_disk(device, tmp_path, caplog):
+    """SGLang's clear (the controller's `clear_storage_backend`, which its admin endpoint
+    calls) drops every page the instance stored: its own next prefetch finds none, and neither
+    does an instance started after it on the same directory; the clear says what it dropped."""
+    host = env.host_pool(device, "layer_first")
+    env.fill(host, seed=7)
+    extra = env.extra(disk(tmp_path / "d"))
+    ctl = env.server_controller(device, host, extra)
+    try:
+        _, stored = env.backup(ctl, host, TOKENS)
+        assert stored == len(TOKENS)
+        assert env.prefetch(ctl, host, TOKENS)[1] == len(TOKENS)
+        with caplog.at_level("INFO", logger="hicache.sglang"):
+            assert ctl.clear_storage_backend() is True
+        assert f"hicache: clear dropped {PAGES} from disk" in caplog.messages
+        assert env.prefetch(ctl, host, TOKENS)[1] == 0
+        records = tmp_path / "d" / "rank0" / "objects"
+        assert [f for f in records.rglob("*") if f.is_file()] == []
+    finally:
+        env.stop(ctl)
+    again = env.server_controller(device, host, extra)
+    try:
+        assert env.prefetch(again, host, TOKENS)[1] == 0
+    finally:
+        env.stop(again)
+
+
+@pytest.mark.mooncake
+def test_sglangs_clear_drops_the_namespace_from_mooncake_for_every_instance(
+    device, tmp_path, mooncake_master
+):
+    """On a disk tier above a shared Mooncake store (a real master on loopback), instance A's
+    clear drops A's pages from both: a second instance B of the same model, with a disk of its
+    own, finds none in Mooncake; an instance of another model (`model_id`) keeps every page it
+    stored there."""
+    from mooncake_master import require_mooncake
+
+    require_mooncake()
+    mooncake = {"type": "mooncake", **mooncake_master.tier_config}
+
+    def tiers(name: str) -> dict:
+        local = {"type": "disk", "path": str(tmp_path / name), "size": "64MiB", "sync": False}
+        return {"tiers": [local, mooncake]}
+
+    hosts = [env.host_pool(device, "page_first") for _ in range(3)]
+    for i, h in enumerate(hosts):
+        env.fill(h, seed=20 + i)
+    a = env.server_controller(device, hosts[0], env.extra(tiers("a"), model_id="clear-a"))
+    other = env.server_controller(device, hosts[2], env.extra(tiers("o"), model_id="clear-o"))
+    try:
+        assert env.backup(a, hosts[0], TOKENS)[1] == len(TOKENS)
+        assert env.backup(other, hosts[2], TOKENS)[1] == len(TOKENS)
+        assert a.clear_storage_backend() is True
+        assert env.prefetch(a, hosts[0], TOKENS)[1] == 0
+    finally:
+        env.stop(a)
+    b = env.server_controller(device, hosts[1], env.extra(tiers("b"), model_id="clear-a"))
+    try:
+        assert env.prefetch(b, hosts[1], TOKENS)[1] == 0
+        assert env.prefetch(other, hosts[2], TOKENS)[1] == len(TOKENS)
+    finally:
+        env.stop(b)
+        env.stop(other)
+
+
+def test_a_clear_that_cannot_drop_fences_the_tier_and_says_so(device, caplog):
+    """A tier that cannot drop objects by name (a test's memory tier) is fenced by the clear:
+    the pages it holds are not served again by this instance, and the clear raises one line
+    naming it (SGLang's admin call then reports that the clear failed)."""
+    host = env.host_pool(device, "page_first")
+    env.fill(host, seed=8)
+    ctl = env.server_controller(
+        device, host, env.extra({"tiers": [{"type": "memory", "space": "fence"}]})
+    )
+    try:
+        assert env.backup(ctl, host, TOKENS)[1] == len(TOKENS)
+        failed = pytest.raises(RuntimeError, match="clear dropped nothing from memory")
+        with caplog.at_level("ERROR", logger="hicache.sglang"), failed:
+            ctl.clear_storage_backend()
+        assert [m for m in caplog.messages if "fenced" in m] != []
+        assert env.prefetch(ctl, host, TOKENS)[1] == 0
     finally:
         env.stop(ctl)
