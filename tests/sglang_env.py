@@ -4,8 +4,8 @@ scheduler does around them (allocate host pages, hand a prefetch its pages, read
 done here as SGLang's scheduler does it.
 
 SGLang is installed beside vLLM without its pins (scripts/test.sh); the one module of its
-import path that cannot load here has a stand-in while SGLang is imported
-(tests/sglang_standins.py).
+import path that cannot load here (torchvision) has a stand-in while SGLang is imported
+(`hicache.integrations.sglang.cpu_imports`).
 
 Skipped without SGLang; failed instead under ``HICACHE_REQUIRE_SGLANG=1`` (CI).
 """
@@ -20,7 +20,8 @@ import types
 from typing import Any
 
 import pytest
-from sglang_standins import stand_ins
+
+from hicache.integrations.sglang.cpu_imports import stand_ins
 
 REQUIRE_ENV = "HICACHE_REQUIRE_SGLANG"
 MODULES = (

@@ -1,10 +1,9 @@
 """docs/sglang.md works as written: its install lines are the ones CI installs with (line for
-line in scripts/test.sh), the README points SGLang users to it, and the ```bash
-block of its CPU section runs verbatim in a fresh directory holding the clone's `configs/` and
-`examples/`, with this test's Python first on PATH, and prints every line of that section's
-```text block. On this CPU machine SGLang's import path needs the stand-ins of
-tests/sglang_standins.py: the commands' Python starts with them (tests/standins/ on
-PYTHONPATH)."""
+line in scripts/test.sh), the README points SGLang users to it, and the ```bash block of its
+CPU section runs verbatim, twice, in a fresh directory holding the clone's `configs/` and
+`examples/`, with this test's Python first on PATH and nothing else added to the environment,
+and prints every line of that section's ```text block each time (the doc says the example can
+be run again on the same directory)."""
 
 from __future__ import annotations
 
@@ -46,16 +45,12 @@ def test_the_cpu_example_runs_as_written(tmp_path):
     assert script and shown
     for folder in ("configs", "examples"):
         (tmp_path / folder).symlink_to(ROOT / folder)
-    path = [str(ROOT / "tests" / "standins"), os.environ.get("PYTHONPATH", "")]
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-        "PYTHONPATH": os.pathsep.join(p for p in path if p),
-    }
-    proc = subprocess.run(
-        ["bash", "-e", "-o", "pipefail", "-c", script], cwd=tmp_path, env=env, text=True,
-        capture_output=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    printed = set(proc.stdout.splitlines())
-    assert [line for line in shown if line not in printed] == [], proc.stdout
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    for _ in range(2):
+        proc = subprocess.run(
+            ["bash", "-e", "-o", "pipefail", "-c", script], cwd=tmp_path, env=env, text=True,
+            capture_output=True, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        printed = set(proc.stdout.splitlines())
+        assert [line for line in shown if line not in printed] == [], proc.stdout
