@@ -341,14 +341,17 @@ def test_random_calls_as_the_controller_makes_them_with_faults(devices, tmp_path
         backend.close()
 
 
+@pytest.mark.mooncake
 def test_the_bench_runs_and_records_its_run(tmp_path, monkeypatch):
-    """bench/sglang.py (the GPU machine's measurement) runs here at a small size: every
-    backend's sets and gets come back byte for byte, and its result names its commit, machine
-    and command."""
+    """bench/sglang.py (the GPU machine's measurement) runs here at a small size, Mooncake's
+    backends on a master it starts itself: every backend's sets and gets come back byte for
+    byte in every repetition, its result names its commit, machine and command, and its summary
+    has the ratios the targets are about, each with its spread."""
     import importlib.util
     import json
     import sys
 
+    require_mooncake()
     path = Path(__file__).resolve().parent.parent / "bench" / "sglang.py"
     spec = importlib.util.spec_from_file_location("bench_sglang", path)
     bench = importlib.util.module_from_spec(spec)
@@ -356,13 +359,24 @@ def test_the_bench_runs_and_records_its_run(tmp_path, monkeypatch):
     out = tmp_path / "r.json"
     argv = [str(path), "--machine", "ci", "--dir", str(tmp_path), "--layers", "1",
             "--kv-heads", "1", "--head-dim", "32", "--page", "4", "--pages", "8",
-            "--prefetch-pages", "8", "--rounds", "1", "--out", str(out)]  # fmt: skip
+            "--prefetch-pages", "8", "--rounds", "2", "--out", str(out)]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     bench.main()
     result = json.loads(out.read_text())
     assert {"commit", "machine", "command"} <= set(result)
     assert result["command"].startswith("python bench/sglang.py --machine ci")
-    ops = {(r["backend"], r["op"], r["batch"]) for r in result["rows"]}
-    assert ops == {(b, o, n) for b in bench.BACKENDS for o in ("set", "get") for n in (64, 128)}
-    assert [p["pages"] for p in result["prefetch"]] == [8, 8, 8]
-    assert "hicache_vs_file_get_128" in result["summary"]
+    ops = {(r["backend"], r["op"], r["batch"], r["round"]) for r in result["rows"]}
+    assert ops == {
+        (b, o, n, r) for b in bench.BACKENDS for o in ("set", "get") for n in (64, 128)
+        for r in (0, 1)
+    }  # fmt: skip
+    assert sorted((p["backend"], p["round"]) for p in result["prefetch"]) == [
+        (b, r) for b in sorted(bench.PREFETCH) for r in (0, 1)
+    ]
+    summary = result["summary"]
+    for key in ("hicache_vs_file_get_128", "hicache_vs_file_set_64", "codec_vs_raw_get_64",
+                "hicache_mooncake_vs_sglang_mooncake_set_128",
+                "prefetch_hicache_vs_file_time"):  # fmt: skip
+        low, high = summary["spread"][key]
+        assert low <= summary[key] <= high, key
+    assert set(result["targets"]) >= {"hicache_vs_file_set_64", "prefetch_hicache_vs_file_time"}
