@@ -86,12 +86,14 @@ def sglang() -> SimpleNamespace:
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.storage import StorageBackendFactory
 
     return SimpleNamespace(
         Controller=HiCacheController, Config=HiCacheStorageConfig, Device=MHATokenToKVPool,
         Host=MHATokenToKVPoolHost, Factory=StorageBackendFactory, master=None,
+        budget=host_memory_budget_scope,
     )  # fmt: skip
 
 
@@ -119,11 +121,14 @@ def host_pool(sg: SimpleNamespace, args: argparse.Namespace, pages: int) -> Any:
         enable_alt_stream=False,
     )  # fmt: skip
     ratio = (pages + 2) / device_pages
-    return sg.Host(
-        device.get_device_pool_infos()[0].buffer_info, ratio, 0, P, "page_first",
-        pin_memory=torch.cuda.is_available(), device="cpu",
-        device_capacity_tokens=device_pages * P, start_layer=0, end_layer=args.layers,
-    )  # fmt: skip
+    per_token = 2 * args.layers * args.kv_heads * args.head_dim * 2  # K and V, bf16
+    # booked against its own size, not the machine's free memory less SGLang's 10 GiB reserve
+    with sg.budget((pages + 2) * P * per_token + (1 << 30)):
+        return sg.Host(
+            device.get_device_pool_infos()[0].buffer_info, ratio, 0, P, "page_first",
+            pin_memory=torch.cuda.is_available(), device="cpu",
+            device_capacity_tokens=device_pages * P, start_layer=0, end_layer=args.layers,
+        )  # fmt: skip
 
 
 def make_backend(sg: SimpleNamespace, name: str, path: Path, size: int) -> tuple[Any, Any, Any]:
@@ -332,7 +337,8 @@ def main() -> None:
         "prefetch": [],
     }  # fmt: skip
     if set(MOONCAKE) & set(backends):
-        sg.master, why = mooncake_master(args.pages * page * 5 // 4 + (64 << 20))
+        # room for two phases: a phase's objects go while the next one's come
+        sg.master, why = mooncake_master(2 * args.pages * page + (256 << 20))
         if sg.master is None:
             backends = [b for b in backends if b not in MOONCAKE]
             result["mooncake"] = f"left out: {why}"
