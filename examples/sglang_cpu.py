@@ -5,9 +5,13 @@ a server is launched with it (docs/sglang.md; run as written by tests/test_sglan
 
     python examples/sglang_cpu.py configs/sglang/disk.yaml
 
-SGLang's pools here are small and shaped as a model's would be (bf16 KV, 2 KV heads of 64,
-4 layers, pages of 16 tokens); the controller is made as SGLang's scheduler makes it, its TP
-rank 0 of 1 stated to SGLang's runtime context, which a server publishes itself.
+The controller is the one SGLang's server builds for a plain (full-attention) model: its
+`HybridCacheController` over a `HostPoolGroup` whose one pool is the KV host pool. The pools are
+small and shaped as a model's would be (bf16 KV, 2 KV heads of 64, 4 layers, pages of 16
+tokens); TP rank 0 of 1 is stated to SGLang's runtime context, which a server publishes itself.
+Each page's bytes are a function of its tokens, as a model's KV is: the example can be run again
+and again on the same directory (a later run finds the pages stored already, and reads back the
+same bytes).
 """
 
 from __future__ import annotations
@@ -16,19 +20,30 @@ import argparse
 import threading
 
 import torch
-from sglang.srt.managers.cache_controller import HiCacheController
-from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.utils import get_hash_str
-from sglang.srt.runtime_context import get_parallel
+
+from hicache.integrations.sglang.cpu_imports import without_torchvision
+
+without_torchvision()  # SGLang's model configs import torchvision, which a CPU torch lacks
+
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (  # noqa: E402
+    HybridCacheController,
+)
+from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_pool_entry  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host import HostPoolGroup  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
+from sglang.srt.runtime_context import get_parallel  # noqa: E402
 
 PAGE = 16
 PAGES = 16
 WAIT_S = 60.0
 
 
-def instance(config: str) -> tuple[HiCacheController, MHATokenToKVPoolHost]:
+def instance(config: str) -> tuple[HybridCacheController, MHATokenToKVPoolHost]:
     """A controller with hicache's backend over a host pool of its own, threads running."""
     device = MHATokenToKVPool(
         size=512, page_size=PAGE, dtype=torch.bfloat16, head_num=2, head_dim=64, layer_num=4,
@@ -38,6 +53,12 @@ def instance(config: str) -> tuple[HiCacheController, MHATokenToKVPoolHost]:
         device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, "page_first",
         pin_memory=False, device="cpu", device_capacity_tokens=512, start_layer=0, end_layer=4,
     )  # fmt: skip
+    group = HostPoolGroup([
+        build_pool_entry(
+            name=PoolName.KV, host_pool=host, device_pool=device,
+            layer_mapping={i: i for i in range(4)}, transfer_layer_id_max=4, is_anchor=True,
+        )
+    ])  # fmt: skip
     allocator = PagedTokenToKVPoolAllocator(512, PAGE, torch.int64, "cpu", device, False)
     extra = {
         "backend_name": "hicache", "module_path": "hicache.integrations.sglang",
@@ -45,11 +66,20 @@ def instance(config: str) -> tuple[HiCacheController, MHATokenToKVPoolHost]:
     }  # fmt: skip
     ranks = dict(attn_dcp_size=1, attn_dcp_rank=0, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
     with get_parallel().override(**ranks):
-        controller = HiCacheController(
-            allocator, host, PAGE, None, threading.Event(), storage_backend="dynamic",
+        controller = HybridCacheController(
+            allocator, group, PAGE, None, threading.Event(), storage_backend="dynamic",
             model_name="example-model", storage_backend_extra_config=extra,
+            transfer_layer_id_max=4,
         )  # fmt: skip
     return controller, host
+
+
+def fill(host: MHATokenToKVPoolHost, slots: torch.Tensor, keys: list[str]) -> None:
+    """Give each page of `slots` bytes drawn from its key (a hash of its tokens and all before)."""
+    for i, key in enumerate(keys):
+        draw = torch.Generator().manual_seed(int(key[:15], 16))
+        page = host.get_data_page(int(slots[i * PAGE])).view(torch.uint8)
+        page.copy_(torch.randint(0, 256, page.shape, dtype=torch.uint8, generator=draw))
 
 
 def page_bytes(host: MHATokenToKVPoolHost, slots: torch.Tensor, i: int) -> torch.Tensor:
@@ -63,11 +93,11 @@ def main() -> None:
     args = parser.parse_args()
     tokens = list(range(1000, 1000 + PAGES * PAGE))
 
+    keys = get_hash_str(tokens, page_size=PAGE)
     first, host = instance(args.config)
-    raw = host.kv_buffer.view(torch.uint8)
-    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
     slots = host.alloc(len(tokens))
-    first.write_storage(slots, tokens, hash_value=get_hash_str(tokens, page_size=PAGE))
+    fill(host, slots, keys)
+    first.write_storage(slots, tokens, hash_value=keys)
     stored = first.ack_backup_queue.get(timeout=WAIT_S).completed_tokens // PAGE
     pages = [page_bytes(host, slots, i) for i in range(PAGES)]
     tiers = ", ".join(t.name for t in first.storage_backend.tiers.tiers)
@@ -75,7 +105,7 @@ def main() -> None:
     print(f"stored {stored} pages of {PAGE} tokens through hicache's tiers: {tiers}")
 
     second, host = instance(args.config)
-    second.prefetch("request-1", tokens)
+    second.prefetch(CacheRequestHandle("request-1", 0), tokens)
     hit = second.prefetch_hit_queue.get(timeout=WAIT_S)
     hit.host_indices = host.alloc(hit.storage_hit_count)
     second.prefetch_buffer.put(hit)

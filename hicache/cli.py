@@ -2,6 +2,7 @@
 
     hicache config check FILE     validate a configuration (--strict: and that it fits here)
     hicache config check --kv-transfer-config JSON   the same for vLLM's connector argument
+    hicache config check --sglang-extra-config JSON  the same for SGLang's backend argument
     hicache trace FILE ...        replay a request trace through the cache; --sweep, the
                                   planner (--model, --tier) and --instances are its modes
     hicache trace import DIR OUT  turn a folder of kv-cache-tester sessions into a trace
@@ -21,8 +22,13 @@ from __future__ import annotations
 import argparse
 import sys
 from importlib.metadata import entry_points
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hicache import __version__
+
+if TYPE_CHECKING:
+    from hicache.config import HiCacheConfig
 
 
 def _config_check(argv: list[str]) -> int:
@@ -40,28 +46,72 @@ def _config_check(argv: list[str]) -> int:
         "name, checked as hicache's connector will check it (its extra config and the hicache "
         "config it names)",
     )  # fmt: skip
+    ap.add_argument(
+        "--sglang-extra-config", metavar="JSON", help="instead of FILE: SGLang's "
+        "--hicache-storage-backend-extra-config (JSON, or @file), checked as hicache's "
+        "backend will load it (its keys and the hicache config it names)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
-    if (args.file is None) == (args.kv_transfer_config is None):
-        ap.error("give FILE or --kv-transfer-config")
-    import yaml
+    given = [a for a in (args.file, args.kv_transfer_config, args.sglang_extra_config) if a]
+    if len(given) != 1:
+        ap.error("give one of FILE, --kv-transfer-config and --sglang-extra-config")
+    import yaml  # here, not at the top: `--help` answers without them
 
-    from hicache.config import ConfigError, load_config
+    from hicache.config import ConfigError
 
     try:
-        if args.file is not None:
-            config, where = load_config(args.file), args.file
-        else:
-            from hicache.integrations.vllm.settings import from_transfer_config
-
-            config, where = from_transfer_config(args.kv_transfer_config).config, ""
+        config, where = _checked(args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    used = getattr(config, "as_used", None)  # an engine's form: what it uses of the config
+    shown = used() if used is not None else config.model_dump(mode="json")
+    print(yaml.safe_dump(shown, sort_keys=False), end="")
     problems = config.machine_problems(where)
     for problem in problems:
         print(f"{'error' if args.strict else 'warning'}: {problem}", file=sys.stderr)
     return 2 if problems and args.strict else 0
+
+
+def _checked(args: argparse.Namespace) -> tuple[HiCacheConfig, str]:
+    """The configuration the arguments name, loaded as its engine will load it, and its file.
+    A FILE without a host tier is SGLang's (store tiers below SGLang's host pool; a note says
+    so); with one, hicache's own (and vLLM's)."""
+    from hicache.config import load_config
+
+    if args.kv_transfer_config is not None:
+        from hicache.integrations.vllm.settings import from_transfer_config
+
+        return from_transfer_config(args.kv_transfer_config).config, ""
+    if args.sglang_extra_config is not None:
+        from hicache.integrations.sglang.settings import from_extra_config
+
+        return from_extra_config(args.sglang_extra_config).config, ""
+    if not _has_host_tier(args.file):
+        from hicache.integrations.sglang.settings import SGLangConfig
+
+        config = load_config(args.file, model=SGLangConfig)
+        print(
+            "note: no host tier: checked as a configuration under SGLang (its host pool is the "
+            "host tier); under hicache's own host tier or vLLM the first tier is 'host'",
+            file=sys.stderr,
+        )
+        return config, args.file
+    return load_config(args.file), args.file
+
+
+def _has_host_tier(path: str) -> bool:
+    """Whether the YAML file lists a tier of type host (True where it cannot be read as a list
+    of tiers: `load_config` then names the problem)."""
+    import yaml
+
+    try:
+        tiers = (yaml.safe_load(Path(path).read_text()) or {}).get("tiers")
+        return not isinstance(tiers, list) or any(
+            isinstance(t, dict) and t.get("type") == "host" for t in tiers
+        )
+    except (OSError, yaml.YAMLError, AttributeError):
+        return True
 
 
 def _plugins() -> dict[str, object]:

@@ -4,8 +4,8 @@ scheduler does around them (allocate host pages, hand a prefetch its pages, read
 done here as SGLang's scheduler does it.
 
 SGLang is installed beside vLLM without its pins (scripts/test.sh); the one module of its
-import path that cannot load here has a stand-in while SGLang is imported
-(tests/sglang_standins.py).
+import path that cannot load here (torchvision) has a stand-in while SGLang is imported
+(`hicache.integrations.sglang.cpu_imports`).
 
 Skipped without SGLang; failed instead under ``HICACHE_REQUIRE_SGLANG=1`` (CI).
 """
@@ -20,11 +20,16 @@ import types
 from typing import Any
 
 import pytest
-from sglang_standins import stand_ins
+
+from hicache.integrations.sglang.cpu_imports import stand_ins
 
 REQUIRE_ENV = "HICACHE_REQUIRE_SGLANG"
 MODULES = (
     "sglang.srt.managers.cache_controller",
+    "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller",
+    "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler",
+    "sglang.srt.mem_cache.pool_host",
+    "sglang.srt.mem_cache.base_prefix_cache",
     "sglang.srt.mem_cache.memory_pool",
     "sglang.srt.mem_cache.allocator.paged",
     "sglang.srt.mem_cache.pool_host.mha",
@@ -123,6 +128,13 @@ def storage_config(extra_config: dict[str, Any]) -> Any:
     )  # fmt: skip
 
 
+def ranks(tp_rank: int = 0, tp_size: int = 1) -> Any:
+    """SGLang's parallel context of TP rank `tp_rank` of `tp_size` (what a server publishes)."""
+    return sg.runtime_context.get_parallel().override(
+        attn_dcp_size=1, attn_dcp_rank=0, tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1
+    )
+
+
 def controller(
     device: Any,
     host: Any,
@@ -139,13 +151,50 @@ def controller(
     allocator = sg.paged.PagedTokenToKVPoolAllocator(
         device.size, P, torch.int64, "cpu", device, need_sort=False
     )
-    ranks = dict(attn_dcp_size=1, attn_dcp_rank=0, tp_rank=tp_rank, tp_size=tp_size,
-                 pp_rank=0, pp_size=1)  # fmt: skip
-    with sg.runtime_context.get_parallel().override(**ranks):
+    with ranks(tp_rank, tp_size):
         return sg.cache_controller.HiCacheController(
             allocator, host, P, None, threading.Event(), storage_backend="dynamic",
             model_name="test-model", storage_backend_extra_config=dict(extra_config),
             enable_storage_metrics=storage_metrics,
+        )  # fmt: skip
+
+
+def server_controller(
+    device: Any, host: Any, extra_config: dict[str, Any] | None = None, tp_rank: int = 0,
+    tp_size: int = 1,
+) -> Any:  # fmt: skip
+    """SGLang's controller as its server builds it for a plain (full-attention) model:
+    `HybridCacheController` over a `HostPoolGroup` whose one entry, the anchor, is `host`
+    (`hybrid_pool_assembler.build_kv_only_group`'s, without the server's published settings);
+    with the dynamic backend of `extra_config` attached at start, or none (`attach` later)."""
+    import torch
+
+    assembler = sg.hybrid_pool_assembler
+    entry = assembler.build_pool_entry(
+        name=sg.hicache_storage.PoolName.KV, host_pool=host, device_pool=device,
+        layer_mapping={i: i for i in range(device.layer_num)},
+        transfer_layer_id_max=device.layer_num, is_anchor=True,
+    )  # fmt: skip
+    allocator = sg.paged.PagedTokenToKVPoolAllocator(
+        device.size, P, torch.int64, "cpu", device, need_sort=False
+    )
+    with ranks(tp_rank, tp_size):
+        return sg.hybrid_cache_controller.HybridCacheController(
+            allocator, sg.pool_host.HostPoolGroup([entry]), P, None, threading.Event(),
+            storage_backend="dynamic" if extra_config is not None else None,
+            model_name="test-model", storage_backend_extra_config=dict(extra_config or {}),
+            transfer_layer_id_max=device.layer_num,
+        )  # fmt: skip
+
+
+def attach(ctl: Any, extra_config: dict[str, Any]) -> None:
+    """SGLang's runtime attach of the dynamic backend (its admin call's path,
+    `StorageAttachment.attach`, from the parsed extra config on)."""
+    with ranks():
+        ctl.attach_storage_backend(
+            storage_backend="dynamic", model_name="test-model",
+            storage_backend_extra_config=dict(extra_config),
+            host_pools=ctl.mem_pool_host.entries,
         )  # fmt: skip
 
 
@@ -177,7 +226,8 @@ def prefetch(ctl: Any, host: Any, tokens: list[int], rid: str = "r") -> tuple[An
     The host indices (None where nothing hit), the tokens that arrived, and the seconds it took.
     Raises queue.Empty where an ack does not come within `WAIT_S` (a stuck request)."""
     start = time.monotonic()
-    ctl.prefetch(rid, tokens)
+    hybrid = isinstance(ctl, sg.hybrid_cache_controller.HybridCacheController)
+    ctl.prefetch(sg.base_prefix_cache.CacheRequestHandle(rid, 0) if hybrid else rid, tokens)
     op = ctl.prefetch_hit_queue.get(timeout=WAIT_S)
     if op.storage_hit_count == 0:
         return None, 0, time.monotonic() - start

@@ -138,6 +138,25 @@ def finish(proc: subprocess.Popen, timeout: float = 600) -> dict:
 # -- scenarios -----------------------------------------------------------------------------------
 
 
+def test_drop_prefix_removes_one_namespace_for_good(tmp_path, tiers):
+    """`drop_prefix` removes exactly the records whose keys start with the prefix: they are
+    misses at once and after a restart on the directory; the others still read whole."""
+    tier = tiers(tmp_path / "d")
+    mem = Memory(tier, 8 * 64 * KiB)
+    keys = [f"hicache/{ns}/g1/{i:02x}" for ns in ("aa", "bb") for i in range(4)]
+    sizes = [[256, 64 * KiB - 256]] * len(keys)
+    assert tier.put_from(keys, mem.fill(keys, sizes)) == [0] * len(keys)
+    assert tier.drop_prefix("hicache/aa/") == 4
+    assert tier.exists(keys) == [False] * 4 + [True] * 4
+    assert tier.stats().dropped == 4 and tier.stats().records == 4
+    tier.close()
+    again = tiers(tmp_path / "d")
+    mem = Memory(again, 8 * 64 * KiB)
+    assert again.exists(keys) == [False] * 4 + [True] * 4
+    codes = again.get_into(keys[4:], mem.buffers(sizes[4:]))
+    assert codes == [64 * KiB] * 4 and mem.wrong(keys[4:], sizes[4:], codes) == []
+
+
 def test_objects_come_back_with_exact_bytes_whatever_their_pieces_and_alignment(tmp_path, tiers):
     tier = tiers(tmp_path / "d")
     keys = ["one-piece", "four-pages", "state", "empty-tail"]

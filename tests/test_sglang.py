@@ -21,6 +21,7 @@ from sglang_env import MHA_LAYOUTS, MLA_LAYOUTS, P, sg
 
 from hicache.config import ConfigError
 from hicache.integrations.sglang.drive import Drive
+from hicache.integrations.sglang.pool import EnginePages
 
 pytestmark = pytest.mark.sglang
 
@@ -45,19 +46,25 @@ def stored_pages(host, indices) -> list[torch.Tensor]:
     return [env.page_bytes(host, indices, i) for i in range(len(indices) // P)]
 
 
-@pytest.mark.parametrize(
-    "kind, layout", [("mha", x) for x in MHA_LAYOUTS] + [("mla", x) for x in MLA_LAYOUTS]
-)
+LAYOUTS = [("mha", x) for x in MHA_LAYOUTS] + [("mla", x) for x in MLA_LAYOUTS]
+CONTROLLERS = {"server": env.server_controller, "plain": env.controller}
+"""SGLang's two controllers: the one its server builds (`HybridCacheController` over a
+`HostPoolGroup`), and `HiCacheController` over the host pool alone."""
+
+
+@pytest.mark.parametrize("made_by", sorted(CONTROLLERS))
+@pytest.mark.parametrize("kind, layout", LAYOUTS)
 def test_a_second_instance_prefetches_every_page_bit_exact_through_disk(
-    devices, tmp_path, kind, layout
+    devices, tmp_path, kind, layout, made_by
 ):
     """Controller A backs a prompt's pages up to a disk tier and stops (its process ends);
     controller B, a second instance on the same directory, prefetches the prompt: every page
-    arrives, byte for byte as A's host pool held it, whatever the layout."""
-    device = devices[kind]
+    arrives, byte for byte as A's host pool held it, whatever the layout and whichever of
+    SGLang's controllers drives the backend."""
+    device, controller = devices[kind], CONTROLLERS[made_by]
     host_a = env.host_pool(device, layout)
     env.fill(host_a, seed=1)
-    a = env.controller(device, host_a, env.extra(disk(tmp_path / "d")))
+    a = controller(device, host_a, env.extra(disk(tmp_path / "d")))
     indices, stored = env.backup(a, host_a, TOKENS)
     want = stored_pages(host_a, indices)
     env.stop(a)
@@ -65,7 +72,7 @@ def test_a_second_instance_prefetches_every_page_bit_exact_through_disk(
 
     host_b = env.host_pool(device, layout)
     env.fill(host_b, seed=2)  # nothing of A's in it
-    b = env.controller(device, host_b, env.extra(disk(tmp_path / "d")))
+    b = controller(device, host_b, env.extra(disk(tmp_path / "d")))
     try:
         got_at, got, _ = env.prefetch(b, host_b, [*TOKENS, 1, 2])  # two tokens past the pages
         assert got == len(TOKENS)
@@ -74,6 +81,21 @@ def test_a_second_instance_prefetches_every_page_bit_exact_through_disk(
         assert (stats["pages_fetched_disk"], stats["corrupt_disk"]) == (PAGES, 0)
     finally:
         env.stop(b)
+
+
+@pytest.mark.parametrize("kind, layout", LAYOUTS)
+def test_a_pages_bytes_are_where_sglangs_address_api_puts_them(devices, kind, layout):
+    """hicache moves each host page as the runs SGLang's own zero-copy backends move it by
+    (`get_page_buffer_meta`: addresses and sizes, in its order), for every page of the pool.
+    SGLang's ``page_first_kv_split`` (Ascend NPU) cannot be built here: its host pool reads
+    the NPU device pool's split buffers."""
+    host = env.host_pool(devices[kind], layout)
+    pages = EnginePages(host)
+    segments = pages.pages.segments
+    for page in range(host.size // P):
+        ptrs, sizes = host.get_page_buffer_meta(torch.arange(page * P, (page + 1) * P))
+        assert [(s[page].data_ptr(), s.shape[1]) for s in segments] == list(zip(ptrs, sizes))
+    assert pages.page_bytes == host.get_size_per_token() * P
 
 
 def test_keys_are_sglangs_own_page_hashes_under_hicaches_namespace(devices):
@@ -319,14 +341,17 @@ def test_random_calls_as_the_controller_makes_them_with_faults(devices, tmp_path
         backend.close()
 
 
+@pytest.mark.mooncake
 def test_the_bench_runs_and_records_its_run(tmp_path, monkeypatch):
-    """bench/sglang.py (the GPU machine's measurement) runs here at a small size: every
-    backend's sets and gets come back byte for byte, and its result names its commit, machine
-    and command."""
+    """bench/sglang.py (the GPU machine's measurement) runs here at a small size, Mooncake's
+    backends on a master it starts itself: every backend's sets and gets come back byte for
+    byte in every repetition, its result names its commit, machine and command, and its summary
+    has the ratios the targets are about, each with its spread."""
     import importlib.util
     import json
     import sys
 
+    require_mooncake()
     path = Path(__file__).resolve().parent.parent / "bench" / "sglang.py"
     spec = importlib.util.spec_from_file_location("bench_sglang", path)
     bench = importlib.util.module_from_spec(spec)
@@ -334,13 +359,24 @@ def test_the_bench_runs_and_records_its_run(tmp_path, monkeypatch):
     out = tmp_path / "r.json"
     argv = [str(path), "--machine", "ci", "--dir", str(tmp_path), "--layers", "1",
             "--kv-heads", "1", "--head-dim", "32", "--page", "4", "--pages", "8",
-            "--prefetch-pages", "8", "--rounds", "1", "--out", str(out)]  # fmt: skip
+            "--prefetch-pages", "8", "--rounds", "2", "--out", str(out)]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     bench.main()
     result = json.loads(out.read_text())
     assert {"commit", "machine", "command"} <= set(result)
     assert result["command"].startswith("python bench/sglang.py --machine ci")
-    ops = {(r["backend"], r["op"], r["batch"]) for r in result["rows"]}
-    assert ops == {(b, o, n) for b in bench.BACKENDS for o in ("set", "get") for n in (64, 128)}
-    assert [p["pages"] for p in result["prefetch"]] == [8, 8, 8]
-    assert "hicache_vs_file_get_128" in result["summary"]
+    ops = {(r["backend"], r["op"], r["batch"], r["round"]) for r in result["rows"]}
+    assert ops == {
+        (b, o, n, r) for b in bench.BACKENDS for o in ("set", "get") for n in (64, 128)
+        for r in (0, 1)
+    }  # fmt: skip
+    assert sorted((p["backend"], p["round"]) for p in result["prefetch"]) == [
+        (b, r) for b in sorted(bench.PREFETCH) for r in (0, 1)
+    ]
+    summary = result["summary"]
+    for key in ("hicache_vs_file_get_128", "hicache_vs_file_set_64", "codec_vs_raw_get_64",
+                "hicache_mooncake_vs_sglang_mooncake_set_128",
+                "prefetch_hicache_vs_file_time"):  # fmt: skip
+        low, high = summary["spread"][key]
+        assert low <= summary[key] <= high, key
+    assert set(result["targets"]) >= {"hicache_vs_file_set_64", "prefetch_hicache_vs_file_time"}

@@ -163,6 +163,13 @@ class StoreTier(Tier):
     def put_from(self, keys: Sequence[str], buffers: Buffers) -> list[int]:
         """Write each object from its pieces; per key 0 or a negative code."""
 
+    def drop_prefix(self, prefix: str) -> int:
+        """Drop every object whose name starts with `prefix` (the clear of one namespace, for
+        every process that reads the tier): how many were dropped. An object put while it runs
+        may stay; the caller holds its own puts meanwhile. NotImplementedError where the tier
+        cannot find its objects by name."""
+        raise NotImplementedError(f"a {type(self).__name__} cannot drop objects by name")
+
     @abstractmethod
     def close(self) -> None:
         """Release the connection. Blocks; call at shutdown."""

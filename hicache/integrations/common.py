@@ -4,8 +4,9 @@ Imports no engine."""
 
 from __future__ import annotations
 
+import difflib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -69,3 +70,11 @@ def config_source(extra: dict[str, Any], where: str) -> Any:
             "(the config inline)"
         )
     return extra["config"] if "config" in extra else extra["hicache"]
+
+
+def unknown_key(key: str, known: Collection[str]) -> str:
+    """What an engine's extra config says of a key it does not know: the key, the known key it
+    is closest to (a misspelling), and the keys it knows (in their order)."""
+    close = difflib.get_close_matches(key, list(known), n=1)
+    meant = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown key {key!r}{meant}; the keys are {', '.join(known)}"

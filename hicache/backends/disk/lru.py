@@ -33,6 +33,11 @@ class LruBook:
                 self._held[name] = nbytes
                 self.used += nbytes
 
+    def names(self) -> list[str]:
+        """The records held now (least recently used first)."""
+        with self._lock:
+            return list(self._held)
+
     def touch(self, name: str) -> None:
         """A hit: `name` becomes the most recently used."""
         with self._lock:

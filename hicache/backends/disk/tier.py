@@ -98,6 +98,8 @@ class DiskStats:
     failed_puts: int
     damaged: int
     evicted: int
+    dropped: int
+    """Records removed by `drop_prefix` (a clear)."""
     stray: int
     """Entries of the directory that are not records (skipped at start, left alone)."""
     direct_calls: int
@@ -145,6 +147,7 @@ class DiskTier(StoreTier):
                 "failed_puts",
                 "damaged",
                 "evicted",
+                "dropped",
                 "stray",
                 "direct_calls",
                 "buffered_calls",
@@ -319,6 +322,33 @@ class DiskTier(StoreTier):
             rec.check_key(key)
         objects = self._views(keys, buffers)
         return self._run("put_from", self._put_one, keys, objects)
+
+    def drop_prefix(self, prefix: str) -> int:
+        """Remove every record whose key starts with `prefix`, on the I/O threads: each held
+        record's header is read (4 KiB) to learn its key. How many were removed."""
+        pool = self._check_open("drop")
+        names = self.book.names()
+        keys = pool.map(self._key_of, names)
+        gone = [n for n, key in zip(names, keys) if key is not None and key.startswith(prefix)]
+        gone = [n for n in gone if self.book.drop(n)]
+        self._remove(gone, "dropped")
+        return len(gone)
+
+    def _key_of(self, name: str) -> str | None:
+        """The key a record's header names (None: gone, or not a valid header)."""
+        head = rec.header_block()
+        try:
+            fd = os.open(self._objects / name, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            got = rec.read_full(fd, [head], 0)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        found = rec.parse_header(head) if got == rec.HEADER else None
+        return found[0] if found is not None else None
 
     def _run(
         self, op: str, one: Callable[[str, _Object], int], keys: list[str], objects: list[_Object]

@@ -36,6 +36,7 @@ import ctypes
 import logging
 import math
 import os
+import re
 import threading
 import time
 import weakref
@@ -440,6 +441,15 @@ class MooncakeStore(StoreTier):
         if not keys:
             return []
         return self._call("remove", lambda c: c.batch_remove(keys, force), len(keys))
+
+    def drop_prefix(self, prefix: str) -> int:
+        """Remove every object of the store whose key starts with `prefix` (leases overridden:
+        the master forgets them for every client at once); how many were removed."""
+        pattern = "^" + re.escape(prefix)
+        (code,) = self._call("drop", lambda c: [c.remove_by_regex(pattern, True)], 1)
+        if code < 0:
+            raise StoreUnavailable(f"mooncake drop: {code_name(code)}")
+        return code
 
     def _call(self, op: str, fn: Callable[[Any], list[int]], n: int) -> list[int]:
         """Run one batched Mooncake call on this thread, watched (see `_watch`)."""

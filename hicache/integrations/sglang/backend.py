@@ -106,13 +106,17 @@ class HiCacheBackend(HiCacheStorage):
         tiers = StoreTiers(
             config.tiers, pages, layout, cfg.is_storage_writer, cfg.enable_storage_metrics
         )
-        if not tiers.wait_ready():
-            log.warning("hicache: a store tier does not answer yet; SGLang's calls skip it")
-        if config.metrics.port is not None:
-            from hicache.observability.metrics import register, serve
+        try:  # all or nothing: a start that fails closes the tiers it started
+            if not tiers.wait_ready():
+                log.warning("hicache: a store tier does not answer yet; SGLang's calls skip it")
+            if config.metrics.port is not None:
+                from hicache.observability.metrics import register, serve
 
-            registry, _ = register(tiers)
-            self._metrics = serve(registry, config.metrics.port, config.metrics.addr)
+                registry, _ = register(tiers)
+                self._metrics = serve(registry, config.metrics.port, config.metrics.addr)
+        except BaseException:
+            tiers.close()
+            raise
         log.info("hicache: %d store tiers under SGLang's %s", len(config.tiers), pages.description)
         return tiers
 
@@ -187,11 +191,26 @@ class HiCacheBackend(HiCacheStorage):
     ) -> bool:  # fmt: skip
         raise NotImplementedError(_V1)
 
-    def clear(self) -> None:
-        """SGLang's "clear the storage" asks every store tier to drop what it holds: hicache's
-        tiers have no such call (a disk tier's directory is removed while SGLang is stopped; a
-        Mooncake Store's objects are the store's), so nothing is dropped, and it says so."""
-        log.warning("hicache: clear is not supported: the store tiers keep their objects")
+    def clear(self) -> dict[str, int]:
+        """SGLang's clear of the storage (its admin endpoint; `clear_storage_backend`): every
+        object of this instance's namespace (the fingerprint of its model, layout and rank) is
+        dropped from each store tier its pages are written to, so that no instance reads them
+        again, now or after a restart (a disk tier reads each record's 4 KiB header to find
+        them; Mooncake's master drops them by name). Returns, and logs, the objects dropped per
+        tier. A tier that could not drop them is fenced (this instance reads and writes it no
+        more, until a clear succeeds there) and the clear raises naming it: SGLang then reports
+        that the clear failed."""
+        done = self._started().clear()
+        dropped = {name: n for name, n in done.items() if isinstance(n, int)}
+        failed = {name: why for name, why in done.items() if not isinstance(why, int)}
+        said = ", ".join(f"{n} from {name}" for name, n in dropped.items()) or "no tier written"
+        log.info("hicache: clear dropped %s", said)
+        if failed:
+            why = "; ".join(f"{name}: {reason}" for name, reason in failed.items())
+            line = f"hicache: clear dropped nothing from {why} (fenced: not read again)"
+            log.error("%s", line)
+            raise RuntimeError(line)
+        return dropped
 
     # -- stats and the end ------------------------------------------------------------------------
 

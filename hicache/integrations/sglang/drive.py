@@ -51,6 +51,12 @@ class PlainPool:
         page = self.kv_buffer[index : index + self.page_size]
         return page.flatten() if flat else page
 
+    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        """SGLang's address API: each page's one run (address, bytes)."""
+        row = self.kv_buffer.stride(0) * self.page_size  # uint8: bytes
+        pages = [i // self.page_size for i in indices.tolist()[:: self.page_size]]
+        return [self.kv_buffer.data_ptr() + p * row for p in pages], [row] * len(pages)
+
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
         self.kv_buffer[index : index + self.page_size] = data_page.view(self.page_size, -1)
 

@@ -11,13 +11,16 @@ tiers only: SGLang's host pool is the host tier, sized by SGLang's flags.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import yaml
 from pydantic import model_validator
 
 from hicache.config import ConfigError, HiCacheConfig, load_config, tier_name
-from hicache.integrations.common import config_source
+from hicache.integrations.common import config_source, unknown_key
 
 SGLANG_KEYS = frozenset({
     "backend_name", "module_path", "class_name", "interface_v1", "prefetch_threshold",
@@ -69,6 +72,20 @@ class SGLangConfig(HiCacheConfig):
             raise ValueError(f"each tier needs its own name (give 'name:'), got {names}")
         return self
 
+    def as_used(self) -> dict[str, Any]:
+        """The configuration as the backend uses it (JSON types): the store tiers without the
+        fields of hicache's own tier chain (its queues, fetch workers, groups, cost model),
+        which SGLang's threads replace, and the metrics."""
+        tiers = [t.model_dump(mode="json", exclude=set(CHAIN_FIELDS)) for t in self.tiers]
+        return {"tiers": tiers, "metrics": self.metrics.model_dump(mode="json")}
+
+
+CHAIN_FIELDS = (
+    "read_gbps", "close_timeout_s", "group_pages", "write_queue_depth", "fetch_queue_depth",
+    "fetch_workers", "fetch_reserve", "worker_cpus",
+)  # fmt: skip
+"""Store-tier fields of hicache's own tier chain, unused under SGLang."""
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -87,10 +104,8 @@ def settings(extra: dict[str, Any] | None) -> Settings:
     extra = dict(extra or {})
     unknown = sorted(set(extra) - SGLANG_KEYS - HICACHE_KEYS)
     if unknown:
-        raise ConfigError(
-            f"hicache: unknown key {unknown[0]!r} in {FLAG} (hicache reads "
-            f"{', '.join(sorted(HICACHE_KEYS))})"
-        )
+        known = sorted(HICACHE_KEYS) + sorted(SGLANG_KEYS)
+        raise ConfigError(f"hicache: {FLAG}: {unknown_key(unknown[0], known)}")
     if not extra.get("interface_v1"):
         raise ConfigError(
             f'hicache: give "interface_v1": 1 in {FLAG} (hicache moves pages straight between '
@@ -104,3 +119,49 @@ def settings(extra: dict[str, Any] | None) -> Settings:
         raise ConfigError(f"hicache: weights_version must be a string, got {version!r}")
     source = config_source(extra, FLAG)
     return Settings(load_config(source, model=SGLangConfig), model_id, version)
+
+
+def from_extra_config(text: str) -> Settings:
+    """The settings of SGLang's ``--hicache-storage-backend-extra-config`` argument as SGLang
+    reads it (a JSON object, or ``@file`` of JSON, YAML or TOML), which must name this backend;
+    ConfigError (one line) otherwise."""
+    where = FLAG
+    try:
+        if text.startswith("@"):
+            where, path = text[1:], Path(text[1:])
+            kind = path.suffix.lower()
+            if kind == ".toml":
+                import tomllib  # Python 3.11 on, as SGLang's own reading of the file
+
+                extra = tomllib.loads(path.read_text())
+            elif kind in (".yaml", ".yml"):
+                extra = yaml.safe_load(path.read_text())
+            elif kind == ".json":
+                extra = json.loads(path.read_text())
+            else:
+                raise ConfigError(f"hicache: {where}: SGLang reads .json, .yaml or .toml files")
+        else:
+            extra = json.loads(text)
+    except OSError as err:
+        raise ConfigError(f"hicache: {where}: cannot read: {err.strerror}") from None
+    except (ValueError, yaml.YAMLError) as err:  # JSONDecodeError, TOMLDecodeError
+        line = str(err).strip().splitlines()[0]
+        raise ConfigError(f"hicache: {where}: not valid {kind_of(where)}: {line}") from None
+    if not isinstance(extra, dict):
+        raise ConfigError(f"hicache: {where}: must be an object of keys")
+    for key, want in (("module_path", "hicache.integrations.sglang"), ("class_name", BACKEND)):
+        if extra.get(key) != want:
+            raise ConfigError(
+                f'hicache: {where}: "{key}" must be "{want}" (with SGLang\'s '
+                f"--hicache-storage-backend dynamic), got {extra.get(key)!r}"
+            )
+    return settings(extra)
+
+
+BACKEND = "HiCacheBackend"
+
+
+def kind_of(where: str) -> str:
+    """The format SGLang reads `where` (a file, or the JSON argument) in."""
+    suffix = Path(where).suffix.lower()
+    return {".toml": "TOML", ".yaml": "YAML", ".yml": "YAML"}.get(suffix, "JSON")

@@ -41,7 +41,7 @@ from hicache.backends.base import StoreTier, StoreUnavailable
 from hicache.backends.breaker import CircuitBreaker
 from hicache.chain.jobs import Job, JobRunner
 from hicache.config import Layout, StoreTierConfig, tier_name
-from hicache.core.keys import fingerprint
+from hicache.core.keys import fingerprint, store_key
 from hicache.integrations.sglang.pool import EnginePages
 from hicache.observability.stats import TierStats
 from hicache.registry import tier_class
@@ -65,15 +65,21 @@ class Tier:
     """Whether SGLang's stored pages go to this tier (``write: behind``)."""
     breaker: CircuitBreaker
     own_breaker: bool
+    prefix: str
+    """The names of this namespace's objects begin with it (what a clear drops)."""
     stats: TierStats = field(default_factory=TierStats)
     registered: threading.Event = field(default_factory=threading.Event)
     putting: threading.Lock = field(default_factory=threading.Lock)
     """Held by a put: one at a time (the runner encodes a put's objects into one staging
     memory, and SGLang's backup thread puts while its prefetch thread promotes)."""
 
+    fenced: bool = False
+    """A clear could not drop this namespace's objects here: the tier is used no more (until
+    a clear succeeds), so that none of them is served."""
+
     def usable(self) -> bool:
-        """Registered, answering, and the breaker lets a call through."""
-        if not (self.registered.is_set() and self.store.available):
+        """Registered, answering, not fenced, and the breaker lets a call through."""
+        if self.fenced or not (self.registered.is_set() and self.store.available):
             return False
         return self.breaker.closed or (self.own_breaker and self.breaker.allow())
 
@@ -140,7 +146,8 @@ class StoreTiers:
         own = store.breaker is None
         breaker = store.breaker or CircuitBreaker(cfg.breaker_failures, cfg.breaker_reprobe_s)
         write = cfg.write == "behind"
-        tier = Tier(tier_name(cfg), store, runner, write, breaker, own)
+        prefix = store_key(cfg.key_prefix, self.fingerprint, b"", None).removesuffix("s/")
+        tier = Tier(tier_name(cfg), store, runner, write, breaker, own, prefix)
         store.start()
         return tier
 
@@ -215,6 +222,25 @@ class StoreTiers:
                     stored[j] = stored[j] and ok
         self._record("put", sum(stored), start)
         return stored
+
+    def clear(self) -> dict[str, int | str]:
+        """Drop every object of this namespace from each tier that SGLang's pages are written
+        to (``write: behind``), its puts held meanwhile: per tier the objects dropped, or why
+        none were. A tier that could not drop them is fenced (`Tier.fenced`) until a later
+        clear drops them there."""
+        out: dict[str, int | str] = {}
+        for tier in self.tiers:
+            if not tier.write:
+                continue
+            with tier.putting:
+                try:
+                    out[tier.name] = tier.store.drop_prefix(tier.prefix)
+                except Exception as err:  # NotImplementedError, StoreUnavailable, OSError
+                    tier.fenced = True
+                    out[tier.name] = str(err).strip().splitlines()[0] or type(err).__name__
+                else:
+                    tier.fenced = False
+        return out
 
     # -- one tier ---------------------------------------------------------------------------------
 

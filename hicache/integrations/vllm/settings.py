@@ -7,14 +7,13 @@ Every error is a `ConfigError` of one line starting ``hicache:`` and naming the 
 
 from __future__ import annotations
 
-import difflib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from hicache.config import ConfigError, HiCacheConfig, load_config
-from hicache.integrations.common import config_source
+from hicache.integrations.common import config_source, unknown_key
 
 CONNECTOR, MODULE = "HiCacheConnector", "hicache.integrations.vllm"
 
@@ -47,7 +46,9 @@ class Settings:
         hicache config it names."""
         unknown = [key for key in extra if key not in KEYS]
         if unknown:
-            raise ConfigError(f"hicache: kv_connector_extra_config: {_unknown(unknown[0])}")
+            raise ConfigError(
+                f"hicache: kv_connector_extra_config: {unknown_key(unknown[0], KEYS)}"
+            )
         model_id = extra.get("model_id")
         if model_id is not None and not (isinstance(model_id, str) and model_id):
             raise ConfigError(f"hicache: model_id must be a non-empty string, got {model_id!r}")
@@ -58,12 +59,6 @@ class Settings:
             hicache_config(extra), model_id, version, pin_share(extra), answer_in_step(extra),
             probe_wait_s(extra),
         )  # fmt: skip
-
-
-def _unknown(key: str) -> str:
-    close = difflib.get_close_matches(key, KEYS, n=1)
-    meant = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"unknown key {key!r}{meant}; the keys are {', '.join(KEYS)}"
 
 
 def from_transfer_config(text: str) -> Settings:
