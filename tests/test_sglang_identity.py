@@ -19,10 +19,10 @@ import sglang_env as env
 import torch
 from memory_tier import MemoryTier
 from sglang_env import P, sg
-from sglang_standins import stand_ins
 from test_identity_table import free_port
 
 from hicache.core.identity import FIELDS, NAMING, NEUTRAL
+from hicache.integrations.sglang.cpu_imports import stand_ins
 
 pytestmark = pytest.mark.sglang
 

@@ -44,7 +44,7 @@ def test_a_misspelt_key_is_named_with_the_key_meant():
     line = str(err.value)
     assert line.startswith(
         "hicache: --hicache-storage-backend-extra-config: unknown key 'confg' (did you mean "
-        "'config'?); the keys are config, hicache, model_id, backend_name, "
+        "'config'?); the keys are config, hicache, model_id, weights_version, backend_name, "
     )
     with pytest.raises(ConfigError, match=r"unknown key 'modelid' \(did you mean 'model_id'"):
         settings(extra(modelid="m", config="configs/sglang/disk.yaml"))
