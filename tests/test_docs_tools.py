@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from extras import require_plot
+from leftovers import not_ignored
 from test_vllm_docs import blocks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,3 +31,4 @@ def test_the_block_runs_as_written(tmp_path, section, text):
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, f"{section}:\n{text}\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+    assert not_ignored(tmp_path) == []  # what the block wrote, .gitignore ignores

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from leftovers import not_ignored
 from test_vllm_docs import blocks, commands
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,3 +70,4 @@ def test_the_cpu_example_runs_as_written(tmp_path):
     for _ in range(2):
         out = run_as_written(script, tmp_path).stdout
         assert [line for line in shown if line not in out.splitlines()] == [], out
+    assert not_ignored(tmp_path) == []  # what the commands wrote, .gitignore ignores

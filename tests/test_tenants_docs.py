@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from leftovers import not_ignored
 from test_vllm_docs import blocks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,3 +40,4 @@ def test_tenants_doc_commands_run_as_written_encrypt_and_quota(tmp_path):
     assert done.returncode == 0, out[-4000:]
     assert "tenants.0.key_env" not in out  # the key was set before the check
     assert "none: 8 of 8 pages in plaintext" in out and "acme: 0 of 8 pages" in out
+    assert not_ignored(tmp_path) == []  # what the commands wrote, .gitignore ignores
