@@ -13,8 +13,10 @@ if ! ldconfig -p | grep -q 'libibverbs\.so\.1'; then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq libibverbs1 >/dev/null
 fi
 
-[ -x .venv/bin/python ] || python3 -m venv .venv
-. .venv/bin/activate
+# The tests' own venv (about 4 GB: torch, vLLM's CPU build, SGLang, Mooncake), apart from the
+# quick start's demo venv (.venv), so that neither install replaces the other's hicache.
+[ -x .venv-test/bin/python ] || python3 -m venv .venv-test
+. .venv-test/bin/activate
 pip install -q torch==2.13.0 -e ".[test,mooncake,plot,crypto]"   # the CPU torch where the index has it
 # The vLLM user's install, as docs/vllm.md gives it, line for line (tests/test_vllm_docs.py
 # checks): vLLM pulls torchvision, torchaudio and torchcodec built for another torch, which

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -578,3 +579,29 @@ def test_a_group_held_in_the_host_is_offered_again_once_the_tiers_word_is_old(tm
         assert reader.run("r", a).tier_tokens == (("disk", 40),)  # checks every loaded byte
     finally:
         reader.cache.close()
+
+
+def test_groups_whose_pages_the_host_dropped_behind_slow_puts_are_counted_by_the_tier(engines):
+    """A store slower than the engine: each put pins the host slots of its groups until it
+    returns, so while the puts of five prompts are out (50 pages) beside the fetch reserve (8),
+    the sixth prompt's last 4 pages find no slot and the host drops them (`pages_dropped`).
+    Their 2 groups never reach the tier: it counts them dropped, so that every group the
+    engine stored is put, failed, dropped or skipped there. (Before, the tier counted nothing
+    for them: 28 of 30 groups put and none failed, as a loaded machine's slow puts showed.)"""
+    e = engines(chain_config(memory(uuid.uuid4().hex)))
+    store = link(e, "memory").store
+    go, real = threading.Event(), store.put_from
+
+    def held(keys, buffers):
+        go.wait(60)
+        return real(keys, buffers)
+
+    store.put_from = held
+    for i in range(6):
+        e.run(f"r{i}", prompt(320 + i))  # 10 pages each: 5 groups of 2
+    go.set()
+    settle(e)
+    s = e.cache.stats()
+    assert (s["pages_stored"], s["pages_dropped"]) == (56, 4)
+    assert (s["objects_put_memory"], s["puts_dropped_memory"], s["put_failed_memory"]) == (28, 2, 0)
+    assert s["puts_skipped_memory"] == 0

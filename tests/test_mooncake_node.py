@@ -25,6 +25,10 @@ PROMPTS = 6
 PATIENT = {"fetch_max_wait_ms": 600_000.0, "prefill_tokens_per_s": 1.0}
 """A policy that waits for the store however slow the machine (this file is not about
 deadlines) and never finds recomputing cheaper."""
+HOST_PAGES = 80
+"""Room for every prompt's 10 pages (60) beside the fetch reserve (an eighth), however long the
+puts that pin them take: with 64, a slow machine's puts still held the first five prompts'
+pages when the sixth was stored, and the host dropped 4 of its pages (2 groups never put)."""
 
 _ENGINE = """
 import json, sys
@@ -51,7 +55,7 @@ def run_engine(master: LocalMaster, **env: str) -> tuple[dict, str]:
             "-c",
             _ENGINE.format(here=str(HERE), n=PROMPTS),
             json.dumps(master.tier_config),
-            json.dumps(PATIENT),
+            json.dumps({**PATIENT, "host_pages": HOST_PAGES}),
         ],
         capture_output=True,
         text=True,
@@ -70,6 +74,7 @@ def test_a_process_started_after_the_writer_exited_hits_every_group_it_stored(
     assert "Logging before InitGoogleLogging" in log  # Mooncake's own lines, when asked for
     assert first["hit"] == [0] * PROMPTS
     # 42 tokens of 4 a page: 10 pages, 5 groups of 2 a prompt
+    assert (first["pages_dropped"], first["puts_dropped_mooncake"]) == (0, 0)
     assert (first["objects_put_mooncake"], first["put_failed_mooncake"]) == (5 * PROMPTS, 0)
 
     second, log = run_engine(master)  # the first has exited: only the store node holds them

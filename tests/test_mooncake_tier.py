@@ -29,11 +29,16 @@ HERE = Path(__file__).resolve().parent
 
 
 def mooncake_config(
-    master, *, group_pages: int = 2, fetch_reserve: int | None = None, **policy
+    master,
+    *,
+    group_pages: int = 2,
+    fetch_reserve: int | None = None,
+    host_pages: int = 64,
+    **policy,
 ) -> dict:
     """Two fetch workers, as on the hosts engines run on (the default gives 2-core machines,
     such as CI's, one)."""
-    cfg = config(host_pages=64, **policy)
+    cfg = config(host_pages=host_pages, **policy)
     tier = {"type": "mooncake", **master.tier_config, "group_pages": group_pages}
     tier["fetch_workers"] = 2
     if fetch_reserve is not None:

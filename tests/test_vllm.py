@@ -2,13 +2,15 @@
 without it, hits exactly where the workload has them, shared across vLLM instances through
 the disk tier and Mooncake, and still serving with the Mooncake master killed.
 
-Each scenario runs vLLM in a process of its own (`hicache.tools.vllm_run`) on a tiny random
-model, multi-turn: 8 conversations of 3 turns (a 120-token first message, 40-token user turns,
-48-token greedy answers), 32-token blocks. vLLM's engine core runs in that process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: half the start-up; the connector's scheduler and worker
-sides are in one process with the uniprocess executor either way) but where a scenario is about
-vLLM's own engine process (a start that fails). Scenarios whose runs are alike share them
-(module-scoped fixtures). Skipped without vLLM; failed instead under HICACHE_REQUIRE_VLLM=1 (CI).
+Each run builds its own vLLM `LLM` (`hicache.tools.vllm_run`) on a tiny random model,
+multi-turn: 8 conversations of 3 turns (a 120-token first message, 40-token user turns,
+48-token greedy answers), 32-token blocks. The runs on one rank take turns in one process, and
+the tensor-parallel ones in another (`vllm_runner.Runner`: torch and vLLM imported once, not a
+run), vLLM's engine core in it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: half the start-up; the
+connector's scheduler and worker sides are in one process with the uniprocess executor either
+way); a scenario about vLLM's own engine process (a start that fails) runs in a process of its
+own. Scenarios whose runs are alike share them (module-scoped fixtures). Skipped without vLLM;
+failed instead under HICACHE_REQUIRE_VLLM=1 (CI).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +27,12 @@ import pytest
 import yaml
 from extras import import_problem, require
 from mooncake_master import MooncakeMaster, require_mooncake
+from vllm_runner import RUNNER, RunFailed, Runner
 
 from hicache.tools.mooncake_local import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-RUNNER = ["-m", "hicache.tools.vllm_run"]
 SHIPPED = Path(__file__).resolve().parent.parent / "configs" / "vllm.yaml"
 BLOCK = 32
 WORKLOAD = {"conversations": 8, "turns": 3, "first": 120, "user": 40, "output": 48}
@@ -55,17 +58,10 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def vllm_process(
-    model: Path,
-    out: Path,
-    hicache: dict | None = None,
-    engine_process: bool = False,
-    **options: Any,
-) -> subprocess.CompletedProcess:
-    """One vLLM process through the workload (its result in `out`); vLLM's engine core runs in
-    it unless `engine_process`."""
-    args = [sys.executable, *RUNNER, "--model", model, "--out", out, "--block", str(BLOCK)]
-    port = None
+def workload_args(model: Path, out: Path, hicache: dict | None, **options: Any) -> list[str]:
+    """`hicache.tools.vllm_run`'s arguments for a run of the workload (its result in `out`),
+    with hicache's metrics on a free port where it runs."""
+    args = ["--model", str(model), "--out", str(out), "--block", str(BLOCK)]
     if hicache is not None:
         port = free_port()
         config = {**hicache, "metrics": {"port": port}}
@@ -73,16 +69,38 @@ def vllm_process(
     for key, value in {**WORKLOAD, **options}.items():
         flag = "--" + key.replace("_", "-")
         args += [flag] if value is True else [flag, str(value)]
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if engine_process else "0"}
+    return args
+
+
+def vllm_process(model: Path, out: Path, hicache: dict) -> subprocess.CompletedProcess:
+    """The workload in a vLLM process of its own, with vLLM's engine core in a process of its
+    own too (vLLM's default)."""
+    args = [sys.executable, *RUNNER, *workload_args(model, out, hicache)]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     return subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
 
 
-def run_vllm(model: Path, out: Path, hicache: dict | None = None, **options: Any) -> dict:
-    """One vLLM process through the workload; its result (answers, metrics, hicache's)."""
-    proc = vllm_process(model, out, hicache, **options)
-    if proc.returncode:
-        pytest.fail(f"vLLM run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+RunVllm = Callable[..., dict]
+
+
+@pytest.fixture(scope="module")
+def run_vllm(models) -> Iterator[RunVllm]:
+    """`run_vllm(model, out, hicache=None, **options)`: the workload through a vLLM; its result
+    (answers, metrics, hicache's). The runs on one rank share a process, the tensor-parallel
+    ones (``tp``) another (vLLM's CPU workers bind their threads for the process)."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    runners = {False: Runner(env), True: Runner(env)}
+
+    def run(model: Path, out: Path, hicache: dict | None = None, **options: Any) -> dict:
+        try:
+            runners[options.get("tp", 1) > 1].run(workload_args(model, out, hicache, **options))
+        except RunFailed as err:
+            pytest.fail(str(err), pytrace=False)
+        return json.loads(out.read_text())
+
+    yield run
+    for runner in runners.values():
+        runner.close()
 
 
 def cacheable_tokens(every_turn: bool = False) -> int:
@@ -122,7 +140,7 @@ def assert_books_clean(result: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def baseline(models, tmp_path_factory) -> dict:
+def baseline(models, run_vllm, tmp_path_factory) -> dict:
     return run_vllm(models["llama"], tmp_path_factory.mktemp("base") / "r.json")
 
 
@@ -135,7 +153,7 @@ HOST = {"tiers": [HOST_TIER]}
 
 
 @pytest.fixture(scope="module")
-def first_instance(models, tmp_path_factory) -> dict:
+def first_instance(models, run_vllm, tmp_path_factory) -> Iterator[dict]:
     """The workload through a vLLM whose hicache writes through to a disk directory and to a
     Mooncake store node (one page an object: a first turn's prompt, 3 whole blocks, holds no
     group of 4); what later instances find there. Keys: ``result``, ``disk``, ``master``."""
@@ -168,7 +186,7 @@ def test_identical_answers_and_exact_host_hits(first_instance, baseline):
 
 @pytest.mark.mooncake
 def test_qwen3_with_tensor_parallel_ranks_each_hitting_their_own_shard_with_the_shipped_config(
-    models, start_mooncake_master, tmp_path
+    models, run_vllm, start_mooncake_master, tmp_path
 ):
     """A Qwen3 (the second architecture), TP=2, vLLM's multiprocess executor (each rank's
     worker in a process of its own), with the shipped configs/vllm.yaml (a host tier, a disk)
@@ -199,7 +217,7 @@ def test_a_configuration_error_reaches_the_operator_as_one_line_first(models, tm
     logged at error level before vLLM's traceback, whose final error repeats it (vLLM's
     engine reports a worker's failure with the message of its exception)."""
     huge = {"tiers": [{"type": "host", "size": "900GiB"}]}
-    proc = vllm_process(models["llama"], tmp_path / "r.json", huge, engine_process=True)
+    proc = vllm_process(models["llama"], tmp_path / "r.json", huge)
     assert proc.returncode != 0
     line = next(x for x in proc.stderr.splitlines() if "is more than this machine" in x)
     assert line.startswith("hicache: TP rank 0: tiers.0.size: 900 GiB is more than this")
@@ -208,7 +226,7 @@ def test_a_configuration_error_reaches_the_operator_as_one_line_first(models, tm
     assert f"error '{line}'" in proc.stderr[first + len(line) :]
 
 
-def test_two_lora_adapters_on_one_model_never_hit_each_others_pages(models, tmp_path):
+def test_two_lora_adapters_on_one_model_never_hit_each_others_pages(models, run_vllm, tmp_path):
     """Every conversation runs under two LoRA adapters, so their first prompts are the same
     tokens: each adapter's turns hit only its own earlier turns (none of the other adapter's
     pages), and the answers are as without the connector."""
@@ -222,7 +240,7 @@ def test_two_lora_adapters_on_one_model_never_hit_each_others_pages(models, tmp_
 
 
 def test_small_gpu_budget_with_prefix_caching_preempts_and_stays_identical(
-    models, baseline, tmp_path
+    models, run_vllm, baseline, tmp_path
 ):
     """vLLM's own prefix cache on, too few blocks for the batch: vLLM evicts its cached blocks
     and preempts requests; hicache serves what vLLM dropped, and the answers do not change."""
@@ -235,7 +253,7 @@ def test_small_gpu_budget_with_prefix_caching_preempts_and_stays_identical(
 
 @pytest.mark.mooncake
 def test_later_instances_hit_through_disk_and_mooncake_and_survive_its_master(
-    models, baseline, first_instance, tmp_path
+    models, run_vllm, baseline, first_instance, tmp_path
 ):
     """After the first instance (`first_instance`) wrote through to a disk directory and to
     Mooncake: a second vLLM process with only the disk tier serves every turn (first turns too)

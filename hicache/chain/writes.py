@@ -137,11 +137,14 @@ class WriteBehind:
             )
             ends = []
             for g, end in enumerate(every_end):
+                if end in held:
+                    continue
                 group = page_slots[g * G : (g + 1) * G]
-                # held, or a page evicted meanwhile (this group can't be put)
-                if end not in held and None not in group:
-                    ends.append(end)
-                    pins += group  # type: ignore[arg-type]
+                if None in group:  # the host dropped or evicted a page of it: can't be put
+                    self.stats.puts_dropped += 1
+                    continue
+                ends.append(end)
+                pins += group  # type: ignore[arg-type]
         state_ends: list[bytes] = []
         state_pins: list[int] = []
         if self.layout.state_bytes:
@@ -155,7 +158,9 @@ class WriteBehind:
         if tail and n_pages % G and not self.layout.state_bytes and keys[n_pages - 1] not in held:
             rest = slice(n_groups * G, n_pages)
             found = slots[rest] if slots is not None else self.host.page_slots.lookup(keys[rest])
-            if None not in found:  # else a page was evicted meanwhile
+            if None in found:  # the host dropped or evicted a page of it
+                self.stats.puts_dropped += 1
+            else:
                 ends.append(keys[n_pages - 1])
                 pins += found  # type: ignore[arg-type]
                 tail_pages = n_pages % G

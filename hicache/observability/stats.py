@@ -89,7 +89,9 @@ class TierStats:
     put_failed: int = 0
     """Objects the tier refused (too large, no space) or lost to an error."""
     puts_dropped: int = 0
-    """Objects not queued because the write queue was full."""
+    """Objects not queued because the write queue was full, or because the host tier no
+    longer held a page of theirs (dropped at `store` with every slot pinned, most often by puts
+    still out: counted in `pages_dropped` too; or evicted before the put)."""
     puts_skipped: int = 0
     """Page groups not offered because the tier was unavailable (not connected yet, or its
     breaker open)."""

@@ -3,6 +3,7 @@
     python -m hicache.tools.vllm_run --model DIR --make-model llama [--size small]
     python -m hicache.tools.vllm_run --model DIR --out R.json [--hicache CONFIG_JSON] ...
     python -m hicache.tools.vllm_run --model DIR --out R.json --workload W.json --way W [--config J]
+    python -m hicache.tools.vllm_run --runs --reply-fd N   # runs read from stdin, one a line
 
 Runs in its own process (vLLM keeps global state), with a random-weight checkpoint that
 `--make-model` writes once (a Llama or a Qwen3 saved by transformers; ``tiny`` for the tests,
@@ -23,6 +24,13 @@ workloads:
   `--config` its configuration as JSON), LMCache in its multiprocess mode (``lmcache``,
   `--config` ``{"port": P}`` of an `lmcache server` already running) or vLLM's
   ``ExampleConnector`` (``example``, `--config` ``{"path": DIR}``).
+
+With `--runs`, one process runs many: each line of stdin is one run's arguments (a JSON list,
+as on the command line), run in turn in this process, so that torch and vLLM are imported once
+for all of them (each run still builds its own `LLM` and shuts it down); for each, one JSON
+line goes to the file descriptor `--reply-fd`: ``{"ok": true}`` once its result file is
+written, or ``{"error": TRACEBACK}``, after which the process exits (vLLM's state after a
+failed run is not to be trusted). vLLM's own output goes to stdout and stderr as usual.
 """
 
 from __future__ import annotations
@@ -369,7 +377,7 @@ def _model_id(args: argparse.Namespace) -> dict:
     return {"model_id": args.model_id} if args.model_id else {}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
     p.add_argument("--make-model", choices=["llama", "qwen3"])
@@ -407,13 +415,47 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--kill-pid", type=int, help="SIGKILL this process (a Mooncake master)...")
     p.add_argument("--kill-after-turn", type=int, default=0, help="...after this turn")
-    args = p.parse_args()
+    return p
+
+
+def one(argv: list[str] | None = None) -> None:
+    """One run (or a model made), as the command line `argv` asks."""
+    args = parser().parse_args(argv)
     if args.make_model:
         make(Path(args.model), args.make_model, args.size)
         if not args.out:
             return
     result = run_workload(args) if args.workload else run(args)
     Path(args.out).write_text(json.dumps(result))
+
+
+def runs(reply_fd: int) -> None:
+    """`--runs`: the runs of stdin's lines in turn, each answered on `reply_fd` (see the
+    module's docstring)."""
+    import sys
+    import traceback
+
+    with os.fdopen(reply_fd, "w", buffering=1) as reply:
+        for line in sys.stdin:
+            try:
+                one([str(a) for a in json.loads(line)])
+            except BaseException:
+                reply.write(json.dumps({"error": traceback.format_exc()}) + "\n")
+                return
+            reply.write(json.dumps({"ok": True}) + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--runs", action="store_true")
+    p.add_argument("--reply-fd", type=int)
+    known, rest = p.parse_known_args()
+    if known.runs:
+        if known.reply_fd is None or rest:
+            p.error("--runs takes --reply-fd N and nothing else (each run's arguments are a line)")
+        runs(known.reply_fd)
+    else:
+        one(rest)
 
 
 if __name__ == "__main__":
