@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from leftovers import not_ignored
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "vllm.md"
@@ -137,6 +138,7 @@ def test_the_first_hit_runs_as_written(tmp_path):
     assert proc.returncode == 0, f"the doc's commands failed:\n{both}\nvllm.log:\n{log}"
     printed = set(out.splitlines())
     assert [line for line in shown if line not in printed] == [], both
+    assert not_ignored(tmp_path, ("configs",)) == []  # what the doc wrote, .gitignore ignores
     answers = [
         json.loads(line)["choices"][0]["text"]
         for line in out.splitlines()
