@@ -168,6 +168,7 @@ class HiCache:
         self._new_chain = lambda configs: TierChain(
             configs, self.host, layout, self.fingerprint, self.policy,
             self._stats, events, wake, fence=self._transfers.fence, keyring=keyring,
+            tenants=config.tenants,
         )  # fmt: skip
         if store_configs:
             try:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, get_args
@@ -49,7 +49,7 @@ from pydantic import (
 )
 
 from hicache.errors import ConfigError
-from hicache.registry import tier_config_model
+from hicache.registry import tier_class, tier_config_model
 from hicache.threads import check_cpus
 
 ENV_PREFIX = "HICACHE__"
@@ -286,7 +286,8 @@ class MetricsConfig(_Strict):
 class TenantConfig(_Strict):
     """A tenant: the requests whose salt is `salt` (docs/tenants.md), with a key of its own for
     encryption at rest on the store tiers (at most one of `key_env`, `key_file` and `key_hook`;
-    none: its objects are stored plain), and a share and a quota of the host tier."""
+    none: its objects are stored plain), and its shares and quotas of the tiers that keep them
+    (the host tier, the disk tier)."""
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[\w.\-]+$")
     """The tenant's name (what a `key_hook` is asked for)."""
@@ -301,11 +302,11 @@ class TenantConfig(_Strict):
     """``module:function`` returning the key's bytes for the tenant's name (a KMS client;
     `hicache.backends.crypt.KeyHook`)."""
     share: dict[str, Bytes] = {}
-    """Bytes of a tier the tenant keeps however hard the others push, by tier name (``host``):
-    eviction takes from the tenant furthest over its share first."""
+    """Bytes of a tier the tenant keeps however hard the others push, by tier name (``host``,
+    or a disk tier's name): eviction takes from the tenant furthest over its share first."""
     quota: dict[str, Bytes] = {}
-    """Bytes of a tier the tenant may hold at most, by tier name (``host``): past it, its own
-    least recent pages are evicted."""
+    """Bytes of a tier the tenant may hold at most, by tier name (as `share`): past it, its
+    own least recent pages are evicted."""
 
     @model_validator(mode="after")
     def _one_key(self) -> TenantConfig:
@@ -405,19 +406,17 @@ class HiCacheConfig(_Strict):
                     raise ValueError(f"tenants.{i}.{what}: {value!r} is tenants.{j}'s already")
             for what in ("share", "quota"):
                 for tier in getattr(tenant, what):
-                    if tier != "host":
-                        raise ValueError(
-                            f"tenants.{i}.{what}.{tier}: shares and quotas are kept on the host "
-                            "tier only (host)"
-                        )
-        host = self.tiers[0]
-        shares = sum(t.share.get("host", 0) for t in self.tenants)
-        if shares > getattr(host, "size", shares):
-            raise ValueError(
-                f"tenants: the host shares add up to {shares} bytes, more than tiers.0.size"
-            )
-        policy = getattr(host, "policy", "lru")
-        if any(t.share or t.quota for t in self.tenants) and policy != "lru":
+                    _check_terms_tier(f"tenants.{i}.{what}.{tier}", tier, self.tiers)
+        for i, tier in enumerate(self.tiers):
+            name = tier_name(tier)
+            shares = sum(t.share.get(name, 0) for t in self.tenants)
+            if shares > getattr(tier, "size", shares):
+                raise ValueError(
+                    f"tenants: the {name} shares add up to {shares} bytes, more than tiers.{i}.size"
+                )
+        policy = getattr(self.tiers[0], "policy", "lru")
+        on_host = any("host" in t.share or "host" in t.quota for t in self.tenants)
+        if on_host and policy != "lru":
             raise ValueError(
                 "tenants: shares and quotas evict by lru within each tenant; tiers.0.policy is "
                 f"{policy}"
@@ -461,6 +460,22 @@ def tier_section(item: Mapping[str, Any], where: str) -> TierConfig:
     except ValueError as err:
         reason = str(err).removeprefix("tiers.0.").removeprefix("tiers.0")
         raise ConfigError(f"{where}: {reason.lstrip(': ')}") from None
+
+
+def _check_terms_tier(where: str, name: str, tiers: Sequence[TierConfig]) -> None:
+    """ValueError naming `where` unless `name` is a tier of `tiers` that keeps tenants' shares
+    and quotas (the host tier; a store tier whose class `keeps_terms`)."""
+    named = {tier_name(t): t for t in tiers}
+    if name not in named:
+        close = difflib.get_close_matches(name, named, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"{where}: no tier is named {name!r} (tiers: {', '.join(named)}){hint}")
+    tier = named[name]
+    if tier.type != "host" and not getattr(tier_class(tier.type), "keeps_terms", False):
+        raise ValueError(
+            f"{where}: the {tier.type} tier keeps no shares or quotas (it evicts by its own "
+            "policy); the host and disk tiers do"
+        )
 
 
 def tier_name(tier: TierConfig) -> str:

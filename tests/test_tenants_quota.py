@@ -204,7 +204,7 @@ def test_quota_host_shares_map_a_tenants_salt_to_its_slots():
         (
             [{"name": "a", "quota": {"disk": "1KiB"}}],
             {},
-            "tenants.0.quota.disk: shares and quotas are kept on the host tier only (host)",
+            "tenants.0.quota.disk: no tier is named 'disk' (tiers: host)",
         ),
         (
             [{"name": "a", "share": {"host": "2KiB"}}, {"name": "b", "share": {"host": "2KiB"}}],

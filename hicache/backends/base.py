@@ -26,11 +26,12 @@ Two families share that header:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 from hicache.backends.breaker import CircuitBreaker
+from hicache.core.shares import Terms
 from hicache.kernels import PagedBuffer
 
 Piece = tuple[int, int]
@@ -113,6 +114,10 @@ class StoreTier(Tier):
     prefix_with_codec: ClassVar[bool] = False
     """The tier reads prefixes (`reads_prefix`) where its config's codec is not none, at a cost
     it pays only then (Mooncake looks the objects' sizes up first)."""
+    keeps_terms: ClassVar[bool] = False
+    """The tier keeps tenants' shares and quotas (`set_terms`): it evicts by tenant, reading
+    each object's tenant from its name (`hicache.core.keys.object_tenant`). The configuration
+    refuses terms on a tier that does not."""
     breaker: CircuitBreaker | None = None
     """The store's own circuit breaker, if it keeps one (and counts its failures itself);
     otherwise the tier chain keeps one for it, fed by the outcomes of its calls."""
@@ -128,6 +133,16 @@ class StoreTier(Tier):
         if codec != "none" and self.prefix_with_codec:
             return f"{key_prefix}/{codec}"
         return key_prefix
+
+    def set_terms(self, terms: Mapping[str, Terms]) -> None:
+        """Keep the tenants' `terms` (by tenant name; the others have none); called before
+        `start`. Only a tier that `keeps_terms`."""
+        raise NotImplementedError(f"a {type(self).__name__} keeps no tenants' terms")
+
+    def tenant_bytes(self) -> dict[str, tuple[int, int]]:
+        """Per tenant with terms here: (bytes it holds, bytes of it evicted so far). Empty for
+        a tier that does not keep terms."""
+        return {}
 
     def empty_at_start(self) -> bool:
         """Whether the tier held nothing when it became ready, and no other process writes it:

@@ -9,7 +9,7 @@ it can run on any thread; `StoreLink` runs it on its worker threads.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
@@ -144,6 +144,7 @@ class JobRunner:
         codec_threads: int = 1,
         read_chunk_bytes: int = READ_CHUNK_BYTES,
         keyring: Keyring | None = None,
+        owners: Mapping[bytes, str] | None = None,
     ) -> None:
         self.store = store
         self.host = host
@@ -152,9 +153,12 @@ class JobRunner:
         self.states = states
         """Whether the layout has states (a probe then asks for the state at each group end)."""
         self.key_prefix = key_prefix
+        self.owners: Mapping[bytes, str] = owners or {}
+        """The tenant each chain seed's objects are named under (`hicache.core.shares.owners`;
+        a seed not here: no tenant's)."""
         self._names = self._prefixes(fingerprint)
-        """The names' prefixes: of an object of `g` pages, ``_names[0][g]``; of a state,
-        ``_names[1]`` (one tuple, replaced whole by `rename`)."""
+        """The names' prefixes by tenant: of an object of `g` pages, ``_names[t][0][g]``; of a
+        state, ``_names[t][1]`` (one dict, replaced whole by `rename`)."""
         self.envelopes = Envelopes(host.page_slots.capacity, host.state_slots.capacity)
         """The objects' headers (registered with the store beside the host pools)."""
         self.codec = codec
@@ -355,9 +359,14 @@ class JobRunner:
         if job.kind == "probe" and self.states:
             job.state_ends = job.ends
 
-    def _prefixes(self, fingerprint: bytes) -> tuple[list[str], str]:
-        groups = [store_key(self.key_prefix, fingerprint, b"", g) for g in range(self.G + 1)]
-        return groups, store_key(self.key_prefix, fingerprint, b"", None)
+    def _prefixes(self, fingerprint: bytes) -> dict[str, tuple[list[str], str]]:
+        out = {}
+        for tenant in {"", *self.owners.values()}:
+            groups = [
+                store_key(self.key_prefix, fingerprint, b"", g, tenant) for g in range(self.G + 1)
+            ]
+            out[tenant] = groups, store_key(self.key_prefix, fingerprint, b"", None, tenant)
+        return out
 
     def rename(self, fingerprint: bytes) -> None:
         """Name the objects of the jobs placed from now on under `fingerprint` (an engine whose
@@ -367,7 +376,8 @@ class JobRunner:
 
     def _place(self, job: Job) -> None:
         """The names of a job's objects and, for a get or a put, where their bytes lie."""
-        groups, states = self._names  # one read: a `rename` meanwhile names the next job
+        # one read: a `rename` meanwhile names the next job
+        groups, states = self._names[self.owners.get(job.seed, "")]
         job.names = [groups[self.G] + k.hex() for k in job.ends]
         if job.tail:
             job.names[len(job.ends) - 1] = groups[job.tail] + job.ends[-1].hex()

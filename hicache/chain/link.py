@@ -33,8 +33,8 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from hicache import threads
 from hicache.backends.base import StoreTier, StoreUnavailable
@@ -91,6 +91,8 @@ class LinkSettings:
     """Threads that encode and decode one call's objects in parallel."""
     keyring: Keyring | None = None
     """The encrypted tenants' keys (`hicache.backends.crypt`); None: every object is plain."""
+    owners: Mapping[bytes, str] = field(default_factory=dict)
+    """The tenant whose name each chain seed's objects carry (`hicache.core.shares.owners`)."""
 
 
 class StoreLink:
@@ -150,6 +152,7 @@ class StoreLink:
             settings.codec,
             settings.codec_threads,
             keyring=settings.keyring,
+            owners=settings.owners,
         )
         self._registered = threading.Event()
         self._available_raised = False  # the store's `available` has raised (logged once)
@@ -256,9 +259,12 @@ class StoreLink:
         """Gauges for `HiCache.stats`, each ``<gauge>_<name>``: availability (1 the store
         answers and the breaker is closed, 0 not), puts queued or running, jobs in flight, the
         free host slots held for fetches (counted in host_pinned too), groups waiting for their
-        write-back, and the read throughput the cost model uses now (MB/s)."""
+        write-back, and the read throughput the cost model uses now (MB/s); where the tier
+        keeps tenants' terms, each tenant's bytes held and evicted,
+        ``tenant_store_bytes_<name>.<tenant>`` and ``tenant_store_evicted_<name>.<tenant>``
+        ("none": the objects of no tenant)."""
         n = self.name
-        return {
+        out = {
             f"available_{n}": int(self._available() and self.breaker.closed),
             f"queue_depth_{n}": self.writer.out,
             f"jobs_in_flight_{n}": self.jobs_in_flight,
@@ -266,6 +272,10 @@ class StoreLink:
             f"write_back_pending_{n}": len(self.writer.dirty),
             f"read_mbps_{n}": int(self.read.per_s / 1e6),
         }
+        for tenant, (held, evicted) in self.store.tenant_bytes().items():
+            out[f"tenant_store_bytes_{n}.{tenant or 'none'}"] = held
+            out[f"tenant_store_evicted_{n}.{tenant or 'none'}"] = evicted
+        return out
 
     @property
     def jobs_in_flight(self) -> int:

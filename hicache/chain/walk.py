@@ -28,7 +28,7 @@ is freed. A fetch of a detached tier ends the walk where it ended.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hicache import threads
 from hicache.backends import codec as codecs
@@ -37,11 +37,12 @@ from hicache.backends.crypt import Keyring
 from hicache.backends.host import HostTier
 from hicache.chain.fetch import Fetch
 from hicache.chain.link import LinkSettings, StoreLink
-from hicache.config import Layout, Policy, StoreTierConfig, tier_name
+from hicache.config import Layout, Policy, StoreTierConfig, TenantConfig, tier_name
 from hicache.core.cost import Rate
 from hicache.core.keys import KeyChain
 from hicache.core.marks import mark
 from hicache.core.plan import PrefillSpeed, plan_fetch
+from hicache.core.shares import owners, store_terms
 from hicache.errors import TierStartError
 from hicache.kernels.completions import Completion
 from hicache.observability.events import EventSink
@@ -66,12 +67,15 @@ class TierChain:
         *,
         fence: Callable[[], Completion],
         keyring: Keyring | None = None,
+        tenants: Sequence[TenantConfig] = (),
     ) -> None:
         """`configs`: the configuration's tiers after the host tier (``tiers.1`` on), each
         started here; a TierStartError names its tier after the tiers started before it are
         closed. `fence`: a completion of every copy enqueued so far on the engine's stream
         (`hicache.kernels.completions.Transfers.fence`); every put waits for one made when it
-        was queued. `keyring`: the encrypted tenants' keys, for every store tier."""
+        was queued. `keyring`: the encrypted tenants' keys, for every store tier. `tenants`:
+        whose objects are named under their tenant's name, and the terms each store tier keeps
+        for them."""
         self.policy = policy
         self.layout = layout
         self.clock = clock
@@ -83,6 +87,8 @@ class TierChain:
         self._detached: list[StoreLink] = []
         """Detached links whose jobs have not all returned (closed once they have)."""
         self._make = (host, layout, fingerprint, policy, events, wake, clock, fence, keyring)
+        self._tenants = tuple(tenants)
+        self._owners = owners(tenants, fingerprint)
         for i, cfg in enumerate(configs):
             try:
                 link = self._link(cfg)
@@ -99,6 +105,9 @@ class TierChain:
         """Start the store tier of `cfg` and its link (TierStartError where it cannot)."""
         host, layout, fingerprint, policy, events, wake, clock, fence, keyring = self._make
         store: StoreTier = tier_class(cfg.type)(cfg)
+        terms = store_terms(self._tenants, tier_name(cfg))
+        if terms:  # the configuration allows them only on a tier that keeps them
+            store.set_terms(terms)
         cpus = frozenset(cfg.worker_cpus)
         settings = LinkSettings(
             name=tier_name(cfg),
@@ -116,6 +125,7 @@ class TierChain:
             codec=codecs.for_dtype(layout.kv_dtype) if cfg.codec == "lossless" else None,
             codec_threads=cfg.codec_threads,
             keyring=keyring,
+            owners=self._owners,
         )
         return StoreLink(
             store, settings, host, layout, fingerprint, policy, self.prefill,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -392,10 +393,25 @@ class PrefixMemo:
             self._count -= len(dropped)
 
 
-def store_key(prefix: str, fingerprint_: bytes, key: bytes, group: int | None) -> str:
+def store_key(
+    prefix: str, fingerprint_: bytes, key: bytes, group: int | None, tenant: str = ""
+) -> str:
     """The object name of a page group (named by its last page's key) or, with group None, a state.
 
-    ``<prefix>/<fingerprint hex>/g<G>/<key hex>`` or ``<prefix>/<fingerprint hex>/s/<key hex>``.
+    ``<prefix>/<fingerprint hex>/g<G>/<key hex>`` or ``<prefix>/<fingerprint hex>/s/<key hex>``;
+    a tenant's objects (`tenant`, its name) carry it after the fingerprint,
+    ``<prefix>/<fingerprint hex>/~<tenant>/g<G>/<key hex>``, so that a store tier can keep each
+    tenant's share and quota from the names alone (`object_tenant`).
     """
     kind = "s" if group is None else f"g{group}"
-    return f"{prefix}/{fingerprint_.hex()}/{kind}/{key.hex()}"
+    owner = f"~{tenant}/" if tenant else ""
+    return f"{prefix}/{fingerprint_.hex()}/{owner}{kind}/{key.hex()}"
+
+
+_OWNER = re.compile(r"/~([\w.\-]+)/(?:s|g\d+)/[0-9a-f]*$")
+
+
+def object_tenant(name: str) -> str:
+    """The tenant an object's name (`store_key`) names, or "" for the objects of no tenant."""
+    found = _OWNER.search(name)
+    return found.group(1) if found else ""

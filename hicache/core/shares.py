@@ -1,4 +1,6 @@
-"""Tenants' shares of the host tier: quotas and isolated eviction (`TenantBooks`).
+"""Tenants' shares of the host tier: quotas and isolated eviction (`TenantBooks`); the
+tenants' terms on the store tiers (`Terms`, kept by each tier that keeps them) and the names
+their objects carry there (`owners`).
 
 A tenant (`hicache.config.TenantConfig`) may be given, on the host tier, a guaranteed share
 (``share``: pages it keeps however hard the others push) and a quota (``quota``: pages it may
@@ -46,6 +48,32 @@ class Shares:
     """Slots each tenant is guaranteed (0: none)."""
     quota: tuple[int, ...] = ()
     """Slots each tenant may hold at most (the pool's capacity: no limit)."""
+
+
+@dataclass(frozen=True)
+class Terms:
+    """A tenant's terms on one store tier, in bytes."""
+
+    share: int = 0
+    """Bytes it keeps however hard the others push (0: none)."""
+    quota: int | None = None
+    """Bytes it may hold at most (None: no limit)."""
+
+
+def store_terms(tenants: Iterable[Any], tier: str) -> dict[str, Terms]:
+    """The terms of `tenants` (`TenantConfig`s) on the store tier named `tier`, by tenant name;
+    empty where none has a share or a quota there."""
+    return {
+        t.name: Terms(t.share.get(tier, 0), t.quota.get(tier))
+        for t in tenants
+        if tier in t.share or tier in t.quota
+    }
+
+
+def owners(tenants: Iterable[Any], fingerprint: bytes) -> dict[bytes, str]:
+    """Each tenant's name by the chain seeds its requests name pages from (`tenant_seeds`): the
+    tenant a store tier's objects are named under (`hicache.core.keys.store_key`)."""
+    return {seed: t.name for t in tenants for seed in tenant_seeds(fingerprint, t.salt or t.name)}
 
 
 def tenant_seeds(fingerprint: bytes, salt: str) -> tuple[bytes, bytes]:

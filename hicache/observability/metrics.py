@@ -95,6 +95,16 @@ FAMILIES: dict[str, Family] = {
         "A tenant's pages evicted from a tier (for others' space or its quota).",
         ("tier", "tenant"),
     ),
+    "hicache_tenant_bytes": Family(
+        "gauge",
+        "Bytes a tenant holds in a store tier (tiers that keep tenants' shares and quotas).",
+        ("tier", "tenant"),
+    ),
+    "hicache_tenant_bytes_evicted": Family(
+        "counter",
+        "Bytes of a tenant's objects evicted from a store tier (for others' room or its quota).",
+        ("tier", "tenant"),
+    ),
     "hicache_pool_used_slots": Family("gauge", "Slots that hold a key.", ("tier", "pool")),
     "hicache_pool_pinned_slots": Family("gauge", "Slots somebody pins.", ("tier", "pool")),
     "hicache_requests": Family("gauge", "Requests hicache holds state for."),
@@ -188,6 +198,13 @@ TENANT_METRICS: dict[str, tuple[str, dict[str, str]]] = {
 """A tenant's stats key ``<counter>_<tenant name>`` -> (family, labels): exported with
 ``tenant=<tenant name>`` added ("none": the requests of no tenant)."""
 
+STORE_TENANT_METRICS: dict[str, str] = {
+    "tenant_store_bytes": "hicache_tenant_bytes",
+    "tenant_store_evicted": "hicache_tenant_bytes_evicted",
+}
+"""A store tier's tenant stats key ``<counter>_<tier name>.<tenant name>`` -> family:
+exported with ``tier=`` and ``tenant=`` (tier names hold no dot)."""
+
 _SCALE = {"read_mbps": 1e6}
 """Tier stats kept in other units than their family's."""
 
@@ -199,6 +216,10 @@ def metric_of(key: str) -> tuple[str, dict[str, str], float] | None:
     entry = METRICS.get(key)
     if entry is not None:
         return entry[0], entry[1], 1.0
+    for counter, family in STORE_TENANT_METRICS.items():
+        tier, dot, tenant = key.removeprefix(counter + "_").partition(".")
+        if key.startswith(counter + "_") and dot and tier and tenant:
+            return family, {"tier": tier, "tenant": tenant}, 1.0
     for counter, (family, labels) in TENANT_METRICS.items():
         if key.startswith(counter + "_") and len(key) > len(counter) + 1:
             return family, {"tenant": key[len(counter) + 1 :], **labels}, 1.0

@@ -24,6 +24,8 @@ import threading
 import zlib
 from collections.abc import Callable, Sequence
 
+from hicache.core.keys import object_tenant
+
 HEADER = 4096
 """Bytes before the payload: one block, so that the payload is aligned for O_DIRECT."""
 MAGIC = b"HICDISK2"
@@ -37,9 +39,12 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 def file_name(key: str) -> str:
     """The record's name below the objects directory: ``ab/abcdef…`` (SHA-256 of the key, so any
-    key makes a valid, fixed-length name; the header keeps the key itself)."""
+    key makes a valid, fixed-length name; the header keeps the key itself), and for a tenant's
+    object (`hicache.core.keys.object_tenant`) ``ab/abcdef…~<tenant>``, so that the tier's book
+    knows each record's tenant from the listing alone."""
     digest = hashlib.sha256(key.encode()).hexdigest()
-    return f"{digest[:2]}/{digest}"
+    tenant = object_tenant(key)
+    return f"{digest[:2]}/{digest}" + (f"~{tenant}" if tenant else "")
 
 
 def check_key(key: str) -> None:

@@ -23,10 +23,12 @@ The contract the tier chain's workers rely on:
 - A record is published only whole (written to ``tmp``, synced, renamed into place). A record
   found damaged (its header does not verify or its length is wrong) is a miss and is removed.
 - Capacity: the records' bytes (headers included) stay within `size`; a put first evicts the
-  least recently used records (`LruBook`). A file system that runs out of space first lowers the
-  bound to what the tier holds then (the put that met it fails; later ones evict); a put under
-  a lowered bound raises it again by the room the file system has then (a full file system is
-  transient: a tier that held nothing when it met one takes puts again once space returns).
+  least recently used records (`LruBook`), or, with tenants' terms (`set_terms`), by tenant:
+  over its quota first, then the one furthest over its share. A file system that runs out of
+  space first lowers the bound to what the tier holds then (the put that met it fails; later
+  ones evict); a put under a lowered bound raises it again by the room the file system has
+  then (a full file system is transient: a tier that held nothing when it met one takes puts
+  again once space returns).
   The order survives restarts: a record's modification time is stamped with its last use (its
   write, its latest hit), and a restart orders by it.
 - One process per directory: a second process gets a start-up error rather than a directory
@@ -44,7 +46,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +61,7 @@ from hicache.backends.disk.lru import LruBook
 from hicache.backends.regions import Regions, check_keys, checked_tensor
 from hicache.config import Layout
 from hicache.core.marks import mark
+from hicache.core.shares import Terms
 from hicache.errors import TierStartError
 from hicache.registry import register_tier
 
@@ -67,7 +70,7 @@ log = logging.getLogger(__name__)
 MISSING = -errno.ENOENT
 _SHARDS = frozenset(f"{i:02x}" for i in range(256))
 """The shard directories below objects/ (a record's name starts with its shard)."""
-_RECORD = re.compile("[0-9a-f]{64}")
+_RECORD = re.compile(r"[0-9a-f]{64}(~[\w.\-]+)?")
 """A record's file name in its shard (`records.file_name`)."""
 
 _Object = tuple[list[memoryview], list[int]]
@@ -115,6 +118,7 @@ class DiskTier(StoreTier):
     persistent = True
     missing_code = MISSING
     reads_prefix = True  # a record's header holds its length
+    keeps_terms = True  # a record's file name carries its tenant (`LruBook`)
 
     def __init__(self, config: DiskTierConfig, layout: Layout | None = None) -> None:
         if not isinstance(config, DiskTierConfig):
@@ -234,6 +238,14 @@ class DiskTier(StoreTier):
         self._remove(self.book.shrink())
         self._found_empty = not found
         return True
+
+    def set_terms(self, terms: Mapping[str, Terms]) -> None:
+        if self._pool is not None:
+            raise RuntimeError("DiskTier.set_terms after start")
+        self.book.terms = dict(terms)
+
+    def tenant_bytes(self) -> dict[str, tuple[int, int]]:
+        return self.book.tenants() if self.book.terms else {}
 
     def empty_at_start(self) -> bool:
         """Its directory held no record when it was listed (one process a directory)."""

@@ -22,8 +22,9 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from hicache.backends.base import StoreTier
-from hicache.config import HiCacheConfig, StoreTierConfig
+from hicache.config import HiCacheConfig, StoreTierConfig, TenantConfig
 from hicache.core.keys import KeyChain, store_key
+from hicache.core.shares import owners
 from hicache.core.span import Span
 from hicache.registry import tier_class
 
@@ -36,8 +37,16 @@ class StoreProbe:
     Make it with `for_config` (None where the config has no such tier). `groups` names a
     prompt's groups as the workers' tier chain names them; `exists` asks the tier."""
 
-    def __init__(self, tier: StoreTier, config: StoreTierConfig, wait_s: float) -> None:
+    def __init__(
+        self,
+        tier: StoreTier,
+        config: StoreTierConfig,
+        wait_s: float,
+        tenants: Sequence[TenantConfig] = (),
+    ) -> None:
         self._tier = tier
+        self._tenants = tuple(tenants)
+        self._owners: tuple[bytes, dict[bytes, str]] = (b"", {})  # of the last fingerprint
         self.group_pages = config.group_pages
         self._prefix = tier.object_prefix(config.key_prefix, config.codec)
         self._wait_s = wait_s
@@ -60,22 +69,25 @@ class StoreProbe:
         cls_ = tier_class(stores[0].type)
         if not getattr(cls_, "exists_from_any_process", False):
             return None
-        return cls(cls_(stores[0]), stores[0], wait_s)
+        return cls(cls_(stores[0]), stores[0], wait_s, config.tenants)
 
     def objects(
         self, fingerprint: bytes, chain: KeyChain, host_pages: int, cap: int
     ) -> tuple[Span, list[str]]:
         """The objects a worker's fetch would ask for past a host hit of `host_pages` pages,
         capped at page `cap` (`hicache.chain.fetch.Fetcher.start`): their span and names, each
-        named by its last page's key (`store_key`)."""
+        named by its last page's key under the request's tenant (`store_key`)."""
         G = self.group_pages
         span = Span.of(host_pages, cap, chain.pages, G)
         if not span.objects:
             return span, []
         keys = chain.hash_to(span.first_page + span.pages_of(span.objects))
         sizes = [G] * span.groups + ([span.tail] if span.tail else [])
+        if self._owners[0] != fingerprint:
+            self._owners = fingerprint, owners(self._tenants, fingerprint)
+        tenant = self._owners[1].get(chain.seed, "")
         names = [
-            store_key(self._prefix, fingerprint, keys[end], size)
+            store_key(self._prefix, fingerprint, keys[end], size, tenant)
             for end, size in zip(span.ends(), sizes)
         ]
         return span, names
