@@ -1,7 +1,7 @@
 """The tenants' simulation (`hicache.testing.tenant_sim`, issue 60): its CI seeds run clean and
-reach every coverage mark of encryption, quotas, shares, attach and detach; each canary (a
-plaintext put of an encrypted tenant, a detached tier still read, a quota or a share not kept)
-fails its catching seed for its own reason."""
+reach every coverage mark of encryption, quotas, shares (host and disk), attach and detach;
+each canary (a plaintext put of an encrypted tenant, a detached tier still read, a quota or a
+share not kept on the host or the disk) fails its catching seed for its own reason."""
 
 from __future__ import annotations
 

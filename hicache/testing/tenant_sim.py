@@ -1,8 +1,9 @@
 """A seeded simulation of tenants on a shared disk tier attached and detached at runtime
 (issue 60), with its own coverage marks and canaries; self-contained beside `hicache.testing.sim`.
 
-One real `HiCache` (a small host tier, three tenants: acme and globex encrypted, acme with a
-host share, globex with a host quota; and requests of no tenant) runs a seeded sequence of
+One real `HiCache` (a small host tier over a small disk tier, three tenants: acme and globex
+encrypted, acme with a share of each tier, globex with a quota of each; and requests of no
+tenant) runs a seeded sequence of
 steps: a request of one of them (a prompt from a small pool, so prefixes recur), a flood of
 unique prompts, a disk tier attached, or detached right after a request (its puts in flight; not
 waited for). Every step ends with the tiers settled, so that which slots are pinned when one is
@@ -12,8 +13,9 @@ evicted does not depend on timing. After every step it checks:
 - a request asked after a detach is never answered from the detached tier;
 - once a detach has finished, the tier left no thread and no open file;
 - an encrypted tenant's KV never rests in plaintext in the disk tier's files;
-- globex never holds more host pages than its quota once its pages are idle, and a step of
-  another tenant never takes acme below its share.
+- globex never holds more host pages than its quota once its pages are idle, nor more bytes of
+  disk records (counted from the files) than its disk quota; a step of another tenant never
+  takes acme below its share of either tier.
 
 `MARKS` are the coverage marks (`hicache.core.marks`) a run must reach, `CANARIES` the defects
 it must catch (each a patch of the real code and the violation it must cause, `EXPECT`).
@@ -40,6 +42,8 @@ from hicache.testing.canaries import Install, _patch
 
 PAGE_TOKENS, PAGE_BYTES, HOST_PAGES, BLOCKS = 4, 256, 48, 32
 SHARE, QUOTA = 20, 10  # acme's host share, globex's host quota (pages)
+RECORD = 4096 + 2 * PAGE_BYTES + 16  # a disk record of a group at most (an encrypted one's tag)
+DISK, DISK_SHARE, DISK_QUOTA = 24 * RECORD, 12 * RECORD, 8 * RECORD  # bytes
 TENANTS = ("acme", "globex", None)
 ENCRYPTED = ("acme", "globex")
 KEYS = {"acme": "11" * 32, "globex": "22" * 32}
@@ -49,12 +53,14 @@ CATCHERS = {
     "detached-tier-still-read": 0,
     "quota-not-kept": 0,
     "share-not-kept": 0,
+    "disk-quota-not-kept": 1,
+    "disk-share-not-kept": 0,
 }
 """A seed of each canary's run that catches it."""
 
 MARKS = (
     "crypt.sealed", "crypt.opened", "host.evict.tenant", "host.evict.quota", "tier.attached",
-    "tier.detached",
+    "tier.detached", "disk.evict.tenant", "disk.evict.quota",
 )  # fmt: skip
 """The coverage marks a run of the CI seeds reaches."""
 
@@ -74,13 +80,13 @@ class World:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.disk = {"type": "disk", "path": str(root / "disk"), "size": "8MiB", "group_pages": 2,
+        self.disk = {"type": "disk", "path": str(root / "disk"), "size": DISK, "group_pages": 2,
                      "sync": False}  # fmt: skip
         tenants = [
             {"name": "acme", "key_env": "HICACHE_SIM_KEY_ACME",
-             "share": {"host": SHARE * PAGE_BYTES}},
+             "share": {"host": SHARE * PAGE_BYTES, "disk": DISK_SHARE}},
             {"name": "globex", "key_env": "HICACHE_SIM_KEY_GLOBEX",
-             "quota": {"host": QUOTA * PAGE_BYTES}},
+             "quota": {"host": QUOTA * PAGE_BYTES, "disk": DISK_QUOTA}},
         ]  # fmt: skip
         cfg = {
             "layout": {"model": "tenant-sim", "kv_dtype": "bfloat16", "page_tokens": PAGE_TOKENS,
@@ -171,6 +177,11 @@ class World:
     def pages(self, tenant: str) -> int:
         return self.cache.stats().get(f"tenant_host_pages_{tenant}", 0)
 
+    def disk_bytes(self, tenant: str) -> int:
+        """The bytes of `tenant`'s records in the disk tier's files (their names carry it)."""
+        files = (self.root / "disk" / "objects").rglob(f"*~{tenant}")
+        return sum(p.stat().st_size for p in files if p.is_file())
+
 
 def run(seed: int, steps: int = 60, canary: str | None = None) -> str | None:
     """One seeded run; the first violation (one line), or None."""
@@ -184,7 +195,7 @@ def run(seed: int, steps: int = 60, canary: str | None = None) -> str | None:
             for _ in range(steps):
                 op = rng.choice(["request", "request", "request", "flood", "tier"])
                 tenant = TENANTS[rng.integers(len(TENANTS))]
-                before = world.pages("acme")
+                before = world.pages("acme"), world.disk_bytes("acme")
                 if op == "tier" and not world.attached:
                     world.attach()
                 elif op == "flood":
@@ -199,10 +210,14 @@ def run(seed: int, steps: int = 60, canary: str | None = None) -> str | None:
                     if op == "tier":  # detached with the request's puts in flight
                         world.detach()
                 world.settle()  # every put returned: no page is pinned
-                if tenant != "acme" and world.pages("acme") < min(before, SHARE):
+                if tenant != "acme" and world.pages("acme") < min(before[0], SHARE):
                     raise Violation(f"a step of {tenant} took acme below its share")
+                if tenant != "acme" and world.disk_bytes("acme") < min(before[1], DISK_SHARE):
+                    raise Violation(f"a step of {tenant} took acme below its disk share")
                 if world.pages("globex") > QUOTA:
                     raise Violation(f"globex holds {world.pages('globex')} pages, over its quota")
+                if world.disk_bytes("globex") > DISK_QUOTA:
+                    raise Violation(f"globex holds {world.disk_bytes('globex')} disk bytes, over")
                 world.check_at_rest()
         except Violation as err:
             return str(err)
@@ -280,6 +295,27 @@ def _share_not_kept() -> Callable[[], None]:
         return max(held)[1] if held else None
 
     return _patch(TenantBooks, "_victim", victim)
+
+
+@canary("disk-quota-not-kept", r"globex holds \d+ disk bytes, over")
+def _disk_quota_not_kept() -> Callable[[], None]:
+    """The disk tier's book knows no quota."""
+    from hicache.backends.disk.lru import LruBook
+
+    return _patch(LruBook, "_quota", lambda self, tenant: self.size)
+
+
+@canary("disk-share-not-kept", r"took acme below its disk share")
+def _disk_share_not_kept() -> Callable[[], None]:
+    """The disk tier's book evicts from the tenant holding the most bytes, whatever its
+    share."""
+    from hicache.backends.disk.lru import LruBook
+
+    def victim(self, used, tenant, done):  # type: ignore[no-untyped-def]
+        held = [(n, t) for t, n in used.items() if t not in done and n > 0]
+        return max(held)[1] if held else None
+
+    return _patch(LruBook, "_victim", victim)
 
 
 def main() -> int:
