@@ -35,8 +35,8 @@ SALTS = {"acme": "acme", "globex": "globex-prod", "none": None}
 def config(root: Path) -> dict:
     """configs/tenants.yaml's tenants on a small layout, in `root`."""
     tenants = yaml.safe_load(Path("configs/tenants.yaml").read_text())["tenants"]
-    tenants[0]["share"] = {"host": "16MiB"}  # a quarter of the host tier, as in the file
-    tenants[1]["quota"] = {"host": "8MiB"}
+    tenants[0]["share"] = {"host": "16MiB", "disk": "64MiB"}  # a quarter, as in the file
+    tenants[1]["quota"] = {"host": "8MiB", "disk": "32MiB"}
     tenants[1]["key_file"] = str(root / "globex.key")
     return {
         "layout": {"model": "example", "kv_dtype": "bfloat16", "page_tokens": PAGE_TOKENS,

@@ -353,7 +353,7 @@ class HiCacheConfig(_Strict):
     """Prometheus metrics over HTTP (off by default)."""
     tenants: tuple[TenantConfig, ...] = ()
     """The tenants, by salt (docs/tenants.md): each with its key for encryption at rest and its
-    share and quota of the host tier, if any. A request whose salt names no tenant is stored
+    shares and quotas of the host and disk tiers, if any. A request whose salt names no tenant is stored
     plain, under no share or quota."""
     _source: str = PrivateAttr(default="")
 
