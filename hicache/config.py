@@ -353,8 +353,8 @@ class HiCacheConfig(_Strict):
     """Prometheus metrics over HTTP (off by default)."""
     tenants: tuple[TenantConfig, ...] = ()
     """The tenants, by salt (docs/tenants.md): each with its key for encryption at rest and its
-    shares and quotas of the host and disk tiers, if any. A request whose salt names no tenant is stored
-    plain, under no share or quota."""
+    shares and quotas of the host and disk tiers, if any. A request whose salt names no tenant
+    is stored plain, under no share or quota."""
     _source: str = PrivateAttr(default="")
 
     @property

@@ -178,6 +178,13 @@ class StoreTier(Tier):
     def put_from(self, keys: Sequence[str], buffers: Buffers) -> list[int]:
         """Write each object from its pieces; per key 0 or a negative code."""
 
+    def discard(self, keys: Sequence[str]) -> None:
+        """Remove these objects, which a reader found unreadable (bytes changed at rest, or
+        sealed under a key it does not hold), so that a put of the same name writes them again
+        (a put of a name the store holds writes nothing). Best effort: a good object put
+        meanwhile under one of the names may go too (a miss, recomputed). The default keeps
+        them (a tier that cannot remove by name)."""
+
     def drop_prefix(self, prefix: str) -> int:
         """Drop every object whose name starts with `prefix` (the clear of one namespace, for
         every process that reads the tier): how many were dropped. An object put while it runs

@@ -9,6 +9,7 @@ it can run on any thread; `StoreLink` runs it on its worker threads.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
@@ -47,6 +48,8 @@ READ_CHUNK_BYTES = 64 << 20
 calls of about this many bytes (of their buffers; at least one object each), one call after
 another; each call's objects decode on the codec threads while the next call reads. With one
 codec thread a get is one call, decoded on the worker thread after it."""
+
+log = logging.getLogger("hicache.chain")
 
 
 class Slots(Protocol):
@@ -223,8 +226,13 @@ class JobRunner:
         if job.kind == "get":
             mark("store.get")
             if self.codec is not None and self._pool is not None:
-                return self._get_overlapped(job, self._pool)
-            return self._check(job, _answer(self.store.get_into(job.names, job.buffers), job))
+                checked = self._get_overlapped(job, self._pool)
+            else:
+                checked = self._check(
+                    job, _answer(self.store.get_into(job.names, job.buffers), job)
+                )
+            self._discard(job.names, checked)
+            return checked
         # an object the store holds already is not sent again: it answers 0
         job.ready.wait()  # the host copy of the pages (a CUDA event; released GIL)
         seal, buffers = self.envelopes.seal, job.buffers
@@ -234,6 +242,19 @@ class JobRunner:
         for name, ptrs, sizes in zip(job.names, buffers.ptrs, buffers.sizes):
             seal(name, ptrs, sizes)
         return _answer(self.store.put_from(job.names, buffers), job)
+
+    def _discard(self, names: list[str], codes: list[int]) -> None:
+        """Have the store remove the objects a get found unreadable (`CORRUPT`, `KEY_MISS`), so
+        that the request's recomputed pages are stored again under their names; a failure to
+        remove is logged and changes nothing else (the get's codes stand)."""
+        bad = [n for n, c in zip(names, codes) if c in (CORRUPT, KEY_MISS)]
+        if not bad:
+            return
+        mark("store.discard-unreadable")
+        try:
+            self.store.discard(bad)
+        except Exception as err:  # whatever the store raises: the objects stay, misses
+            log.warning("hicache: discarding %d unreadable objects failed: %r", len(bad), err)
 
     def _key(self, job: Job) -> TenantKey | None:
         """The key of the tenant whose objects `job` moves (None: they are stored plain)."""

@@ -32,6 +32,8 @@ MARKS: dict[str, str] = {
     "codec.raw-read-with-codec": "an object stored without a codec read by one with a codec",
     "codec.odd-size": "an object of an odd number of bytes put under codec: lossless",
     "checksum.mismatch": "a payload's checksum did not match: a miss",
+    "store.discard-unreadable": "a get had the store discard objects it found unreadable (changed "
+    "at rest, another key), so that they are stored again",
     "disk.record-damaged": "the disk tier found a record damaged at rest: a miss, removed",
     "disk.leftover-removed": "the disk tier, reopened, removed a record an earlier process died "
     "writing",

@@ -335,6 +335,12 @@ class DiskTier(StoreTier):
         objects = self._views(keys, buffers)
         return self._run("put_from", self._put_one, keys, objects)
 
+    def discard(self, keys: Sequence[str]) -> None:
+        """Remove the records of `keys` that are held (counted `damaged`); one being written
+        is left to its put."""
+        names = [rec.file_name(key) for key in check_keys(keys)]
+        self._remove([n for n in names if self.book.drop(n)], "damaged")
+
     def drop_prefix(self, prefix: str) -> int:
         """Remove every record whose key starts with `prefix`, on the I/O threads: each held
         record's header is read (4 KiB) to learn its key. How many were removed."""

@@ -442,6 +442,11 @@ class MooncakeStore(StoreTier):
             return []
         return self._call("remove", lambda c: c.batch_remove(keys, force), len(keys))
 
+    def discard(self, keys: Sequence[str]) -> None:
+        """Remove `keys` at the master (leases overridden), for every client at once."""
+        keys = check_keys(keys)
+        self._call("discard", lambda c: c.batch_remove(keys, True), len(keys))
+
     def drop_prefix(self, prefix: str) -> int:
         """Remove every object of the store whose key starts with `prefix` (leases overridden:
         the master forgets them for every client at once); how many were removed."""
