@@ -23,7 +23,7 @@ def disk_config(tmp_path: Path, key: str | None = None) -> dict:
             "size": "16MiB",
             "group_pages": 2,
             "sync": False,
-        }  # fmt: skip
+        }
     )
     if key is not None:
         cfg["tenants"] = [{"name": "acme", "key_env": "KEY"}]
