@@ -93,7 +93,7 @@ def cache_config(args: argparse.Namespace, shares: bool, disk: Path | None) -> d
         # with a disk: every page it holds is read (pages this small make reading them look
         # slow to the cost model, whose choice is not what is measured here)
         "policy": {"prefix_memo": 0, "fetch_max_wait_ms": 600_000.0,
-                   **({"prefill_tokens_per_s": 1.0} if disk is not None else {})},
+                   **({"prefill_tokens_per_s": 1e-6} if disk is not None else {})},
         "tenants": tenants,
     }  # fmt: skip
 

@@ -50,7 +50,8 @@ def test_a_record_changed_at_rest_is_a_miss_then_stored_again_and_hit(tmp_path):
         settle(e)
         before = set(records(tmp_path))
         flood(e)
-        first = min(before, key=lambda p: p.stat().st_mtime_ns)  # the prompt's first group
+        # the prompt's first group: a call's objects are stamped in its order
+        first = min(before, key=lambda p: p.stat().st_mtime_ns)
         with open(first, "r+b") as f:  # one payload byte changed
             f.seek(4096 + 100)
             byte = f.read(1)

@@ -65,12 +65,14 @@ class LruBook:
         with self._lock:
             return list(self._held)
 
-    def touch(self, name: str) -> None:
-        """A hit: `name` becomes the most recently used."""
+    def touch(self, name: str) -> bool:
+        """A use: `name` becomes the most recently used; whether it is held."""
         with self._lock:
-            if name in self._held:
-                self._held.move_to_end(name)
-                self._own[record_tenant(name)].move_to_end(name)
+            if name not in self._held:
+                return False
+            self._held.move_to_end(name)
+            self._own[record_tenant(name)].move_to_end(name)
+            return True
 
     def reserve(self, name: str, nbytes: int) -> list[str] | None:
         """Make room for a new record: returns the records to remove first (already out of the

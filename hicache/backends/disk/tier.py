@@ -324,7 +324,9 @@ class DiskTier(StoreTier):
         errno (-ENOENT: not held, or found damaged and removed)."""
         keys = check_keys(keys)
         objects = self._views(keys, buffers)
-        return self._run("get_into", self._get_one, keys, objects)
+        codes = self._run("get_into", self._get_one, keys, objects)
+        self._used(keys, codes)
+        return codes
 
     def put_from(self, keys: Sequence[str], buffers: Buffers) -> list[int]:
         """Write each object from its pieces, in parallel; per key 0 (stored, or held already:
@@ -333,7 +335,22 @@ class DiskTier(StoreTier):
         for key in keys:
             rec.check_key(key)
         objects = self._views(keys, buffers)
-        return self._run("put_from", self._put_one, keys, objects)
+        codes = self._run("put_from", self._put_one, keys, objects)
+        self._used(keys, codes)
+        return codes
+
+    def _used(self, keys: list[str], codes: list[int]) -> None:
+        """The records a call read or wrote become the most recently used, in the call's order
+        (its last object the most recent), stamped on the files so that a restart lists them
+        so too. Done here, not by the I/O threads as each finishes, whose order is the
+        threads': the eviction order, and so which prompts hit, would depend on timing. (The
+        reverse order, a prompt's first group the most recent, hit 0.7 % fewer tokens on 400
+        requests of the agentic trace: docs/decisions/eviction-policies.md.)"""
+        for key, code in zip(keys, codes):
+            name = rec.file_name(key)
+            if code >= 0 and self.book.touch(name):
+                with contextlib.suppress(OSError):
+                    os.utime(self._objects / name, ns=(self._stamp(),) * 2)
 
     def discard(self, keys: Sequence[str]) -> None:
         """Remove the records of `keys` that are held (counted `damaged`); one being written
@@ -403,9 +420,6 @@ class DiskTier(StoreTier):
         elif code < 0:
             self._count("failed_gets")
         else:
-            self.book.touch(name)
-            with contextlib.suppress(OSError):
-                os.utime(path, ns=(self._stamp(),) * 2)  # the eviction order survives a restart
             self._count("keys_got", code, "bytes_got")
         return code
 
