@@ -338,7 +338,7 @@ def main() -> None:
     }  # fmt: skip
     if set(MOONCAKE) & set(backends):
         # room for two phases: a phase's objects go while the next one's come
-        sg.master, why = mooncake_master(2 * args.pages * page + (256 << 20))
+        sg.master, why = mooncake_master(4 * args.pages * page + (256 << 20))
         if sg.master is None:
             backends = [b for b in backends if b not in MOONCAKE]
             result["mooncake"] = f"left out: {why}"

@@ -444,8 +444,7 @@ class MooncakeStore(StoreTier):
 
     def discard(self, keys: Sequence[str]) -> None:
         """Remove `keys` at the master (leases overridden), for every client at once."""
-        keys = check_keys(keys)
-        self._call("discard", lambda c: c.batch_remove(keys, True), len(keys))
+        self.remove(keys, force=True)
 
     def drop_prefix(self, prefix: str) -> int:
         """Remove every object of the store whose key starts with `prefix` (leases overridden:
