@@ -91,11 +91,8 @@ def host_shares(
     tenants = list(tenants)
     if not any("host" in t.share or "host" in t.quota for t in tenants):
         return None
-    by_seed = {
-        seed: i + 1
-        for i, t in enumerate(tenants)
-        for seed in tenant_seeds(fingerprint, t.salt or t.name)
-    }
+    index = {t.name: i + 1 for i, t in enumerate(tenants)}
+    by_seed = {seed: index[name] for seed, name in owners(tenants, fingerprint).items()}
     share = (0, *(t.share.get("host", 0) // page_bytes for t in tenants))
     quota = (capacity, *(t.quota.get("host", capacity * page_bytes) // page_bytes for t in tenants))
     return Shares(("", *(t.name for t in tenants)), by_seed, share, quota)

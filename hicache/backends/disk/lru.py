@@ -125,10 +125,10 @@ class LruBook:
                 raise ValueError(f"no room: {tenant}'s quota is taken by records being written")
             mark("disk.evict.quota")
         if not self.terms:  # the least recently used first, whoever's
-            oldest = iter(self._held)
+            taken, oldest = set(victims), iter(self._held)
             while total + nbytes > self.capacity:
                 victim = next(oldest)  # held records alone can make the room (checked above)
-                if victim not in victims:
+                if victim not in taken:
                     victims.append(victim)
                     total -= self._held[victim]
             return victims
